@@ -1,0 +1,221 @@
+//! The agent definition: what an agent is, however it was written (Rust, spec file, directory).
+//!
+//! [`AgentDef`] is plain data plus the agent's tools. It is immutable once built and shared
+//! (`Arc`) by every run of the agent.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::tool::ToolSet;
+
+/// An agent, ready to run.
+pub struct AgentDef {
+    /// The agent's name (a spec's `name`, or its file or directory name).
+    pub name: String,
+    /// The system prompt, with the skills' instructions appended.
+    pub instructions: String,
+    /// `provider/model`, or `mock`.
+    pub model: String,
+    /// The tools the model may call.
+    pub tools: ToolSet,
+    /// Limits and budgets.
+    pub limits: Limits,
+    /// How model calls are retried.
+    pub retry: RetryPolicy,
+    /// The JSON Schema the final answer must match, when structured output is wanted.
+    pub output_schema: Option<OutputSchema>,
+    /// Tools whose successful completion ends the run with `stop_condition`; the tool's output
+    /// becomes the run's output.
+    pub stop_on_tools: Vec<String>,
+}
+
+impl std::fmt::Debug for AgentDef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentDef")
+            .field("name", &self.name)
+            .field("model", &self.model)
+            .field("tools", &self.tools.names().collect::<Vec<_>>())
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Limits and budgets of a run (spec key `limits`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Limits {
+    /// The most model calls in one run.
+    pub max_turns: u32,
+    /// The most tokens (input plus output, summed over the run's model calls).
+    pub max_total_tokens: Option<u64>,
+    /// The most tool calls in one run.
+    pub max_tool_calls: Option<u32>,
+    /// How long one tool call may take.
+    pub tool_timeout: Duration,
+    /// Tool outputs longer than this (in characters) are cut, with a visible marker.
+    pub max_tool_output_chars: usize,
+    /// How long one model call attempt may take.
+    pub provider_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_turns: 10,
+            max_total_tokens: None,
+            max_tool_calls: None,
+            tool_timeout: Duration::from_secs(60),
+            max_tool_output_chars: 50_000,
+            provider_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// How failed model calls are retried (spec key `retry`). Only transient errors are retried.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RetryPolicy {
+    /// Attempts in total, including the first (1 means no retry).
+    pub max_attempts: u32,
+    /// The wait before the first retry; it doubles after each attempt.
+    pub initial_backoff: Duration,
+    /// The longest wait between two attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 4,
+            initial_backoff: Duration::from_millis(500),
+            max_backoff: Duration::from_secs(20),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The wait before attempt `attempt` (2 for the first retry), or `None` when attempts are
+    /// spent.
+    pub fn backoff(&self, attempt: u32) -> Option<Duration> {
+        if attempt > self.max_attempts || attempt < 2 {
+            return None;
+        }
+        let doublings = (attempt - 2).min(30);
+        Some(self.initial_backoff.saturating_mul(1 << doublings).min(self.max_backoff))
+    }
+}
+
+/// A JSON Schema for the final answer, compiled once.
+pub struct OutputSchema {
+    schema: Value,
+    validator: jsonschema::Validator,
+}
+
+impl OutputSchema {
+    /// Compiles a schema; the error says what is wrong with it.
+    pub fn new(schema: Value) -> Result<OutputSchema, String> {
+        let validator = jsonschema::validator_for(&schema).map_err(|e| e.to_string())?;
+        Ok(OutputSchema { schema, validator })
+    }
+
+    /// The schema.
+    pub fn schema(&self) -> &Value {
+        &self.schema
+    }
+
+    /// Checks a value, returning the first problem found.
+    pub fn check(&self, value: &Value) -> Result<(), String> {
+        match self.validator.iter_errors(value).next() {
+            None => Ok(()),
+            Some(error) => {
+                let path = error.instance_path().to_string();
+                let at = if path.is_empty() { String::new() } else { format!(" at `{path}`") };
+                Err(format!("{error}{at}"))
+            }
+        }
+    }
+}
+
+/// The script of the `mock` provider (spec key `mock.script`): one entry per model call of the
+/// session, in order. When the script is exhausted the mock echoes the user's input.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MockScript {
+    /// The entries.
+    pub entries: Vec<MockEntry>,
+}
+
+/// One scripted model reply.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MockEntry {
+    /// Wait this long before replying (the reply still streams after).
+    pub delay_ms: u64,
+    /// What the model replies.
+    pub reply: MockReply,
+}
+
+/// What a scripted model call returns.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MockReply {
+    /// A text answer, streamed as several deltas. `{{last_tool_output}}` is replaced by the last
+    /// tool result of the conversation.
+    Text(String),
+    /// One or several tool calls.
+    ToolCalls(Vec<MockToolCall>),
+    /// A provider failure with an HTTP-like status (429: rate limited, 5xx: transient, other
+    /// 4xx: permanent).
+    Error {
+        /// The status code.
+        status: u16,
+        /// The error message.
+        message: String,
+        /// Fail only the first `times` attempts of this call, then fall through to the next
+        /// entry's reply (`None`: fail every attempt).
+        times: Option<u32>,
+    },
+}
+
+/// A scripted tool call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MockToolCall {
+    /// The tool's name.
+    pub name: String,
+    /// Its input.
+    pub input: Value,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let policy = RetryPolicy {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(500),
+            max_backoff: Duration::from_millis(1500),
+        };
+        let waits: Vec<_> = (1..=6).map(|a| policy.backoff(a)).collect();
+        assert_eq!(
+            waits,
+            vec![
+                None,
+                Some(Duration::from_millis(500)),
+                Some(Duration::from_millis(1000)),
+                Some(Duration::from_millis(1500)),
+                Some(Duration::from_millis(1500)),
+                None,
+            ]
+        );
+    }
+
+    #[test]
+    fn output_schema_reports_where() {
+        let schema = OutputSchema::new(serde_json::json!({
+            "type": "object", "properties": { "answer": { "type": "string" } }, "required": ["answer"]
+        }))
+        .unwrap();
+        assert!(schema.check(&serde_json::json!({ "answer": "5" })).is_ok());
+        let err = schema.check(&serde_json::json!({ "answer": 5 })).unwrap_err();
+        assert!(err.contains("/answer"), "{err}");
+        assert!(OutputSchema::new(serde_json::json!({ "type": 12 })).is_err());
+    }
+}

@@ -1,0 +1,163 @@
+//! Stable error codes and the failure value a run ends with.
+//!
+//! Every error a user can see carries an [`ErrorCode`]: a stable `KEEL_...` string that the CLI
+//! prints, the HTTP API returns and `docs/errors.md` explains. Codes are never reused or renamed.
+
+use std::fmt;
+
+/// A stable error code. `docs/errors.md` has a section for each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorCode {
+    /// A spec file or agent directory could not be read (missing, unreadable).
+    SpecNotFound,
+    /// A spec file is not valid YAML, TOML or JSON.
+    SpecSyntax,
+    /// A spec has an unknown key, a value of the wrong type or an invalid value.
+    SpecInvalid,
+    /// A spec uses a feature this build does not support yet.
+    SpecUnsupported,
+    /// A session id is not 1-128 characters of `A-Za-z0-9_-`.
+    SessionIdInvalid,
+    /// The session already has a run in flight.
+    SessionBusy,
+    /// No run with this id exists in the store.
+    RunNotFound,
+    /// The model provider failed (server error, bad reply); may be transient.
+    ProviderError,
+    /// The model provider rate-limited the request.
+    ProviderRateLimited,
+    /// The model call took longer than `limits.provider_timeout`.
+    ProviderTimeout,
+    /// The provider rejected the credentials.
+    ProviderAuth,
+    /// The provider rejected the request as invalid.
+    ProviderBadRequest,
+    /// The model names a provider this build cannot reach, or one that is not configured.
+    ProviderUnavailable,
+    /// The model called a tool the agent does not have.
+    ToolNotFound,
+    /// The model's tool input does not match the tool's JSON Schema.
+    ToolInputInvalid,
+    /// A tool call took longer than `limits.tool_timeout`.
+    ToolTimeout,
+    /// A tool reported an error.
+    ToolFailed,
+    /// A tool panicked.
+    ToolPanicked,
+    /// A tool call was not run because the run's `max_tool_calls` budget was spent.
+    ToolBudgetExhausted,
+    /// A tool call was not run because the run was cancelled.
+    ToolCancelled,
+    /// The final answer does not match `output.schema`.
+    OutputInvalid,
+    /// The store failed.
+    Store,
+    /// A journal record could not be decoded (corrupt, or written by a newer keel).
+    JournalCorrupt,
+    /// A bug in keel: please report it.
+    Internal,
+}
+
+impl ErrorCode {
+    /// Every code, in documentation order.
+    pub const ALL: &'static [ErrorCode] = &[
+        ErrorCode::SpecNotFound,
+        ErrorCode::SpecSyntax,
+        ErrorCode::SpecInvalid,
+        ErrorCode::SpecUnsupported,
+        ErrorCode::SessionIdInvalid,
+        ErrorCode::SessionBusy,
+        ErrorCode::RunNotFound,
+        ErrorCode::ProviderError,
+        ErrorCode::ProviderRateLimited,
+        ErrorCode::ProviderTimeout,
+        ErrorCode::ProviderAuth,
+        ErrorCode::ProviderBadRequest,
+        ErrorCode::ProviderUnavailable,
+        ErrorCode::ToolNotFound,
+        ErrorCode::ToolInputInvalid,
+        ErrorCode::ToolTimeout,
+        ErrorCode::ToolFailed,
+        ErrorCode::ToolPanicked,
+        ErrorCode::ToolBudgetExhausted,
+        ErrorCode::ToolCancelled,
+        ErrorCode::OutputInvalid,
+        ErrorCode::Store,
+        ErrorCode::JournalCorrupt,
+        ErrorCode::Internal,
+    ];
+
+    /// The stable `KEEL_...` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::SpecNotFound => "KEEL_SPEC_NOT_FOUND",
+            ErrorCode::SpecSyntax => "KEEL_SPEC_SYNTAX",
+            ErrorCode::SpecInvalid => "KEEL_SPEC_INVALID",
+            ErrorCode::SpecUnsupported => "KEEL_SPEC_UNSUPPORTED",
+            ErrorCode::SessionIdInvalid => "KEEL_SESSION_ID_INVALID",
+            ErrorCode::SessionBusy => "KEEL_SESSION_BUSY",
+            ErrorCode::RunNotFound => "KEEL_RUN_NOT_FOUND",
+            ErrorCode::ProviderError => "KEEL_PROVIDER_ERROR",
+            ErrorCode::ProviderRateLimited => "KEEL_PROVIDER_RATE_LIMITED",
+            ErrorCode::ProviderTimeout => "KEEL_PROVIDER_TIMEOUT",
+            ErrorCode::ProviderAuth => "KEEL_PROVIDER_AUTH",
+            ErrorCode::ProviderBadRequest => "KEEL_PROVIDER_BAD_REQUEST",
+            ErrorCode::ProviderUnavailable => "KEEL_PROVIDER_UNAVAILABLE",
+            ErrorCode::ToolNotFound => "KEEL_TOOL_NOT_FOUND",
+            ErrorCode::ToolInputInvalid => "KEEL_TOOL_INPUT_INVALID",
+            ErrorCode::ToolTimeout => "KEEL_TOOL_TIMEOUT",
+            ErrorCode::ToolFailed => "KEEL_TOOL_FAILED",
+            ErrorCode::ToolPanicked => "KEEL_TOOL_PANICKED",
+            ErrorCode::ToolBudgetExhausted => "KEEL_TOOL_BUDGET_EXHAUSTED",
+            ErrorCode::ToolCancelled => "KEEL_TOOL_CANCELLED",
+            ErrorCode::OutputInvalid => "KEEL_OUTPUT_INVALID",
+            ErrorCode::Store => "KEEL_STORE",
+            ErrorCode::JournalCorrupt => "KEEL_JOURNAL_CORRUPT",
+            ErrorCode::Internal => "KEEL_INTERNAL",
+        }
+    }
+
+    /// Parses a `KEEL_...` string.
+    pub fn parse(code: &str) -> Option<ErrorCode> {
+        ErrorCode::ALL.iter().copied().find(|c| c.as_str() == code)
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a run (or a request to start one) failed: a code and a message that says what to do.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct RunFailure {
+    /// The stable code.
+    pub code: ErrorCode,
+    /// What went wrong and what to do about it.
+    pub message: String,
+}
+
+impl RunFailure {
+    /// A failure with a code and a message.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> RunFailure {
+        RunFailure { code, message: message.into() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_unique_and_parse_back() {
+        let mut seen = std::collections::HashSet::new();
+        for code in ErrorCode::ALL {
+            assert!(code.as_str().starts_with("KEEL_"));
+            assert!(seen.insert(code.as_str()), "duplicate {code}");
+            assert_eq!(ErrorCode::parse(code.as_str()), Some(*code));
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! Run events: what a run tells its observers, in order, as it goes.
+//!
+//! The JSON form (DESIGN.md §5, `docs/protocol.md`) is produced by [`crate::wire`].
+
+use serde_json::Value;
+
+use crate::error::ErrorCode;
+use crate::ids::{RunId, SessionId};
+
+/// Token usage of one model call, or summed over a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Tokens sent to the model.
+    pub input_tokens: u64,
+    /// Tokens the model produced.
+    pub output_tokens: u64,
+}
+
+impl Usage {
+    /// Input plus output tokens: what `limits.max_total_tokens` counts.
+    pub fn total(self) -> u64 {
+        self.input_tokens.saturating_add(self.output_tokens)
+    }
+
+    /// Adds another usage to this one.
+    pub fn add(&mut self, other: Usage) {
+        self.input_tokens = self.input_tokens.saturating_add(other.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(other.output_tokens);
+    }
+}
+
+/// Why a run stopped (the `stopped` field of `run.done`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StopReason {
+    /// The model gave a final answer (a reply without tool calls).
+    Final,
+    /// The run used `limits.max_turns` model calls and still wanted more.
+    MaxTurns,
+    /// A tool marked as a stop condition completed.
+    StopCondition,
+    /// `max_total_tokens` or `max_tool_calls` was spent.
+    Budget,
+    /// The run was cancelled.
+    Cancelled,
+}
+
+impl StopReason {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Final => "final",
+            StopReason::MaxTurns => "max_turns",
+            StopReason::StopCondition => "stop_condition",
+            StopReason::Budget => "budget",
+            StopReason::Cancelled => "cancelled",
+        }
+    }
+
+    /// Parses a wire name.
+    pub fn parse(name: &str) -> Option<StopReason> {
+        [
+            StopReason::Final,
+            StopReason::MaxTurns,
+            StopReason::StopCondition,
+            StopReason::Budget,
+            StopReason::Cancelled,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == name)
+    }
+}
+
+/// One event of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// The run started (or was re-driven).
+    RunStart {
+        /// The run.
+        run_id: RunId,
+        /// Its session.
+        session_id: SessionId,
+    },
+    /// A model call is about to be made; turns count from 0 within the run.
+    TurnStart {
+        /// The turn number.
+        turn: u32,
+    },
+    /// A piece of the model's text, as it streams.
+    TextDelta {
+        /// The new text.
+        delta: String,
+    },
+    /// A tool call is starting.
+    ToolStart {
+        /// The call id.
+        call_id: String,
+        /// The tool.
+        name: String,
+        /// Its input.
+        input: Value,
+    },
+    /// A tool call succeeded.
+    ToolDone {
+        /// The call id.
+        call_id: String,
+        /// The output as the model sees it (after the output cap).
+        output: Value,
+    },
+    /// A tool call failed; the error went back to the model.
+    ToolError {
+        /// The call id.
+        call_id: String,
+        /// What went wrong.
+        error: String,
+    },
+    /// Usage of one model call.
+    Usage(Usage),
+    /// The run finished.
+    RunDone {
+        /// The final text.
+        text: String,
+        /// The structured output, when the agent has `output.schema`.
+        output: Option<Value>,
+        /// Why it stopped.
+        stopped: StopReason,
+        /// Usage summed over the run.
+        usage: Usage,
+    },
+    /// The run failed.
+    RunError {
+        /// The stable code.
+        code: ErrorCode,
+        /// What went wrong.
+        message: String,
+    },
+}

@@ -1,0 +1,149 @@
+//! Identifiers: sessions, runs and step names, parsed and displayed in one place.
+
+use std::fmt;
+
+use crate::error::{ErrorCode, RunFailure};
+
+/// A session (conversation) id: 1 to 128 characters of `A-Za-z0-9_-`.
+///
+/// The restriction keeps ids safe in URLs, file names and log lines.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId(String);
+
+impl SessionId {
+    /// Validates and wraps a session id.
+    pub fn new(id: impl Into<String>) -> Result<SessionId, RunFailure> {
+        let id = id.into();
+        let valid_chars = id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if id.is_empty() || id.len() > 128 || !valid_chars {
+            return Err(RunFailure::new(
+                ErrorCode::SessionIdInvalid,
+                format!(
+                    "invalid session id {id:?}: use 1 to 128 characters of A-Z, a-z, 0-9, `_` and `-`"
+                ),
+            ));
+        }
+        Ok(SessionId(id))
+    }
+
+    /// The id as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A run id, `run_` followed by a unique suffix chosen by the runtime.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RunId(String);
+
+impl RunId {
+    /// The prefix every run id starts with.
+    pub const PREFIX: &'static str = "run_";
+
+    /// Builds a run id from a unique suffix (the runtime uses a time-ordered UUID).
+    pub fn from_suffix(suffix: &str) -> RunId {
+        RunId(format!("{}{suffix}", Self::PREFIX))
+    }
+
+    /// Parses a run id as printed by [`RunId`]'s `Display`.
+    pub fn parse(id: &str) -> Option<RunId> {
+        let suffix = id.strip_prefix(Self::PREFIX)?;
+        let valid = !suffix.is_empty()
+            && suffix.len() <= 64
+            && suffix.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        valid.then(|| RunId(id.to_owned()))
+    }
+
+    /// The id as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RunId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The name of a step of a run, the key of its journal entry.
+///
+/// Displayed as `llm:turn:N`, `tool:NAME:CALL_ID`, `approval:CALL_ID` or `question:CALL_ID`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StepName {
+    /// One model call; turns count from 0 within the run.
+    ModelTurn(u32),
+    /// One tool call.
+    Tool {
+        /// The tool's name.
+        name: String,
+        /// The call id.
+        call_id: String,
+    },
+}
+
+impl StepName {
+    /// Parses the display form back (used when reading a journal).
+    pub fn parse(text: &str) -> Option<StepName> {
+        if let Some(turn) = text.strip_prefix("llm:turn:") {
+            return turn.parse().ok().map(StepName::ModelTurn);
+        }
+        let rest = text.strip_prefix("tool:")?;
+        // Tool names cannot contain `:` (see `tool::validate_tool_name`), call ids can.
+        let (name, call_id) = rest.split_once(':')?;
+        Some(StepName::Tool { name: name.to_owned(), call_id: call_id.to_owned() })
+    }
+}
+
+impl fmt::Display for StepName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StepName::ModelTurn(turn) => write!(f, "llm:turn:{turn}"),
+            StepName::Tool { name, call_id } => write!(f, "tool:{name}:{call_id}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_ids_are_checked() {
+        assert!(SessionId::new("abc_DEF-123").is_ok());
+        assert!(SessionId::new("x".repeat(128)).is_ok());
+        for bad in ["", "a b", "a/b", "é", &"x".repeat(129)] {
+            let err = SessionId::new(bad).unwrap_err();
+            assert_eq!(err.code, ErrorCode::SessionIdInvalid, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn step_names_round_trip() {
+        for step in [
+            StepName::ModelTurn(0),
+            StepName::ModelTurn(41),
+            StepName::Tool { name: "day-name".into(), call_id: "call:1".into() },
+        ] {
+            assert_eq!(StepName::parse(&step.to_string()), Some(step));
+        }
+        assert_eq!(StepName::parse("llm:turn:x"), None);
+        assert_eq!(StepName::parse("other"), None);
+    }
+
+    #[test]
+    fn run_ids_parse() {
+        let id = RunId::from_suffix("0190abc");
+        assert_eq!(id.as_str(), "run_0190abc");
+        assert_eq!(RunId::parse("run_0190abc"), Some(id));
+        assert_eq!(RunId::parse("run_"), None);
+        assert_eq!(RunId::parse("job_1"), None);
+        assert_eq!(RunId::parse("run_a/b"), None);
+    }
+}

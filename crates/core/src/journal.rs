@@ -1,0 +1,27 @@
+//! The step journal: each completed step's result, keyed by (run, step name).
+//!
+//! Re-driving a run replays the loop; a step found in the journal returns its recorded result
+//! instead of running again, so a model call is never paid twice and a completed tool never
+//! re-runs. The persisted encoding of these records is versioned: see [`crate::persist`].
+
+use crate::ids::StepName;
+use crate::provider::ModelReply;
+use crate::tool::ToolOutcome;
+
+/// The recorded result of one step.
+#[derive(Clone, Debug, PartialEq)]
+pub enum JournalRecord {
+    /// A model call's reply (step `llm:turn:N`).
+    ModelReply(ModelReply),
+    /// A tool call's outcome (step `tool:NAME:CALL_ID`), before the output cap is applied.
+    ToolResult(ToolOutcome),
+}
+
+/// One journal entry.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JournalEntry {
+    /// The step.
+    pub step: StepName,
+    /// Its result.
+    pub record: JournalRecord,
+}

@@ -1,0 +1,39 @@
+//! keel-core: the domain of keel, with no I/O and no async runtime.
+//!
+//! This crate owns what every other keel crate agrees on:
+//!
+//! - the conversation types ([`Message`], [`Part`]) and the run [`Event`]s;
+//! - the agent definition ([`AgentDef`]) with its limits and tools;
+//! - the run loop as a deterministic state machine ([`machine::Machine`]): inputs in, actions
+//!   out, so it can be tested by asserting actions and replayed from a journal;
+//! - the step journal and its versioned record format ([`journal`]);
+//! - the seams the runtime drives: the [`Provider`], [`Tool`] and [`Store`] traits;
+//! - errors with stable codes ([`ErrorCode`]).
+//!
+//! The traits return boxed futures ([`BoxFuture`]) rather than using an async runtime, so that
+//! this crate stays runtime-agnostic and the traits stay object safe.
+
+pub mod agent;
+pub mod error;
+pub mod event;
+pub mod ids;
+pub mod journal;
+pub mod machine;
+pub mod message;
+pub mod persist;
+pub mod provider;
+pub mod store;
+pub mod tool;
+pub mod wire;
+
+pub use agent::{AgentDef, Limits, MockEntry, MockReply, MockScript, MockToolCall, RetryPolicy};
+pub use error::{ErrorCode, RunFailure};
+pub use event::{Event, StopReason, Usage};
+pub use ids::{RunId, SessionId, StepName};
+pub use message::{Message, Part, Role};
+pub use provider::{DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind};
+pub use store::{RunRecord, RunState, Store, StoreError};
+pub use tool::{Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
+
+/// A boxed, sendable future: what the [`Provider`], [`Tool`] and [`Store`] traits return.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;

@@ -1,0 +1,495 @@
+//! The run loop as a deterministic state machine: inputs in, actions out.
+//!
+//! The [`Machine`] owns one run's state: the transcript, the turn counter, usage, budgets and the
+//! tool calls of the current turn. It never performs I/O. The driver (`keel-runtime`) feeds it
+//! [`Input`]s (a model reply, a tool outcome, a cancel) and executes the [`Action`]s it returns
+//! (persist messages, emit events, call the model, call tools, finish).
+//!
+//! Because the machine's only sources of change are its inputs, a run re-driven from its journal
+//! (the same inputs, replayed) produces the same actions, the same call ids and the same
+//! transcript. Nothing here reads a clock or a random number.
+//!
+//! Rules the machine enforces:
+//! - budgets are checked before each step: `max_turns` and `max_total_tokens` before a model
+//!   call, `max_tool_calls` before each tool call;
+//! - tool inputs are validated against the tool's JSON Schema before the call; an unknown tool,
+//!   an invalid input or a spent budget becomes an error result for the model, not a failure;
+//! - the tool calls of one turn run in parallel, their results are kept in call order, and
+//!   every call gets a result before the model is called again (even on cancel), so the
+//!   transcript never has a dangling call;
+//! - tool outputs over `max_tool_output_chars` are cut with a visible marker.
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::agent::AgentDef;
+use crate::error::{ErrorCode, RunFailure};
+use crate::event::{Event, StopReason, Usage};
+use crate::ids::{RunId, SessionId, StepName};
+use crate::message::{Message, Part, Role, ToolCall, ToolResult, output_to_text};
+use crate::provider::{ModelReply, ModelRequest, ProviderError};
+use crate::tool::{ToolError, ToolOutcome};
+
+#[cfg(test)]
+mod tests;
+
+/// What the driver tells the machine.
+#[derive(Clone, Debug)]
+pub enum Input {
+    /// Begin the run (the input message was given to [`Machine::new`]).
+    Start,
+    /// The model call of the current turn returned.
+    ModelReply(ModelReply),
+    /// The model call of the current turn failed for good (retries are the driver's job).
+    ModelFailed(ProviderError),
+    /// A tool call finished.
+    ToolDone {
+        /// The call id.
+        call_id: String,
+        /// Its outcome, before the output cap.
+        outcome: ToolOutcome,
+    },
+    /// Stop the run now.
+    Cancel,
+}
+
+/// What the machine asks the driver to do, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Send an event to the run's observers.
+    Emit(Event),
+    /// Store `transcript()[first_position..first_position + count]` at those session positions.
+    Persist {
+        /// The session position of the first message.
+        first_position: usize,
+        /// How many messages.
+        count: usize,
+    },
+    /// Call the model (see [`Machine::model_request`]) and feed back [`Input::ModelReply`] or
+    /// [`Input::ModelFailed`].
+    CallModel {
+        /// The step (`llm:turn:N`).
+        step: StepName,
+    },
+    /// Call a tool and feed back [`Input::ToolDone`]. Several in one batch run in parallel.
+    CallTool {
+        /// The step (`tool:NAME:CALL_ID`).
+        step: StepName,
+        /// The call, its input already validated.
+        call: ToolCall,
+    },
+    /// The run is over.
+    Finish(RunOutcome),
+}
+
+/// How a run ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunOutcome {
+    /// It finished (see `stopped` for why).
+    Done {
+        /// The final text.
+        text: String,
+        /// The structured output.
+        output: Option<Value>,
+        /// Why it stopped.
+        stopped: StopReason,
+        /// Usage summed over the run.
+        usage: Usage,
+    },
+    /// It failed.
+    Failed(RunFailure),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    NotStarted,
+    AwaitingModel,
+    AwaitingTools,
+    Finished,
+}
+
+#[derive(Debug)]
+struct PendingCall {
+    call: ToolCall,
+    /// The outcome after the output cap; `None` while the call runs.
+    result: Option<ToolOutcome>,
+}
+
+/// One run's loop state. See the module docs.
+pub struct Machine {
+    agent: Arc<AgentDef>,
+    run_id: RunId,
+    session_id: SessionId,
+    transcript: Vec<Message>,
+    call_base: u64,
+    turns: u32,
+    usage: Usage,
+    tool_calls: u32,
+    budget_spent: bool,
+    phase: Phase,
+    calls: Vec<PendingCall>,
+}
+
+impl Machine {
+    /// A machine for a run of `agent` continuing `history` with `input`.
+    ///
+    /// `call_base` is the number of model calls the session made before this run (it makes
+    /// [`ModelRequest::call_index`]).
+    pub fn new(
+        agent: Arc<AgentDef>,
+        run_id: RunId,
+        session_id: SessionId,
+        history: Vec<Message>,
+        input: Message,
+        call_base: u64,
+    ) -> Machine {
+        let mut transcript = history;
+        transcript.push(input);
+        Machine {
+            agent,
+            run_id,
+            session_id,
+            transcript,
+            call_base,
+            turns: 0,
+            usage: Usage::default(),
+            tool_calls: 0,
+            budget_spent: false,
+            phase: Phase::NotStarted,
+            calls: Vec::new(),
+        }
+    }
+
+    /// The whole transcript: the session's history, then this run's messages.
+    pub fn transcript(&self) -> &[Message] {
+        &self.transcript
+    }
+
+    /// Usage summed over the run so far.
+    pub fn usage(&self) -> Usage {
+        self.usage
+    }
+
+    /// Whether the run is over.
+    pub fn is_finished(&self) -> bool {
+        self.phase == Phase::Finished
+    }
+
+    /// The request for the model call the machine is waiting for.
+    pub fn model_request(&self, attempt: u32) -> ModelRequest<'_> {
+        let model = self.agent.model.split_once('/').map_or(self.agent.model.as_str(), |(_, m)| m);
+        ModelRequest {
+            model,
+            instructions: &self.agent.instructions,
+            messages: &self.transcript,
+            tools: self.agent.tools.specs(),
+            output_schema: self.agent.output_schema.as_ref().map(|s| s.schema()),
+            call_index: self.call_base + u64::from(self.turns.saturating_sub(1)),
+            attempt,
+        }
+    }
+
+    /// Feeds one input and returns the actions it causes, in order.
+    pub fn step(&mut self, input: Input) -> Vec<Action> {
+        let mut actions = Vec::new();
+        match (self.phase, input) {
+            (Phase::Finished, _) => {}
+            (_, Input::Cancel) => self.cancel(&mut actions),
+            (Phase::NotStarted, Input::Start) => {
+                actions.push(Action::Emit(Event::RunStart {
+                    run_id: self.run_id.clone(),
+                    session_id: self.session_id.clone(),
+                }));
+                self.persist_last(&mut actions, 1);
+                self.next_turn(&mut actions);
+            }
+            (Phase::AwaitingModel, Input::ModelReply(reply)) => self.on_reply(reply, &mut actions),
+            (Phase::AwaitingModel, Input::ModelFailed(error)) => {
+                let failure = RunFailure::new(error.code(), format!("the model call failed: {error}"));
+                self.fail(failure, &mut actions);
+            }
+            (Phase::AwaitingTools, Input::ToolDone { call_id, outcome }) => {
+                self.on_tool_done(&call_id, outcome, &mut actions);
+            }
+            (phase, input) => {
+                let failure = RunFailure::new(
+                    ErrorCode::Internal,
+                    format!("the run loop got {input:?} while in phase {phase:?}; please report this bug"),
+                );
+                self.fail(failure, &mut actions);
+            }
+        }
+        actions
+    }
+
+    fn persist_last(&self, actions: &mut Vec<Action>, count: usize) {
+        actions.push(Action::Persist { first_position: self.transcript.len() - count, count });
+    }
+
+    fn next_turn(&mut self, actions: &mut Vec<Action>) {
+        let limits = &self.agent.limits;
+        if self.turns >= limits.max_turns {
+            return self.finish(StopReason::MaxTurns, None, actions);
+        }
+        if limits.max_total_tokens.is_some_and(|max| self.usage.total() >= max) {
+            return self.finish(StopReason::Budget, None, actions);
+        }
+        let turn = self.turns;
+        self.turns += 1;
+        self.phase = Phase::AwaitingModel;
+        actions.push(Action::Emit(Event::TurnStart { turn }));
+        actions.push(Action::CallModel { step: StepName::ModelTurn(turn) });
+    }
+
+    fn on_reply(&mut self, reply: ModelReply, actions: &mut Vec<Action>) {
+        let turn = self.turns - 1;
+        self.usage.add(reply.usage);
+        actions.push(Action::Emit(Event::Usage(reply.usage)));
+
+        let mut parts = reply.parts;
+        normalize_call_ids(&mut parts, turn);
+        self.transcript.push(Message { role: Role::Assistant, parts });
+        self.persist_last(actions, 1);
+
+        let message = self.transcript.last().expect("just pushed");
+        let calls: Vec<ToolCall> = message.tool_calls().cloned().collect();
+        if calls.is_empty() {
+            let text = message.text();
+            return self.final_answer(text, actions);
+        }
+
+        self.phase = Phase::AwaitingTools;
+        self.calls.clear();
+        let max_tool_calls = self.agent.limits.max_tool_calls;
+        for call in calls {
+            actions.push(Action::Emit(Event::ToolStart {
+                call_id: call.call_id.clone(),
+                name: call.name.clone(),
+                input: call.input.clone(),
+            }));
+            let refusal = if !self.agent.tools.contains(&call.name) {
+                let available: Vec<&str> = self.agent.tools.names().collect();
+                Some(ToolError::with_code(
+                    ErrorCode::ToolNotFound,
+                    format!(
+                        "unknown tool `{}`; available tools: {}",
+                        call.name,
+                        if available.is_empty() { "none".into() } else { available.join(", ") }
+                    ),
+                    false,
+                ))
+            } else if let Err(problems) = self.agent.tools.validate_input(&call.name, &call.input) {
+                Some(ToolError::with_code(
+                    ErrorCode::ToolInputInvalid,
+                    format!("invalid input for `{}`: {problems}", call.name),
+                    false,
+                ))
+            } else if max_tool_calls.is_some_and(|max| self.tool_calls >= max) {
+                self.budget_spent = true;
+                Some(ToolError::with_code(
+                    ErrorCode::ToolBudgetExhausted,
+                    format!(
+                        "not run: this run already made {} tool calls, its limit (`limits.max_tool_calls`)",
+                        self.tool_calls
+                    ),
+                    false,
+                ))
+            } else {
+                None
+            };
+            match refusal {
+                Some(error) => {
+                    actions.push(Action::Emit(Event::ToolError {
+                        call_id: call.call_id.clone(),
+                        error: error.message.clone(),
+                    }));
+                    self.calls.push(PendingCall { call, result: Some(Err(error)) });
+                }
+                None => {
+                    self.tool_calls += 1;
+                    let step = StepName::Tool { name: call.name.clone(), call_id: call.call_id.clone() };
+                    actions.push(Action::CallTool { step, call: call.clone() });
+                    self.calls.push(PendingCall { call, result: None });
+                }
+            }
+        }
+        self.complete_turn_if_done(actions);
+    }
+
+    fn on_tool_done(&mut self, call_id: &str, outcome: ToolOutcome, actions: &mut Vec<Action>) {
+        let max_chars = self.agent.limits.max_tool_output_chars;
+        let Some(pending) =
+            self.calls.iter_mut().find(|p| p.call.call_id == call_id && p.result.is_none())
+        else {
+            let failure = RunFailure::new(
+                ErrorCode::Internal,
+                format!("the run loop got a result for unknown or finished call `{call_id}`; please report this bug"),
+            );
+            return self.fail(failure, actions);
+        };
+        let outcome = outcome.map(|output| cap_output(output, max_chars));
+        actions.push(Action::Emit(match &outcome {
+            Ok(output) => Event::ToolDone { call_id: call_id.to_owned(), output: output.clone() },
+            Err(error) => Event::ToolError { call_id: call_id.to_owned(), error: error.message.clone() },
+        }));
+        pending.result = Some(outcome);
+        self.complete_turn_if_done(actions);
+    }
+
+    fn complete_turn_if_done(&mut self, actions: &mut Vec<Action>) {
+        if self.calls.iter().any(|p| p.result.is_none()) {
+            return;
+        }
+        let stop_output = self.close_turn(actions);
+        if let Some(output) = stop_output {
+            let text = output_to_text(&output);
+            self.finish_with_text(StopReason::StopCondition, text, Some(output), actions);
+        } else if self.budget_spent {
+            self.finish(StopReason::Budget, None, actions);
+        } else {
+            self.next_turn(actions);
+        }
+    }
+
+    /// Appends the turn's tool results, in call order, as one tool message. Returns the output
+    /// of the first successful stop-condition tool, if any.
+    fn close_turn(&mut self, actions: &mut Vec<Action>) -> Option<Value> {
+        let mut stop_output = None;
+        let mut parts = Vec::with_capacity(self.calls.len());
+        for pending in self.calls.drain(..) {
+            let (output, is_error) = match pending.result.expect("every call has a result") {
+                Ok(output) => {
+                    if stop_output.is_none() && self.agent.stop_on_tools.contains(&pending.call.name) {
+                        stop_output = Some(output.clone());
+                    }
+                    (output, false)
+                }
+                Err(error) => (Value::String(error.message), true),
+            };
+            parts.push(Part::ToolResult(ToolResult {
+                call_id: pending.call.call_id,
+                name: pending.call.name,
+                output,
+                is_error,
+            }));
+        }
+        self.transcript.push(Message { role: Role::Tool, parts });
+        self.persist_last(actions, 1);
+        stop_output
+    }
+
+    fn final_answer(&mut self, text: String, actions: &mut Vec<Action>) {
+        let Some(schema) = &self.agent.output_schema else {
+            return self.finish_with_text(StopReason::Final, text, None, actions);
+        };
+        let parsed = serde_json::from_str::<Value>(strip_code_fence(&text))
+            .map_err(|e| format!("the final answer is not JSON ({e})"))
+            .and_then(|value| schema.check(&value).map(|()| value));
+        match parsed {
+            Ok(output) => self.finish_with_text(StopReason::Final, text, Some(output), actions),
+            Err(problem) => {
+                let failure = RunFailure::new(
+                    ErrorCode::OutputInvalid,
+                    format!("{problem}; the agent's `output.schema` requires a matching JSON answer"),
+                );
+                self.fail(failure, actions);
+            }
+        }
+    }
+
+    /// Finishes with the text of the run's last assistant message.
+    fn finish(&mut self, stopped: StopReason, output: Option<Value>, actions: &mut Vec<Action>) {
+        let text = self
+            .transcript
+            .iter()
+            .rev()
+            .find(|m| m.role == Role::Assistant)
+            .map(Message::text)
+            .unwrap_or_default();
+        self.finish_with_text(stopped, text, output, actions);
+    }
+
+    fn finish_with_text(
+        &mut self,
+        stopped: StopReason,
+        text: String,
+        output: Option<Value>,
+        actions: &mut Vec<Action>,
+    ) {
+        self.phase = Phase::Finished;
+        let usage = self.usage;
+        actions.push(Action::Emit(Event::RunDone {
+            text: text.clone(),
+            output: output.clone(),
+            stopped,
+            usage,
+        }));
+        actions.push(Action::Finish(RunOutcome::Done { text, output, stopped, usage }));
+    }
+
+    fn fail(&mut self, failure: RunFailure, actions: &mut Vec<Action>) {
+        self.phase = Phase::Finished;
+        actions.push(Action::Emit(Event::RunError { code: failure.code, message: failure.message.clone() }));
+        actions.push(Action::Finish(RunOutcome::Failed(failure)));
+    }
+
+    fn cancel(&mut self, actions: &mut Vec<Action>) {
+        if self.phase == Phase::AwaitingTools {
+            // Give every unfinished call a result, so the model never sees a dangling call.
+            for pending in self.calls.iter_mut().filter(|p| p.result.is_none()) {
+                let error = ToolError::with_code(
+                    ErrorCode::ToolCancelled,
+                    "cancelled: the run was cancelled before this call finished",
+                    false,
+                );
+                actions.push(Action::Emit(Event::ToolError {
+                    call_id: pending.call.call_id.clone(),
+                    error: error.message.clone(),
+                }));
+                pending.result = Some(Err(error));
+            }
+            self.close_turn(actions);
+        }
+        self.finish(StopReason::Cancelled, None, actions);
+    }
+}
+
+/// Gives every tool call of a reply a usable id: the model's own when it is present and unique
+/// within the reply, else `call_<turn>_<index>`. Deterministic, so replays agree.
+fn normalize_call_ids(parts: &mut [Part], turn: u32) {
+    let mut seen = std::collections::HashSet::new();
+    for (index, part) in parts.iter_mut().filter(|p| matches!(p, Part::ToolCall(_))).enumerate() {
+        let Part::ToolCall(call) = part else { continue };
+        if call.call_id.is_empty() || !seen.insert(call.call_id.clone()) {
+            call.call_id = format!("call_{turn}_{index}");
+            seen.insert(call.call_id.clone());
+        }
+    }
+}
+
+/// Cuts an output longer than `max_chars` characters, leaving a marker that says so.
+fn cap_output(output: Value, max_chars: usize) -> Value {
+    let text = match &output {
+        Value::String(s) => std::borrow::Cow::Borrowed(s.as_str()),
+        other => std::borrow::Cow::Owned(other.to_string()),
+    };
+    let Some((cut, _)) = text.char_indices().nth(max_chars) else {
+        return output;
+    };
+    let total = text.chars().count();
+    Value::String(format!(
+        "{}\n[output truncated: showing the first {max_chars} of {total} characters]",
+        &text[..cut]
+    ))
+}
+
+/// Accepts a JSON answer wrapped in a Markdown code fence, as models often write it.
+fn strip_code_fence(text: &str) -> &str {
+    let trimmed = text.trim();
+    let Some(inner) = trimmed.strip_prefix("```") else {
+        return trimmed;
+    };
+    let inner = inner.strip_prefix("json").unwrap_or(inner);
+    inner.strip_suffix("```").unwrap_or(inner).trim()
+}

@@ -1,0 +1,436 @@
+//! State machine tests: feed inputs, assert the actions (rendered as text snapshots).
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use expect_test::{Expect, expect};
+use serde_json::{Value, json};
+
+use super::*;
+use crate::BoxFuture;
+use crate::agent::{Limits, OutputSchema, RetryPolicy};
+use crate::persist::encode_message;
+use crate::provider::ProviderErrorKind;
+use crate::tool::{Tool, ToolContext, ToolSet, ToolSpec};
+use crate::wire::event_to_json;
+
+/// A tool the machine only needs the spec of: the machine never calls tools itself.
+struct SpecOnly(ToolSpec);
+
+impl Tool for SpecOnly {
+    fn spec(&self) -> &ToolSpec {
+        &self.0
+    }
+    fn call<'a>(&'a self, _: Value, _: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
+        unreachable!("the state machine never calls a tool")
+    }
+}
+
+fn add_tool() -> Arc<dyn Tool> {
+    Arc::new(SpecOnly(ToolSpec {
+        name: "add".into(),
+        description: "Adds two numbers".into(),
+        input_schema: json!({
+            "type": "object",
+            "properties": { "a": { "type": "number" }, "b": { "type": "number" } },
+            "required": ["a", "b"]
+        }),
+    }))
+}
+
+fn echo_tool() -> Arc<dyn Tool> {
+    Arc::new(SpecOnly(ToolSpec {
+        name: "echo".into(),
+        description: "Echoes".into(),
+        input_schema: json!({ "type": "object" }),
+    }))
+}
+
+fn agent(edit: impl FnOnce(&mut AgentDef)) -> Arc<AgentDef> {
+    let mut def = AgentDef {
+        name: "test".into(),
+        instructions: "Be brief.".into(),
+        model: "mock".into(),
+        tools: ToolSet::new(vec![add_tool(), echo_tool()]).unwrap(),
+        limits: Limits::default(),
+        retry: RetryPolicy::default(),
+        output_schema: None,
+        stop_on_tools: Vec::new(),
+    };
+    edit(&mut def);
+    Arc::new(def)
+}
+
+fn machine(agent: Arc<AgentDef>) -> Machine {
+    Machine::new(
+        agent,
+        RunId::from_suffix("1"),
+        SessionId::new("s1").unwrap(),
+        vec![Message::user("earlier"), Message::assistant("ok")],
+        Message::user("What is 2+3?"),
+        1,
+    )
+}
+
+fn text(t: &str, tokens: u64) -> Input {
+    Input::ModelReply(ModelReply {
+        parts: vec![Part::Text(t.into())],
+        usage: Usage { input_tokens: tokens, output_tokens: 1 },
+    })
+}
+
+fn calls(list: &[(&str, &str, Value)]) -> Input {
+    Input::ModelReply(ModelReply {
+        parts: list
+            .iter()
+            .map(|(id, name, input)| {
+                Part::ToolCall(ToolCall { call_id: (*id).into(), name: (*name).into(), input: input.clone() })
+            })
+            .collect(),
+        usage: Usage { input_tokens: 10, output_tokens: 5 },
+    })
+}
+
+fn done(call_id: &str, outcome: ToolOutcome) -> Input {
+    Input::ToolDone { call_id: call_id.into(), outcome }
+}
+
+/// Feeds the inputs and renders every action; persisted messages are shown in their stored form.
+fn check(mut machine: Machine, inputs: Vec<Input>, expected: Expect) {
+    let mut out = String::new();
+    for input in inputs {
+        let label = match &input {
+            Input::Start => "start".to_owned(),
+            Input::ModelReply(_) => "model reply".to_owned(),
+            Input::ModelFailed(e) => format!("model failed: {e}"),
+            Input::ToolDone { call_id, .. } => format!("tool done {call_id}"),
+            Input::Cancel => "cancel".to_owned(),
+        };
+        writeln!(out, "> {label}").unwrap();
+        for action in machine.step(input) {
+            match action {
+                Action::Emit(event) => writeln!(out, "  emit {}", event_to_json(&event)),
+                Action::Persist { first_position, count } => {
+                    for (i, m) in machine.transcript()[first_position..first_position + count].iter().enumerate() {
+                        writeln!(out, "  persist #{} {}", first_position + i, encode_message(m)).unwrap();
+                    }
+                    Ok(())
+                }
+                Action::CallModel { step } => {
+                    let request = machine.model_request(1);
+                    writeln!(out, "  call model {step} (call_index {}, {} messages)", request.call_index, request.messages.len())
+                }
+                Action::CallTool { step, call } => writeln!(out, "  call tool {step} {}", call.input),
+                Action::Finish(outcome) => writeln!(out, "  finish {outcome:?}"),
+            }
+            .unwrap();
+        }
+    }
+    expected.assert_eq(&out);
+}
+
+#[test]
+fn tool_loop_then_final_answer() {
+    check(
+        machine(agent(|_| {})),
+        vec![
+            Input::Start,
+            calls(&[("c1", "add", json!({"a": 2, "b": 3}))]),
+            done("c1", Ok(json!(5))),
+            text("5", 20),
+        ],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"add","input":{"a":2,"b":3}}]}
+              emit {"type":"tool.start","callId":"c1","name":"add","input":{"a":2,"b":3}}
+              call tool tool:add:c1 {"a":2,"b":3}
+            > tool done c1
+              emit {"type":"tool.done","callId":"c1","output":5}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"add","output":5,"is_error":false}]}
+              emit {"type":"turn.start","turn":1}
+              call model llm:turn:1 (call_index 2, 5 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":20,"outputTokens":1}
+              persist #5 {"v":1,"role":"assistant","parts":[{"type":"text","text":"5"}]}
+              emit {"type":"run.done","text":"5","stopped":"final","usage":{"inputTokens":30,"outputTokens":6}}
+              finish Done { text: "5", output: None, stopped: Final, usage: Usage { input_tokens: 30, output_tokens: 6 } }
+        "#]],
+    );
+}
+
+#[test]
+fn parallel_calls_keep_call_order_and_bad_calls_become_error_results() {
+    check(
+        machine(agent(|_| {})),
+        vec![
+            Input::Start,
+            calls(&[
+                ("", "add", json!({"a": 1, "b": 1})),
+                ("", "add", json!({"a": "x"})),
+                ("dup", "nope", json!({})),
+                ("dup", "echo", json!({"n": 4})),
+            ]),
+            // Results arrive out of order; the tool message keeps call order.
+            done("call_0_3", Ok(json!({"n": 4}))),
+            done("call_0_0", Err(ToolError::failed("disk full"))),
+        ],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"call_0_0","name":"add","input":{"a":1,"b":1}},{"type":"tool_call","call_id":"call_0_1","name":"add","input":{"a":"x"}},{"type":"tool_call","call_id":"dup","name":"nope","input":{}},{"type":"tool_call","call_id":"call_0_3","name":"echo","input":{"n":4}}]}
+              emit {"type":"tool.start","callId":"call_0_0","name":"add","input":{"a":1,"b":1}}
+              call tool tool:add:call_0_0 {"a":1,"b":1}
+              emit {"type":"tool.start","callId":"call_0_1","name":"add","input":{"a":"x"}}
+              emit {"type":"tool.error","callId":"call_0_1","error":"invalid input for `add`: \"b\" is a required property; /a: \"x\" is not of type \"number\""}
+              emit {"type":"tool.start","callId":"dup","name":"nope","input":{}}
+              emit {"type":"tool.error","callId":"dup","error":"unknown tool `nope`; available tools: add, echo"}
+              emit {"type":"tool.start","callId":"call_0_3","name":"echo","input":{"n":4}}
+              call tool tool:echo:call_0_3 {"n":4}
+            > tool done call_0_3
+              emit {"type":"tool.done","callId":"call_0_3","output":{"n":4}}
+            > tool done call_0_0
+              emit {"type":"tool.error","callId":"call_0_0","error":"disk full"}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"call_0_0","name":"add","output":"disk full","is_error":true},{"type":"tool_result","call_id":"call_0_1","name":"add","output":"invalid input for `add`: \"b\" is a required property; /a: \"x\" is not of type \"number\"","is_error":true},{"type":"tool_result","call_id":"dup","name":"nope","output":"unknown tool `nope`; available tools: add, echo","is_error":true},{"type":"tool_result","call_id":"call_0_3","name":"echo","output":{"n":4},"is_error":false}]}
+              emit {"type":"turn.start","turn":1}
+              call model llm:turn:1 (call_index 2, 5 messages)
+        "#]],
+    );
+}
+
+#[test]
+fn max_turns_stops_with_the_last_text() {
+    check(
+        machine(agent(|a| a.limits.max_turns = 1)),
+        vec![Input::Start, calls(&[("c1", "echo", json!({}))]), done("c1", Ok(json!("x")))],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"echo","input":{}}]}
+              emit {"type":"tool.start","callId":"c1","name":"echo","input":{}}
+              call tool tool:echo:c1 {}
+            > tool done c1
+              emit {"type":"tool.done","callId":"c1","output":"x"}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":"x","is_error":false}]}
+              emit {"type":"run.done","text":"","stopped":"max_turns","usage":{"inputTokens":10,"outputTokens":5}}
+              finish Done { text: "", output: None, stopped: MaxTurns, usage: Usage { input_tokens: 10, output_tokens: 5 } }
+        "#]],
+    );
+}
+
+#[test]
+fn token_budget_is_checked_before_the_next_model_call() {
+    check(
+        machine(agent(|a| a.limits.max_total_tokens = Some(15))),
+        vec![Input::Start, calls(&[("c1", "echo", json!({}))]), done("c1", Ok(json!(1)))],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"echo","input":{}}]}
+              emit {"type":"tool.start","callId":"c1","name":"echo","input":{}}
+              call tool tool:echo:c1 {}
+            > tool done c1
+              emit {"type":"tool.done","callId":"c1","output":1}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":1,"is_error":false}]}
+              emit {"type":"run.done","text":"","stopped":"budget","usage":{"inputTokens":10,"outputTokens":5}}
+              finish Done { text: "", output: None, stopped: Budget, usage: Usage { input_tokens: 10, output_tokens: 5 } }
+        "#]],
+    );
+}
+
+#[test]
+fn tool_call_budget_refuses_calls_over_the_limit() {
+    check(
+        machine(agent(|a| a.limits.max_tool_calls = Some(1))),
+        vec![
+            Input::Start,
+            calls(&[("c1", "echo", json!({})), ("c2", "echo", json!({}))]),
+            done("c1", Ok(json!(1))),
+        ],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"echo","input":{}},{"type":"tool_call","call_id":"c2","name":"echo","input":{}}]}
+              emit {"type":"tool.start","callId":"c1","name":"echo","input":{}}
+              call tool tool:echo:c1 {}
+              emit {"type":"tool.start","callId":"c2","name":"echo","input":{}}
+              emit {"type":"tool.error","callId":"c2","error":"not run: this run already made 1 tool calls, its limit (`limits.max_tool_calls`)"}
+            > tool done c1
+              emit {"type":"tool.done","callId":"c1","output":1}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":1,"is_error":false},{"type":"tool_result","call_id":"c2","name":"echo","output":"not run: this run already made 1 tool calls, its limit (`limits.max_tool_calls`)","is_error":true}]}
+              emit {"type":"run.done","text":"","stopped":"budget","usage":{"inputTokens":10,"outputTokens":5}}
+              finish Done { text: "", output: None, stopped: Budget, usage: Usage { input_tokens: 10, output_tokens: 5 } }
+        "#]],
+    );
+}
+
+#[test]
+fn long_outputs_are_cut_with_a_marker() {
+    let mut m = machine(agent(|a| a.limits.max_tool_output_chars = 5));
+    m.step(Input::Start);
+    m.step(calls(&[("c1", "echo", json!({}))]));
+    let actions = m.step(done("c1", Ok(json!("héllo wörld"))));
+    let Action::Emit(Event::ToolDone { output, .. }) = &actions[0] else { panic!("{actions:?}") };
+    assert_eq!(output, &json!("héllo\n[output truncated: showing the first 5 of 11 characters]"));
+    // Short outputs, and JSON values that fit, are untouched.
+    assert_eq!(cap_output(json!({"a": 1}), 7), json!({"a": 1}));
+    assert_eq!(cap_output(json!({"a": 1}), 6), json!("{\"a\":1\n[output truncated: showing the first 6 of 7 characters]"));
+}
+
+#[test]
+fn stop_condition_tool_ends_the_run_with_its_output() {
+    check(
+        machine(agent(|a| a.stop_on_tools = vec!["echo".into()])),
+        vec![Input::Start, calls(&[("c1", "echo", json!({"x": 1}))]), done("c1", Ok(json!({"x": 1})))],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"echo","input":{"x":1}}]}
+              emit {"type":"tool.start","callId":"c1","name":"echo","input":{"x":1}}
+              call tool tool:echo:c1 {"x":1}
+            > tool done c1
+              emit {"type":"tool.done","callId":"c1","output":{"x":1}}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":{"x":1},"is_error":false}]}
+              emit {"type":"run.done","text":"{\"x\":1}","output":{"x":1},"stopped":"stop_condition","usage":{"inputTokens":10,"outputTokens":5}}
+              finish Done { text: "{\"x\":1}", output: Some(Object {"x": Number(1)}), stopped: StopCondition, usage: Usage { input_tokens: 10, output_tokens: 5 } }
+        "#]],
+    );
+}
+
+#[test]
+fn cancel_during_tools_answers_every_call() {
+    check(
+        machine(agent(|_| {})),
+        vec![
+            Input::Start,
+            calls(&[("c1", "echo", json!({})), ("c2", "echo", json!({}))]),
+            done("c2", Ok(json!("fast"))),
+            Input::Cancel,
+            text("ignored after the end", 1),
+        ],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"echo","input":{}},{"type":"tool_call","call_id":"c2","name":"echo","input":{}}]}
+              emit {"type":"tool.start","callId":"c1","name":"echo","input":{}}
+              call tool tool:echo:c1 {}
+              emit {"type":"tool.start","callId":"c2","name":"echo","input":{}}
+              call tool tool:echo:c2 {}
+            > tool done c2
+              emit {"type":"tool.done","callId":"c2","output":"fast"}
+            > cancel
+              emit {"type":"tool.error","callId":"c1","error":"cancelled: the run was cancelled before this call finished"}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":"cancelled: the run was cancelled before this call finished","is_error":true},{"type":"tool_result","call_id":"c2","name":"echo","output":"fast","is_error":false}]}
+              emit {"type":"run.done","text":"","stopped":"cancelled","usage":{"inputTokens":10,"outputTokens":5}}
+              finish Done { text: "", output: None, stopped: Cancelled, usage: Usage { input_tokens: 10, output_tokens: 5 } }
+            > model reply
+        "#]],
+    );
+}
+
+#[test]
+fn provider_failure_fails_the_run_with_its_code() {
+    let error = ProviderError::new(ProviderErrorKind::RateLimited { retry_after: None }, "slow down");
+    check(
+        machine(agent(|_| {})),
+        vec![Input::Start, Input::ModelFailed(error)],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model failed: slow down
+              emit {"type":"run.error","code":"KEEL_PROVIDER_RATE_LIMITED","message":"the model call failed: slow down"}
+              finish Failed(RunFailure { code: ProviderRateLimited, message: "the model call failed: slow down" })
+        "#]],
+    );
+}
+
+#[test]
+fn structured_output_is_parsed_and_checked() {
+    let schema = || {
+        OutputSchema::new(json!({
+            "type": "object", "properties": { "answer": { "type": "string" } }, "required": ["answer"]
+        }))
+        .unwrap()
+    };
+    let mut m = machine(agent(|a| a.output_schema = Some(schema())));
+    m.step(Input::Start);
+    let actions = m.step(text("```json\n{\"answer\": \"5\"}\n```", 1));
+    assert!(
+        matches!(actions.last(), Some(Action::Finish(RunOutcome::Done { output: Some(o), .. })) if o == &json!({"answer": "5"})),
+        "{actions:?}"
+    );
+
+    let mut m = machine(agent(|a| a.output_schema = Some(schema())));
+    m.step(Input::Start);
+    let actions = m.step(text("{\"answer\": 5}", 1));
+    let Some(Action::Finish(RunOutcome::Failed(failure))) = actions.last() else { panic!("{actions:?}") };
+    assert_eq!(failure.code, ErrorCode::OutputInvalid);
+    assert!(failure.message.contains("/answer"), "{}", failure.message);
+}
+
+#[test]
+fn inputs_out_of_phase_fail_loudly_instead_of_corrupting_state() {
+    let mut m = machine(agent(|_| {}));
+    m.step(Input::Start);
+    let actions = m.step(done("c9", Ok(json!(1))));
+    let Some(Action::Finish(RunOutcome::Failed(failure))) = actions.last() else { panic!("{actions:?}") };
+    assert_eq!(failure.code, ErrorCode::Internal);
+    assert!(m.is_finished());
+}
+
+#[test]
+fn replaying_the_same_inputs_gives_the_same_actions() {
+    let inputs = || {
+        vec![
+            Input::Start,
+            calls(&[("", "add", json!({"a": 2, "b": 3})), ("", "echo", json!({}))]),
+            done("call_0_1", Ok(json!({}))),
+            done("call_0_0", Ok(json!(5))),
+            text("5", 3),
+        ]
+    };
+    let run = || {
+        let mut m = machine(agent(|_| {}));
+        let actions: Vec<Action> = inputs().into_iter().flat_map(|i| m.step(i)).collect();
+        (actions, m.transcript().to_vec())
+    };
+    assert_eq!(run(), run());
+}

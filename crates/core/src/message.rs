@@ -1,0 +1,140 @@
+//! Conversation messages and their content parts.
+//!
+//! A [`Message`] is what a session's transcript is made of. Its content is a list of [`Part`]s:
+//! text, image and file bytes, the tool calls a model asks for, and the results that answer them.
+//! These are domain types: the persisted form lives in [`crate::persist`] and the wire form of
+//! events in [`crate::wire`], so this module can change without breaking stored data.
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+/// Who wrote a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// The person (or program) talking to the agent.
+    User,
+    /// The model.
+    Assistant,
+    /// Results of tool calls, answering the assistant message before it.
+    Tool,
+}
+
+impl Role {
+    /// The lower-case name used in persisted and wire formats.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+}
+
+/// One piece of a message's content.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Part {
+    /// Plain text.
+    Text(String),
+    /// An image, as raw bytes with its media type (`image/png`, ...).
+    Image {
+        /// The IANA media type.
+        media_type: String,
+        /// The encoded image. Shared, because transcripts are cloned into requests.
+        data: Arc<[u8]>,
+    },
+    /// A file (a PDF, a CSV...), as raw bytes.
+    File {
+        /// The IANA media type.
+        media_type: String,
+        /// The file name, when known.
+        name: Option<String>,
+        /// The file's bytes.
+        data: Arc<[u8]>,
+    },
+    /// A tool call requested by the model.
+    ToolCall(ToolCall),
+    /// The result of a tool call.
+    ToolResult(ToolResult),
+}
+
+/// A model's request to call a tool.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCall {
+    /// The call id, unique within the run (from the model, or derived: see [`crate::machine`]).
+    pub call_id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The input the model gave, as JSON.
+    pub input: Value,
+}
+
+/// The result of one tool call, as the model will see it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolResult {
+    /// The id of the call this answers.
+    pub call_id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The output (or the error message when `is_error`).
+    pub output: Value,
+    /// Whether the call failed (the model is told so).
+    pub is_error: bool,
+}
+
+/// A message of a session's transcript.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Message {
+    /// Who wrote it.
+    pub role: Role,
+    /// What it says, in order.
+    pub parts: Vec<Part>,
+}
+
+impl Message {
+    /// A user message of one text part.
+    pub fn user(text: impl Into<String>) -> Message {
+        Message { role: Role::User, parts: vec![Part::Text(text.into())] }
+    }
+
+    /// An assistant message of one text part.
+    pub fn assistant(text: impl Into<String>) -> Message {
+        Message { role: Role::Assistant, parts: vec![Part::Text(text.into())] }
+    }
+
+    /// The text parts joined together (no separator: deltas of one reply concatenate).
+    pub fn text(&self) -> String {
+        let mut text = String::new();
+        for part in &self.parts {
+            if let Part::Text(t) = part {
+                text.push_str(t);
+            }
+        }
+        text
+    }
+
+    /// The tool calls of this message, in order.
+    pub fn tool_calls(&self) -> impl Iterator<Item = &ToolCall> {
+        self.parts.iter().filter_map(|part| match part {
+            Part::ToolCall(call) => Some(call),
+            _ => None,
+        })
+    }
+
+    /// The tool results of this message, in order.
+    pub fn tool_results(&self) -> impl Iterator<Item = &ToolResult> {
+        self.parts.iter().filter_map(|part| match part {
+            Part::ToolResult(result) => Some(result),
+            _ => None,
+        })
+    }
+}
+
+/// Renders a tool output the way a model and a template see it: a JSON string as its text,
+/// anything else as compact JSON.
+pub fn output_to_text(output: &Value) -> String {
+    match output {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}

@@ -1,0 +1,287 @@
+//! The persisted formats of messages and journal records, version 1.
+//!
+//! These serde types are separate from the domain types on purpose: the domain may change, the
+//! bytes in a user's database may not. Every record carries `"v": 1`; a reader refuses a record
+//! from a newer version instead of misreading it. Bytes (images, files) are base64.
+//!
+//! A message:
+//! ```json
+//! {"v":1,"role":"assistant","parts":[{"type":"text","text":"Hi"},
+//!   {"type":"tool_call","call_id":"c1","name":"add","input":{"a":2}}]}
+//! ```
+//! A journal record:
+//! ```json
+//! {"v":1,"kind":"model_reply","parts":[{"type":"text","text":"5"}],"usage":{"input_tokens":3,"output_tokens":1}}
+//! {"v":1,"kind":"tool_result","ok":true,"output":5}
+//! {"v":1,"kind":"tool_result","ok":false,"error":{"code":"KEEL_TOOL_TIMEOUT","message":"...","transient":true}}
+//! ```
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::ErrorCode;
+use crate::event::Usage;
+use crate::journal::JournalRecord;
+use crate::message::{Message, Part, Role, ToolCall, ToolResult};
+use crate::provider::ModelReply;
+use crate::tool::ToolError;
+
+/// The version this build writes (and the newest it reads).
+pub const FORMAT_VERSION: u32 = 1;
+
+/// A record that could not be decoded.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot decode stored {what}: {reason}")]
+pub struct DecodeError {
+    what: &'static str,
+    reason: String,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum PartV1 {
+    Text { text: String },
+    Image { media_type: String, data: String },
+    File { media_type: String, #[serde(default, skip_serializing_if = "Option::is_none")] name: Option<String>, data: String },
+    ToolCall { call_id: String, name: String, input: Value },
+    ToolResult { call_id: String, name: String, output: Value, #[serde(default)] is_error: bool },
+}
+
+#[derive(Serialize, Deserialize)]
+struct MessageV1 {
+    v: u32,
+    role: String,
+    parts: Vec<PartV1>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct UsageV1 {
+    input_tokens: u64,
+    output_tokens: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ToolErrorV1 {
+    code: String,
+    message: String,
+    #[serde(default)]
+    transient: bool,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum RecordBodyV1 {
+    ModelReply { parts: Vec<PartV1>, usage: UsageV1 },
+    ToolResult {
+        ok: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        output: Option<Value>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<ToolErrorV1>,
+    },
+}
+
+#[derive(Serialize, Deserialize)]
+struct RecordV1 {
+    v: u32,
+    #[serde(flatten)]
+    body: RecordBodyV1,
+}
+
+fn part_to_v1(part: &Part) -> PartV1 {
+    match part {
+        Part::Text(text) => PartV1::Text { text: text.clone() },
+        Part::Image { media_type, data } => {
+            PartV1::Image { media_type: media_type.clone(), data: BASE64.encode(data) }
+        }
+        Part::File { media_type, name, data } => PartV1::File {
+            media_type: media_type.clone(),
+            name: name.clone(),
+            data: BASE64.encode(data),
+        },
+        Part::ToolCall(call) => PartV1::ToolCall {
+            call_id: call.call_id.clone(),
+            name: call.name.clone(),
+            input: call.input.clone(),
+        },
+        Part::ToolResult(result) => PartV1::ToolResult {
+            call_id: result.call_id.clone(),
+            name: result.name.clone(),
+            output: result.output.clone(),
+            is_error: result.is_error,
+        },
+    }
+}
+
+fn part_from_v1(part: PartV1, what: &'static str) -> Result<Part, DecodeError> {
+    let bytes = |data: &str| {
+        BASE64
+            .decode(data)
+            .map(Into::into)
+            .map_err(|e| DecodeError { what, reason: format!("bad base64: {e}") })
+    };
+    Ok(match part {
+        PartV1::Text { text } => Part::Text(text),
+        PartV1::Image { media_type, data } => Part::Image { data: bytes(&data)?, media_type },
+        PartV1::File { media_type, name, data } => {
+            Part::File { data: bytes(&data)?, media_type, name }
+        }
+        PartV1::ToolCall { call_id, name, input } => Part::ToolCall(ToolCall { call_id, name, input }),
+        PartV1::ToolResult { call_id, name, output, is_error } => {
+            Part::ToolResult(ToolResult { call_id, name, output, is_error })
+        }
+    })
+}
+
+fn check_version(v: u32, what: &'static str) -> Result<(), DecodeError> {
+    if v == 0 || v > FORMAT_VERSION {
+        return Err(DecodeError {
+            what,
+            reason: format!(
+                "format version {v} is not supported (this keel reads up to {FORMAT_VERSION}); upgrade keel"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Encodes a message as JSON.
+pub fn encode_message(message: &Message) -> String {
+    let v1 = MessageV1 {
+        v: FORMAT_VERSION,
+        role: message.role.as_str().to_owned(),
+        parts: message.parts.iter().map(part_to_v1).collect(),
+    };
+    serde_json::to_string(&v1).expect("message JSON always serializes")
+}
+
+/// Decodes a message written by [`encode_message`] (of this or an older version).
+pub fn decode_message(json: &str) -> Result<Message, DecodeError> {
+    let what = "message";
+    let v1: MessageV1 =
+        serde_json::from_str(json).map_err(|e| DecodeError { what, reason: e.to_string() })?;
+    check_version(v1.v, what)?;
+    let role = match v1.role.as_str() {
+        "user" => Role::User,
+        "assistant" => Role::Assistant,
+        "tool" => Role::Tool,
+        other => return Err(DecodeError { what, reason: format!("unknown role {other:?}") }),
+    };
+    let parts = v1.parts.into_iter().map(|p| part_from_v1(p, what)).collect::<Result<_, _>>()?;
+    Ok(Message { role, parts })
+}
+
+/// Encodes a journal record as JSON.
+pub fn encode_record(record: &JournalRecord) -> String {
+    let body = match record {
+        JournalRecord::ModelReply(reply) => RecordBodyV1::ModelReply {
+            parts: reply.parts.iter().map(part_to_v1).collect(),
+            usage: UsageV1 {
+                input_tokens: reply.usage.input_tokens,
+                output_tokens: reply.usage.output_tokens,
+            },
+        },
+        JournalRecord::ToolResult(Ok(output)) => {
+            RecordBodyV1::ToolResult { ok: true, output: Some(output.clone()), error: None }
+        }
+        JournalRecord::ToolResult(Err(error)) => RecordBodyV1::ToolResult {
+            ok: false,
+            output: None,
+            error: Some(ToolErrorV1 {
+                code: error.code.as_str().to_owned(),
+                message: error.message.clone(),
+                transient: error.transient,
+            }),
+        },
+    };
+    serde_json::to_string(&RecordV1 { v: FORMAT_VERSION, body }).expect("record JSON always serializes")
+}
+
+/// Decodes a journal record written by [`encode_record`] (of this or an older version).
+pub fn decode_record(json: &str) -> Result<JournalRecord, DecodeError> {
+    let what = "journal record";
+    let raw: Value =
+        serde_json::from_str(json).map_err(|e| DecodeError { what, reason: e.to_string() })?;
+    let version = raw.get("v").and_then(Value::as_u64).unwrap_or(0);
+    check_version(u32::try_from(version).unwrap_or(u32::MAX), what)?;
+    let v1: RecordV1 =
+        serde_json::from_value(raw).map_err(|e| DecodeError { what, reason: e.to_string() })?;
+    Ok(match v1.body {
+        RecordBodyV1::ModelReply { parts, usage } => JournalRecord::ModelReply(ModelReply {
+            parts: parts.into_iter().map(|p| part_from_v1(p, what)).collect::<Result<_, _>>()?,
+            usage: Usage { input_tokens: usage.input_tokens, output_tokens: usage.output_tokens },
+        }),
+        RecordBodyV1::ToolResult { ok: true, output, .. } => {
+            JournalRecord::ToolResult(Ok(output.unwrap_or(Value::Null)))
+        }
+        RecordBodyV1::ToolResult { ok: false, error, .. } => {
+            let error = error.ok_or_else(|| DecodeError { what, reason: "failed tool result without `error`".into() })?;
+            JournalRecord::ToolResult(Err(ToolError {
+                code: ErrorCode::parse(&error.code).unwrap_or(ErrorCode::ToolFailed),
+                message: error.message,
+                transient: error.transient,
+            }))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn sample_message() -> Message {
+        Message {
+            role: Role::Assistant,
+            parts: vec![
+                Part::Text("Hi".into()),
+                Part::Image { media_type: "image/png".into(), data: vec![0u8, 159, 255].into() },
+                Part::File { media_type: "text/csv".into(), name: Some("a.csv".into()), data: b"a,b".to_vec().into() },
+                Part::ToolCall(ToolCall { call_id: "c1".into(), name: "add".into(), input: json!({"a": 2}) }),
+                Part::ToolResult(ToolResult { call_id: "c1".into(), name: "add".into(), output: json!(5), is_error: false }),
+            ],
+        }
+    }
+
+    #[test]
+    fn messages_round_trip_with_bytes() {
+        let message = sample_message();
+        assert_eq!(decode_message(&encode_message(&message)).unwrap(), message);
+    }
+
+    #[test]
+    fn the_v1_format_is_stable() {
+        // A golden record: if this changes, stored data written by earlier builds breaks.
+        expect_test::expect![[r#"{"v":1,"role":"assistant","parts":[{"type":"text","text":"Hi"},{"type":"image","media_type":"image/png","data":"AJ//"},{"type":"file","media_type":"text/csv","name":"a.csv","data":"YSxi"},{"type":"tool_call","call_id":"c1","name":"add","input":{"a":2}},{"type":"tool_result","call_id":"c1","name":"add","output":5,"is_error":false}]}"#]]
+            .assert_eq(&encode_message(&sample_message()));
+        let failed = JournalRecord::ToolResult(Err(ToolError::with_code(ErrorCode::ToolTimeout, "timed out", true)));
+        expect_test::expect![[r#"{"v":1,"kind":"tool_result","ok":false,"error":{"code":"KEEL_TOOL_TIMEOUT","message":"timed out","transient":true}}"#]]
+            .assert_eq(&encode_record(&failed));
+    }
+
+    #[test]
+    fn records_round_trip() {
+        let records = [
+            JournalRecord::ModelReply(ModelReply {
+                parts: sample_message().parts,
+                usage: Usage { input_tokens: 3, output_tokens: 1 },
+            }),
+            JournalRecord::ToolResult(Ok(json!({"x": [1, 2]}))),
+            JournalRecord::ToolResult(Err(ToolError::failed("boom"))),
+        ];
+        for record in records {
+            assert_eq!(decode_record(&encode_record(&record)).unwrap(), record);
+        }
+    }
+
+    #[test]
+    fn newer_versions_are_refused() {
+        let err = decode_record(r#"{"v":2,"kind":"tool_result","ok":true,"output":1}"#).unwrap_err();
+        assert!(err.to_string().contains("upgrade keel"), "{err}");
+        let err = decode_message(r#"{"v":9,"role":"user","parts":[]}"#).unwrap_err();
+        assert!(err.to_string().contains("version 9"), "{err}");
+        assert!(decode_record("not json").is_err());
+    }
+}

@@ -1,0 +1,155 @@
+//! The [`Provider`] trait: how the runtime asks a model for the next message.
+//!
+//! A provider streams text through a [`DeltaSink`] as it arrives and returns the whole reply at
+//! the end. The reply, not the deltas, is what the journal records: a replay re-emits the text in
+//! one piece and never calls the provider again.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::BoxFuture;
+use crate::error::ErrorCode;
+use crate::event::Usage;
+use crate::message::{Message, Part};
+use crate::tool::ToolSpec;
+
+/// What one model call is given. Borrowed from the run's state: nothing is copied per call.
+#[derive(Clone, Copy, Debug)]
+pub struct ModelRequest<'a> {
+    /// The model name, without the provider prefix (`gpt-4o-mini` for `openai/gpt-4o-mini`).
+    pub model: &'a str,
+    /// The system prompt.
+    pub instructions: &'a str,
+    /// The transcript so far: the session's history and this run's messages.
+    pub messages: &'a [Message],
+    /// The tools the model may call.
+    pub tools: &'a [ToolSpec],
+    /// The schema the final answer must match, when structured output is wanted.
+    pub output_schema: Option<&'a Value>,
+    /// The number of model calls the session made before this one. Deterministic across
+    /// replays, so scripted providers pick the same reply.
+    pub call_index: u64,
+    /// The attempt number of this call, from 1 (retries of transient errors count up).
+    pub attempt: u32,
+}
+
+/// A model's reply: its message content and what it cost.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ModelReply {
+    /// Text and tool-call parts, in the order the model produced them.
+    pub parts: Vec<Part>,
+    /// Tokens used by this call.
+    pub usage: Usage,
+}
+
+/// Receives text as the model streams it. Called on the task driving the run.
+pub trait DeltaSink: Send {
+    /// A new piece of text.
+    fn text_delta(&mut self, delta: &str);
+}
+
+/// A sink that drops every delta (for callers that only want the final reply).
+pub struct DiscardDeltas;
+
+impl DeltaSink for DiscardDeltas {
+    fn text_delta(&mut self, _delta: &str) {}
+}
+
+/// What kind of failure a provider had; decides whether the runtime retries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProviderErrorKind {
+    /// Too many requests; retry after the given wait when the provider said one.
+    RateLimited {
+        /// The provider's `Retry-After`, when given.
+        retry_after: Option<Duration>,
+    },
+    /// A server error, a dropped connection or a malformed stream: worth retrying.
+    Transient,
+    /// The call took longer than `limits.provider_timeout`.
+    Timeout,
+    /// The credentials were rejected.
+    Auth,
+    /// The request was rejected as invalid: retrying will not help.
+    BadRequest,
+    /// The provider is not available in this build or not configured.
+    Unavailable,
+}
+
+/// A failed model call.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ProviderError {
+    /// What kind of failure.
+    pub kind: ProviderErrorKind,
+    /// The HTTP status, when there was one.
+    pub status: Option<u16>,
+    /// What went wrong (never contains credentials).
+    pub message: String,
+}
+
+impl ProviderError {
+    /// Classifies an HTTP status the way every provider adapter does.
+    pub fn from_status(status: u16, message: impl Into<String>) -> ProviderError {
+        let kind = match status {
+            429 => ProviderErrorKind::RateLimited { retry_after: None },
+            401 | 403 => ProviderErrorKind::Auth,
+            408 => ProviderErrorKind::Timeout,
+            400..=499 => ProviderErrorKind::BadRequest,
+            _ => ProviderErrorKind::Transient,
+        };
+        ProviderError { kind, status: Some(status), message: message.into() }
+    }
+
+    /// A failure of the given kind with no HTTP status.
+    pub fn new(kind: ProviderErrorKind, message: impl Into<String>) -> ProviderError {
+        ProviderError { kind, status: None, message: message.into() }
+    }
+
+    /// Whether retrying may succeed.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self.kind,
+            ProviderErrorKind::RateLimited { .. }
+                | ProviderErrorKind::Transient
+                | ProviderErrorKind::Timeout
+        )
+    }
+
+    /// The stable code of this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self.kind {
+            ProviderErrorKind::RateLimited { .. } => ErrorCode::ProviderRateLimited,
+            ProviderErrorKind::Transient => ErrorCode::ProviderError,
+            ProviderErrorKind::Timeout => ErrorCode::ProviderTimeout,
+            ProviderErrorKind::Auth => ErrorCode::ProviderAuth,
+            ProviderErrorKind::BadRequest => ErrorCode::ProviderBadRequest,
+            ProviderErrorKind::Unavailable => ErrorCode::ProviderUnavailable,
+        }
+    }
+}
+
+/// A model provider.
+pub trait Provider: Send + Sync {
+    /// Asks the model for its next message, streaming text into `sink`.
+    ///
+    /// # Cancel safety
+    /// Dropping the future abandons the call; nothing is journaled for it, so a later attempt
+    /// starts over.
+    fn complete<'a>(
+        &'a self,
+        request: ModelRequest<'a>,
+        sink: &'a mut dyn DeltaSink,
+    ) -> BoxFuture<'a, Result<ModelReply, ProviderError>>;
+}
+
+impl<P: Provider + ?Sized> Provider for std::sync::Arc<P> {
+    fn complete<'a>(
+        &'a self,
+        request: ModelRequest<'a>,
+        sink: &'a mut dyn DeltaSink,
+    ) -> BoxFuture<'a, Result<ModelReply, ProviderError>> {
+        (**self).complete(request, sink)
+    }
+}

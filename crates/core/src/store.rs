@@ -1,0 +1,126 @@
+//! The [`Store`] trait: where sessions, runs and journals live.
+//!
+//! Backends live in `keel-store` (memory now; SQLite and PostgreSQL join the same conformance
+//! suite). Every write is idempotent so that a re-driven run can repeat it safely.
+
+use crate::BoxFuture;
+use crate::ids::{RunId, SessionId};
+use crate::journal::JournalEntry;
+use crate::message::Message;
+
+/// The state of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RunState {
+    /// In flight (or interrupted, waiting to be re-driven).
+    Running,
+    /// Paused for a human (approval or question).
+    AwaitingInput,
+    /// Finished.
+    Done,
+    /// Failed with an error.
+    Failed,
+    /// Cancelled.
+    Cancelled,
+}
+
+impl RunState {
+    /// The persisted name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunState::Running => "running",
+            RunState::AwaitingInput => "awaiting_input",
+            RunState::Done => "done",
+            RunState::Failed => "failed",
+            RunState::Cancelled => "cancelled",
+        }
+    }
+
+    /// Whether the run is over.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, RunState::Done | RunState::Failed | RunState::Cancelled)
+    }
+}
+
+/// What a store keeps about a run: enough to re-drive it from its journal.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunRecord {
+    /// The run.
+    pub run_id: RunId,
+    /// Its session.
+    pub session_id: SessionId,
+    /// The user's input message.
+    pub input: Message,
+    /// How many session messages came before the run (its input sits at this position).
+    pub history_len: u64,
+    /// How many model calls the session made before the run.
+    pub call_base: u64,
+    /// Where the run is.
+    pub state: RunState,
+}
+
+/// A store failure.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// A write would contradict what is stored (another run wrote that message position).
+    #[error("store conflict: {0}")]
+    Conflict(String),
+    /// The record does not exist.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// Stored data could not be decoded.
+    #[error("corrupt stored data: {0}")]
+    Corrupt(String),
+    /// The backend failed (I/O, connection).
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Persistence for sessions, runs and journals.
+pub trait Store: Send + Sync {
+    /// The session's whole transcript, in order (empty for a new session).
+    fn load_messages<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Vec<Message>, StoreError>>;
+
+    /// Appends `messages` at session positions `first_position..`. Idempotent: a position that
+    /// already holds a message written by the same run is skipped; one written by another run is
+    /// a [`StoreError::Conflict`], and so is a gap.
+    fn append_messages<'a>(
+        &'a self,
+        session: &'a SessionId,
+        run: &'a RunId,
+        first_position: u64,
+        messages: &'a [Message],
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Records a new run.
+    fn create_run<'a>(&'a self, run: &'a RunRecord) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Reads a run.
+    fn load_run<'a>(
+        &'a self,
+        run: &'a RunId,
+    ) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>>;
+
+    /// Moves a run to a new state.
+    fn set_run_state<'a>(
+        &'a self,
+        run: &'a RunId,
+        state: RunState,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// The run's journal, in the order it was written.
+    fn load_journal<'a>(
+        &'a self,
+        run: &'a RunId,
+    ) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>>;
+
+    /// Records a completed step. Idempotent: the first record of a step wins.
+    fn append_journal<'a>(
+        &'a self,
+        run: &'a RunId,
+        entry: &'a JournalEntry,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+}

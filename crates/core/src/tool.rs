@@ -1,0 +1,198 @@
+//! The [`Tool`] trait, and [`ToolSet`]: an agent's tools with their compiled input schemas.
+//!
+//! A tool is erased (`Arc<dyn Tool>`) at the registry. Typed tools are written with
+//! `keel_tools::function_tool`, which derives the input schema and normalises here.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::BoxFuture;
+use crate::error::ErrorCode;
+use crate::ids::{RunId, SessionId};
+
+/// What a model is told about a tool.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolSpec {
+    /// The name the model calls it by: 1-64 characters of `A-Za-z0-9_-`.
+    pub name: String,
+    /// What it does and when to use it.
+    pub description: String,
+    /// The JSON Schema its input must match.
+    pub input_schema: Value,
+}
+
+/// What a tool call knows about where it runs.
+#[derive(Clone, Debug)]
+pub struct ToolContext {
+    /// The run making the call.
+    pub run_id: RunId,
+    /// The run's session.
+    pub session_id: SessionId,
+    /// The call id.
+    pub call_id: String,
+    /// `<run_id>:<step>`: the same on every attempt of this call, so a tool can dedupe side
+    /// effects when a crash makes the call run again.
+    pub idempotency_key: String,
+}
+
+/// A tool failure. It goes back to the model as an error result; it does not fail the run.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ToolError {
+    /// The stable code.
+    pub code: ErrorCode,
+    /// What went wrong, written for the model (and the human reading the transcript).
+    pub message: String,
+    /// Whether trying again later might succeed.
+    pub transient: bool,
+}
+
+impl ToolError {
+    /// A tool's own failure (`KEEL_TOOL_FAILED`), not transient.
+    pub fn failed(message: impl Into<String>) -> ToolError {
+        ToolError { code: ErrorCode::ToolFailed, message: message.into(), transient: false }
+    }
+
+    /// A failure with a specific code.
+    pub fn with_code(code: ErrorCode, message: impl Into<String>, transient: bool) -> ToolError {
+        ToolError { code, message: message.into(), transient }
+    }
+}
+
+/// The outcome of one tool call, as journaled.
+pub type ToolOutcome = Result<Value, ToolError>;
+
+/// A tool the model can call.
+///
+/// Implementations must be cancel safe in the sense that dropping the returned future stops the
+/// work (a command tool kills its process group): the runtime drops it on timeout and cancel.
+pub trait Tool: Send + Sync {
+    /// The tool's name, description and input schema.
+    fn spec(&self) -> &ToolSpec;
+
+    /// Runs the tool. `input` has already been validated against the input schema.
+    fn call<'a>(&'a self, input: Value, ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome>;
+}
+
+impl<T: Tool + ?Sized> Tool for Arc<T> {
+    fn spec(&self) -> &ToolSpec {
+        (**self).spec()
+    }
+
+    fn call<'a>(&'a self, input: Value, ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
+        (**self).call(input, ctx)
+    }
+}
+
+/// Why a set of tools could not be built.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ToolSetError {
+    /// Two tools have the same name.
+    #[error("two tools are named `{0}`: tool names must be unique")]
+    Duplicate(String),
+    /// A name has characters models reject.
+    #[error("invalid tool name {0:?}: use 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`")]
+    InvalidName(String),
+    /// An input schema is not a valid JSON Schema.
+    #[error("the input schema of tool `{name}` is not a valid JSON Schema: {reason}")]
+    InvalidSchema {
+        /// The tool.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// Checks a tool name: 1-64 characters of `A-Za-z0-9_-` (what OpenAI and Anthropic accept).
+pub fn validate_tool_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// An agent's tools, with their input schemas compiled once.
+#[derive(Default)]
+pub struct ToolSet {
+    tools: Vec<Arc<dyn Tool>>,
+    specs: Vec<ToolSpec>,
+    validators: Vec<jsonschema::Validator>,
+    index: HashMap<String, usize>,
+}
+
+impl fmt::Debug for ToolSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
+}
+
+impl ToolSet {
+    /// Builds the set, checking names and compiling every input schema.
+    pub fn new(tools: Vec<Arc<dyn Tool>>) -> Result<ToolSet, ToolSetError> {
+        let mut set = ToolSet::default();
+        for tool in tools {
+            let spec = tool.spec().clone();
+            if !validate_tool_name(&spec.name) {
+                return Err(ToolSetError::InvalidName(spec.name));
+            }
+            if set.index.contains_key(&spec.name) {
+                return Err(ToolSetError::Duplicate(spec.name));
+            }
+            let validator = compile_input_schema(&spec.input_schema)
+                .map_err(|reason| ToolSetError::InvalidSchema { name: spec.name.clone(), reason })?;
+            set.index.insert(spec.name.clone(), set.tools.len());
+            set.tools.push(tool);
+            set.specs.push(spec);
+            set.validators.push(validator);
+        }
+        Ok(set)
+    }
+
+    /// The specs, in the order the tools were given (what the model is shown).
+    pub fn specs(&self) -> &[ToolSpec] {
+        &self.specs
+    }
+
+    /// The tool names, in order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.specs.iter().map(|s| s.name.as_str())
+    }
+
+    /// The tool called `name`.
+    pub fn get(&self, name: &str) -> Option<&Arc<dyn Tool>> {
+        self.index.get(name).map(|&i| &self.tools[i])
+    }
+
+    /// Whether there is a tool called `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Checks an input against the tool's schema, describing every problem found.
+    pub fn validate_input(&self, name: &str, input: &Value) -> Result<(), String> {
+        let Some(&i) = self.index.get(name) else {
+            return Err(format!("unknown tool `{name}`"));
+        };
+        let problems: Vec<String> = self.validators[i]
+            .iter_errors(input)
+            .take(5)
+            .map(|error| {
+                let path = error.instance_path().to_string();
+                if path.is_empty() { error.to_string() } else { format!("{path}: {error}") }
+            })
+            .collect();
+        if problems.is_empty() { Ok(()) } else { Err(problems.join("; ")) }
+    }
+}
+
+/// Compiles a tool input schema, the same way [`ToolSet::new`] does; used by spec loaders to
+/// report an invalid schema where it was written.
+pub fn compile_input_schema(schema: &Value) -> Result<jsonschema::Validator, String> {
+    if !schema.is_object() {
+        return Err("the schema must be a JSON object (usually `{\"type\": \"object\", ...}`)".into());
+    }
+    jsonschema::validator_for(schema).map_err(|e| e.to_string())
+}

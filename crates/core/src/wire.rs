@@ -1,0 +1,146 @@
+//! The JSON form of run events (DESIGN.md §5), version 1: what `keel run --json` prints and the
+//! HTTP API streams.
+//!
+//! One JSON object per event, `type` first, camelCase fields:
+//!
+//! ```json
+//! {"type":"run.start","runId":"run_...","sessionId":"s1"}
+//! {"type":"turn.start","turn":0}
+//! {"type":"tool.start","callId":"call_0_0","name":"add","input":{"a":2,"b":3}}
+//! {"type":"tool.done","callId":"call_0_0","output":5}
+//! {"type":"tool.error","callId":"call_0_1","error":"..."}
+//! {"type":"usage","inputTokens":12,"outputTokens":3}
+//! {"type":"text.delta","delta":"5"}
+//! {"type":"run.done","text":"5","stopped":"final","usage":{"inputTokens":30,"outputTokens":6}}
+//! {"type":"run.error","code":"KEEL_PROVIDER_ERROR","message":"..."}
+//! ```
+//!
+//! `run.done` has `output` only when the agent has an output schema. These types borrow from
+//! [`Event`] and are serialize-only: the wire format is pinned by tests, not by the domain enum.
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::event::{Event, Usage};
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct UsageJson {
+    input_tokens: u64,
+    output_tokens: u64,
+}
+
+impl From<Usage> for UsageJson {
+    fn from(usage: Usage) -> UsageJson {
+        UsageJson { input_tokens: usage.input_tokens, output_tokens: usage.output_tokens }
+    }
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type")]
+enum EventJson<'a> {
+    #[serde(rename = "run.start", rename_all = "camelCase")]
+    RunStart { run_id: &'a str, session_id: &'a str },
+    #[serde(rename = "turn.start")]
+    TurnStart { turn: u32 },
+    #[serde(rename = "text.delta")]
+    TextDelta { delta: &'a str },
+    #[serde(rename = "tool.start", rename_all = "camelCase")]
+    ToolStart { call_id: &'a str, name: &'a str, input: &'a Value },
+    #[serde(rename = "tool.done", rename_all = "camelCase")]
+    ToolDone { call_id: &'a str, output: &'a Value },
+    #[serde(rename = "tool.error", rename_all = "camelCase")]
+    ToolError { call_id: &'a str, error: &'a str },
+    #[serde(rename = "usage")]
+    Usage(UsageJson),
+    #[serde(rename = "run.done")]
+    RunDone {
+        text: &'a str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        output: Option<&'a Value>,
+        stopped: &'static str,
+        usage: UsageJson,
+    },
+    #[serde(rename = "run.error")]
+    RunError { code: &'static str, message: &'a str },
+}
+
+/// The event's wire name (`run.start`, `text.delta`, ...).
+pub fn event_type(event: &Event) -> &'static str {
+    match event {
+        Event::RunStart { .. } => "run.start",
+        Event::TurnStart { .. } => "turn.start",
+        Event::TextDelta { .. } => "text.delta",
+        Event::ToolStart { .. } => "tool.start",
+        Event::ToolDone { .. } => "tool.done",
+        Event::ToolError { .. } => "tool.error",
+        Event::Usage(_) => "usage",
+        Event::RunDone { .. } => "run.done",
+        Event::RunError { .. } => "run.error",
+    }
+}
+
+/// The event as a JSON object.
+pub fn event_to_json(event: &Event) -> String {
+    let json = match event {
+        Event::RunStart { run_id, session_id } => {
+            EventJson::RunStart { run_id: run_id.as_str(), session_id: session_id.as_str() }
+        }
+        Event::TurnStart { turn } => EventJson::TurnStart { turn: *turn },
+        Event::TextDelta { delta } => EventJson::TextDelta { delta },
+        Event::ToolStart { call_id, name, input } => EventJson::ToolStart { call_id, name, input },
+        Event::ToolDone { call_id, output } => EventJson::ToolDone { call_id, output },
+        Event::ToolError { call_id, error } => EventJson::ToolError { call_id, error },
+        Event::Usage(usage) => EventJson::Usage((*usage).into()),
+        Event::RunDone { text, output, stopped, usage } => EventJson::RunDone {
+            text,
+            output: output.as_ref(),
+            stopped: stopped.as_str(),
+            usage: (*usage).into(),
+        },
+        Event::RunError { code, message } => EventJson::RunError { code: code.as_str(), message },
+    };
+    serde_json::to_string(&json).expect("event JSON always serializes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorCode;
+    use crate::event::StopReason;
+    use crate::ids::{RunId, SessionId};
+    use serde_json::json;
+
+    #[test]
+    fn events_have_the_documented_shape() {
+        let events = [
+            Event::RunStart { run_id: RunId::from_suffix("1"), session_id: SessionId::new("s").unwrap() },
+            Event::TurnStart { turn: 0 },
+            Event::TextDelta { delta: "It".into() },
+            Event::ToolStart { call_id: "c".into(), name: "add".into(), input: json!({"a": 2}) },
+            Event::ToolDone { call_id: "c".into(), output: json!(5) },
+            Event::ToolError { call_id: "c".into(), error: "boom".into() },
+            Event::Usage(Usage { input_tokens: 1, output_tokens: 2 }),
+            Event::RunDone { text: "5".into(), output: None, stopped: StopReason::Final, usage: Usage::default() },
+            Event::RunDone { text: "{}".into(), output: Some(json!({})), stopped: StopReason::Budget, usage: Usage::default() },
+            Event::RunError { code: ErrorCode::ProviderError, message: "down".into() },
+        ];
+        let lines: Vec<String> = events.iter().map(event_to_json).collect();
+        for (event, line) in events.iter().zip(&lines) {
+            assert!(line.starts_with(&format!("{{\"type\":\"{}\"", event_type(event))), "{line}");
+        }
+        expect_test::expect![[r#"
+            {"type":"run.start","runId":"run_1","sessionId":"s"}
+            {"type":"turn.start","turn":0}
+            {"type":"text.delta","delta":"It"}
+            {"type":"tool.start","callId":"c","name":"add","input":{"a":2}}
+            {"type":"tool.done","callId":"c","output":5}
+            {"type":"tool.error","callId":"c","error":"boom"}
+            {"type":"usage","inputTokens":1,"outputTokens":2}
+            {"type":"run.done","text":"5","stopped":"final","usage":{"inputTokens":0,"outputTokens":0}}
+            {"type":"run.done","text":"{}","output":{},"stopped":"budget","usage":{"inputTokens":0,"outputTokens":0}}
+            {"type":"run.error","code":"KEEL_PROVIDER_ERROR","message":"down"}
+        "#]]
+        .assert_eq(&(lines.join("\n") + "\n"));
+    }
+}
