@@ -143,34 +143,31 @@ pub struct MockScript {
     pub entries: Vec<MockEntry>,
 }
 
-/// One scripted model reply.
-#[derive(Clone, Debug, PartialEq)]
+/// One scripted model call: a reply (text, tool calls or both), optionally preceded by a
+/// delay and failures.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct MockEntry {
     /// Wait this long before replying (the reply still streams after).
     pub delay_ms: u64,
-    /// What the model replies.
-    pub reply: MockReply,
+    /// A text answer, streamed as several deltas. `{{last_tool_output}}` is replaced by the
+    /// output of the conversation's last tool result.
+    pub text: Option<String>,
+    /// Tool calls.
+    pub tool_calls: Vec<MockToolCall>,
+    /// A simulated provider failure.
+    pub error: Option<MockFailure>,
 }
 
-/// What a scripted model call returns.
+/// A simulated provider failure.
 #[derive(Clone, Debug, PartialEq)]
-pub enum MockReply {
-    /// A text answer, streamed as several deltas. `{{last_tool_output}}` is replaced by the last
-    /// tool result of the conversation.
-    Text(String),
-    /// One or several tool calls.
-    ToolCalls(Vec<MockToolCall>),
-    /// A provider failure with an HTTP-like status (429: rate limited, 5xx: transient, other
-    /// 4xx: permanent).
-    Error {
-        /// The status code.
-        status: u16,
-        /// The error message.
-        message: String,
-        /// Fail only the first `times` attempts of this call, then fall through to the next
-        /// entry's reply (`None`: fail every attempt).
-        times: Option<u32>,
-    },
+pub struct MockFailure {
+    /// An HTTP-like status: 429 is rate limiting, 5xx is transient (retried), other 4xx are
+    /// permanent.
+    pub status: u16,
+    /// The error message.
+    pub message: String,
+    /// Fail only the first `times` attempts of this call, then reply; `None` fails every attempt.
+    pub times: Option<u32>,
 }
 
 /// A scripted tool call.

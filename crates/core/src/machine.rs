@@ -248,7 +248,7 @@ impl Machine {
         actions.push(Action::Emit(Event::Usage(reply.usage)));
 
         let mut parts = reply.parts;
-        normalize_call_ids(&mut parts, turn);
+        normalize_call_ids(&mut parts, self.call_base + u64::from(turn));
         self.transcript.push(Message { role: Role::Assistant, parts });
         self.persist_last(actions, 1);
 
@@ -456,13 +456,14 @@ impl Machine {
 }
 
 /// Gives every tool call of a reply a usable id: the model's own when it is present and unique
-/// within the reply, else `call_<turn>_<index>`. Deterministic, so replays agree.
-fn normalize_call_ids(parts: &mut [Part], turn: u32) {
+/// within the reply, else `call_<N>_<index>` where N is the session's model call number (unique
+/// in the session). Deterministic, so replays agree.
+fn normalize_call_ids(parts: &mut [Part], call_number: u64) {
     let mut seen = std::collections::HashSet::new();
     for (index, part) in parts.iter_mut().filter(|p| matches!(p, Part::ToolCall(_))).enumerate() {
         let Part::ToolCall(call) = part else { continue };
         if call.call_id.is_empty() || !seen.insert(call.call_id.clone()) {
-            call.call_id = format!("call_{turn}_{index}");
+            call.call_id = format!("call_{call_number}_{index}");
             seen.insert(call.call_id.clone());
         }
     }

@@ -1,1 +1,23 @@
-//! placeholder
+//! keel-runtime: drives runs of an agent.
+//!
+//! The [`Engine`] executes the actions of keel-core's state machine through the [`Provider`],
+//! [`Tool`] and [`Store`] traits:
+//!
+//! - every completed step (model reply, tool outcome) is journaled before the loop moves on;
+//! - re-driving a run ([`Engine::resume`]) replays the journal: a journaled step returns its
+//!   recorded result and is not executed again, and messages are appended idempotently;
+//! - model calls get a timeout and retries with backoff for transient errors;
+//! - the tool calls of one turn run in parallel, each in its own task, with a timeout, and a
+//!   panicking or hanging tool becomes a tool error while the run goes on;
+//! - a run can be cancelled; one session runs one run at a time.
+//!
+//! [`Provider`]: keel_core::Provider
+//! [`Tool`]: keel_core::Tool
+//! [`Store`]: keel_core::Store
+
+mod driver;
+mod engine;
+mod handle;
+
+pub use engine::Engine;
+pub use handle::{RunHandle, RunResult};

@@ -1,1 +1,30 @@
-//! placeholder
+//! keel-tools: tools an agent can use.
+//!
+//! - built-ins, by name ([`builtin`], [`BUILTIN_NAMES`]): `current-date`, `day-name`;
+//! - tools from plain async Rust functions, with the input schema derived by schemars
+//!   ([`function_tool`]);
+//! - command tools ([`CommandTool`]): a program run with the input JSON on stdin.
+
+mod clock;
+mod command;
+mod function;
+
+use std::sync::Arc;
+
+use keel_core::Tool;
+
+pub use clock::{CurrentDate, DayName};
+pub use command::{CommandConfig, CommandTool};
+pub use function::{function_tool, function_tool_with_context};
+
+/// The names of the built-in tools, for specs to refer to.
+pub const BUILTIN_NAMES: &[&str] = &["current-date", "day-name"];
+
+/// The built-in tool called `name`.
+pub fn builtin(name: &str) -> Option<Arc<dyn Tool>> {
+    match name {
+        "current-date" => Some(Arc::new(CurrentDate::new())),
+        "day-name" => Some(Arc::new(DayName::new())),
+        _ => None,
+    }
+}

@@ -177,8 +177,8 @@ fn parallel_calls_keep_call_order_and_bad_calls_become_error_results() {
                 ("dup", "echo", json!({"n": 4})),
             ]),
             // Results arrive out of order; the tool message keeps call order.
-            done("call_0_3", Ok(json!({"n": 4}))),
-            done("call_0_0", Err(ToolError::failed("disk full"))),
+            done("call_1_3", Ok(json!({"n": 4}))),
+            done("call_1_0", Err(ToolError::failed("disk full"))),
         ],
         expect![[r#"
             > start
@@ -188,20 +188,20 @@ fn parallel_calls_keep_call_order_and_bad_calls_become_error_results() {
               call model llm:turn:0 (call_index 1, 3 messages)
             > model reply
               emit {"type":"usage","inputTokens":10,"outputTokens":5}
-              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"call_0_0","name":"add","input":{"a":1,"b":1}},{"type":"tool_call","call_id":"call_0_1","name":"add","input":{"a":"x"}},{"type":"tool_call","call_id":"dup","name":"nope","input":{}},{"type":"tool_call","call_id":"call_0_3","name":"echo","input":{"n":4}}]}
-              emit {"type":"tool.start","callId":"call_0_0","name":"add","input":{"a":1,"b":1}}
-              call tool tool:add:call_0_0 {"a":1,"b":1}
-              emit {"type":"tool.start","callId":"call_0_1","name":"add","input":{"a":"x"}}
-              emit {"type":"tool.error","callId":"call_0_1","error":"invalid input for `add`: \"b\" is a required property; /a: \"x\" is not of type \"number\""}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"call_1_0","name":"add","input":{"a":1,"b":1}},{"type":"tool_call","call_id":"call_1_1","name":"add","input":{"a":"x"}},{"type":"tool_call","call_id":"dup","name":"nope","input":{}},{"type":"tool_call","call_id":"call_1_3","name":"echo","input":{"n":4}}]}
+              emit {"type":"tool.start","callId":"call_1_0","name":"add","input":{"a":1,"b":1}}
+              call tool tool:add:call_1_0 {"a":1,"b":1}
+              emit {"type":"tool.start","callId":"call_1_1","name":"add","input":{"a":"x"}}
+              emit {"type":"tool.error","callId":"call_1_1","error":"invalid input for `add`: \"b\" is a required property; /a: \"x\" is not of type \"number\""}
               emit {"type":"tool.start","callId":"dup","name":"nope","input":{}}
               emit {"type":"tool.error","callId":"dup","error":"unknown tool `nope`; available tools: add, echo"}
-              emit {"type":"tool.start","callId":"call_0_3","name":"echo","input":{"n":4}}
-              call tool tool:echo:call_0_3 {"n":4}
-            > tool done call_0_3
-              emit {"type":"tool.done","callId":"call_0_3","output":{"n":4}}
-            > tool done call_0_0
-              emit {"type":"tool.error","callId":"call_0_0","error":"disk full"}
-              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"call_0_0","name":"add","output":"disk full","is_error":true},{"type":"tool_result","call_id":"call_0_1","name":"add","output":"invalid input for `add`: \"b\" is a required property; /a: \"x\" is not of type \"number\"","is_error":true},{"type":"tool_result","call_id":"dup","name":"nope","output":"unknown tool `nope`; available tools: add, echo","is_error":true},{"type":"tool_result","call_id":"call_0_3","name":"echo","output":{"n":4},"is_error":false}]}
+              emit {"type":"tool.start","callId":"call_1_3","name":"echo","input":{"n":4}}
+              call tool tool:echo:call_1_3 {"n":4}
+            > tool done call_1_3
+              emit {"type":"tool.done","callId":"call_1_3","output":{"n":4}}
+            > tool done call_1_0
+              emit {"type":"tool.error","callId":"call_1_0","error":"disk full"}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"call_1_0","name":"add","output":"disk full","is_error":true},{"type":"tool_result","call_id":"call_1_1","name":"add","output":"invalid input for `add`: \"b\" is a required property; /a: \"x\" is not of type \"number\"","is_error":true},{"type":"tool_result","call_id":"dup","name":"nope","output":"unknown tool `nope`; available tools: add, echo","is_error":true},{"type":"tool_result","call_id":"call_1_3","name":"echo","output":{"n":4},"is_error":false}]}
               emit {"type":"turn.start","turn":1}
               call model llm:turn:1 (call_index 2, 5 messages)
         "#]],
@@ -422,8 +422,8 @@ fn replaying_the_same_inputs_gives_the_same_actions() {
         vec![
             Input::Start,
             calls(&[("", "add", json!({"a": 2, "b": 3})), ("", "echo", json!({}))]),
-            done("call_0_1", Ok(json!({}))),
-            done("call_0_0", Ok(json!(5))),
+            done("call_1_1", Ok(json!({}))),
+            done("call_1_0", Ok(json!(5))),
             text("5", 3),
         ]
     };

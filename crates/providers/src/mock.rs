@@ -1,0 +1,278 @@
+//! The `mock` provider: replies from a script, one entry per model call of the session.
+//!
+//! The entry is chosen by [`ModelRequest::call_index`] (the session's model-call count), which
+//! the runtime derives from stored state, so a replay or a restarted process picks the same
+//! entry. When the script is exhausted the mock echoes the user's last input. Token usage is
+//! estimated deterministically (about four characters a token).
+
+use keel_core::message::{ToolCall, output_to_text};
+use keel_core::{
+    BoxFuture, DeltaSink, MockEntry, MockScript, ModelReply, ModelRequest, Part, Provider,
+    ProviderError, Role, Usage,
+};
+
+/// Plays a [`MockScript`].
+#[derive(Clone, Debug, Default)]
+pub struct MockProvider {
+    script: MockScript,
+}
+
+impl MockProvider {
+    /// A mock playing `script`.
+    pub fn new(script: MockScript) -> MockProvider {
+        MockProvider { script }
+    }
+}
+
+impl Provider for MockProvider {
+    fn complete<'a>(
+        &'a self,
+        request: ModelRequest<'a>,
+        sink: &'a mut dyn DeltaSink,
+    ) -> BoxFuture<'a, Result<ModelReply, ProviderError>> {
+        let entry = usize::try_from(request.call_index).ok().and_then(|i| self.script.entries.get(i));
+        let Some(entry) = entry else {
+            let echo = last_user_text(&request);
+            return Box::pin(std::future::ready(Ok(reply_with_text(&request, &echo, Vec::new(), sink))));
+        };
+        if entry.delay_ms == 0 {
+            return Box::pin(std::future::ready(play(entry, &request, sink)));
+        }
+        Box::pin(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(entry.delay_ms)).await;
+            play(entry, &request, sink)
+        })
+    }
+}
+
+fn play(
+    entry: &MockEntry,
+    request: &ModelRequest<'_>,
+    sink: &mut dyn DeltaSink,
+) -> Result<ModelReply, ProviderError> {
+    if let Some(failure) = &entry.error {
+        let replies = entry.text.is_some() || !entry.tool_calls.is_empty();
+        let fails_now = !replies || failure.times.is_none_or(|times| request.attempt <= times);
+        if fails_now {
+            return Err(ProviderError::from_status(failure.status, failure.message.clone()));
+        }
+    }
+    let text = entry
+        .text
+        .as_deref()
+        .map(|template| template.replace("{{last_tool_output}}", &last_tool_output(request)))
+        .unwrap_or_default();
+    let calls = entry
+        .tool_calls
+        .iter()
+        .enumerate()
+        .map(|(index, call)| {
+            Part::ToolCall(ToolCall {
+                call_id: format!("call_{}_{index}", request.call_index),
+                name: call.name.clone(),
+                input: call.input.clone(),
+            })
+        })
+        .collect();
+    Ok(reply_with_text(request, &text, calls, sink))
+}
+
+/// Streams `text` in word-sized deltas and builds the reply.
+fn reply_with_text(
+    request: &ModelRequest<'_>,
+    text: &str,
+    calls: Vec<Part>,
+    sink: &mut dyn DeltaSink,
+) -> ModelReply {
+    let mut start = 0;
+    for (index, _) in text.match_indices(' ') {
+        sink.text_delta(&text[start..=index]);
+        start = index + 1;
+    }
+    if start < text.len() {
+        sink.text_delta(&text[start..]);
+    }
+    let mut output_chars = text.chars().count();
+    for call in &calls {
+        if let Part::ToolCall(call) = call {
+            output_chars += call.name.len() + call.input.to_string().len();
+        }
+    }
+    let mut parts = Vec::with_capacity(calls.len() + 1);
+    if !text.is_empty() {
+        parts.push(Part::Text(text.to_owned()));
+    }
+    parts.extend(calls);
+    ModelReply { parts, usage: Usage { input_tokens: estimate_input(request), output_tokens: tokens(output_chars) } }
+}
+
+fn tokens(chars: usize) -> u64 {
+    (chars as u64).div_ceil(4).max(1)
+}
+
+fn estimate_input(request: &ModelRequest<'_>) -> u64 {
+    let mut chars = request.instructions.len();
+    for message in request.messages {
+        for part in &message.parts {
+            chars += match part {
+                Part::Text(text) => text.len(),
+                Part::ToolCall(call) => call.name.len() + 16,
+                Part::ToolResult(result) => 16 + result.output.as_str().map_or(8, str::len),
+                Part::Image { .. } | Part::File { .. } => 256,
+            };
+        }
+    }
+    tokens(chars)
+}
+
+fn last_user_text(request: &ModelRequest<'_>) -> String {
+    request.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text()).unwrap_or_default()
+}
+
+fn last_tool_output(request: &ModelRequest<'_>) -> String {
+    request
+        .messages
+        .iter()
+        .rev()
+        .flat_map(|m| m.tool_results().collect::<Vec<_>>().into_iter().rev())
+        .next()
+        .map(|result| output_to_text(&result.output))
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_core::{Message, MockFailure, MockToolCall, ProviderErrorKind};
+    use serde_json::json;
+
+    struct Collect(Vec<String>);
+    impl DeltaSink for Collect {
+        fn text_delta(&mut self, delta: &str) {
+            self.0.push(delta.to_owned());
+        }
+    }
+
+    fn request<'a>(messages: &'a [Message], call_index: u64, attempt: u32) -> ModelRequest<'a> {
+        ModelRequest {
+            model: "mock",
+            instructions: "",
+            messages,
+            tools: &[],
+            output_schema: None,
+            call_index,
+            attempt,
+        }
+    }
+
+    fn script() -> MockProvider {
+        MockProvider::new(MockScript {
+            entries: vec![
+                MockEntry {
+                    tool_calls: vec![
+                        MockToolCall { name: "day-name".into(), input: json!({}) },
+                        MockToolCall { name: "add".into(), input: json!({"a": 1}) },
+                    ],
+                    ..MockEntry::default()
+                },
+                MockEntry { text: Some("It is {{last_tool_output}} today.".into()), ..MockEntry::default() },
+                MockEntry {
+                    error: Some(MockFailure { status: 503, message: "overloaded".into(), times: Some(1) }),
+                    text: Some("recovered".into()),
+                    ..MockEntry::default()
+                },
+                MockEntry {
+                    error: Some(MockFailure { status: 400, message: "bad".into(), times: None }),
+                    ..MockEntry::default()
+                },
+            ],
+        })
+    }
+
+    async fn call(provider: &MockProvider, messages: &[Message], index: u64, attempt: u32) -> (Result<ModelReply, ProviderError>, Vec<String>) {
+        let mut sink = Collect(Vec::new());
+        let result = provider.complete(request(messages, index, attempt), &mut sink).await;
+        (result, sink.0)
+    }
+
+    #[tokio::test]
+    async fn entries_are_picked_by_call_index() {
+        let provider = script();
+        let history = [Message::user("What day is it?")];
+        let (reply, deltas) = call(&provider, &history, 0, 1).await;
+        let reply = reply.unwrap();
+        assert!(deltas.is_empty());
+        let names: Vec<_> = reply.parts.iter().map(|p| match p {
+            Part::ToolCall(c) => format!("{} {}", c.call_id, c.name),
+            other => format!("{other:?}"),
+        }).collect();
+        assert_eq!(names, ["call_0_0 day-name", "call_0_1 add"]);
+    }
+
+    #[tokio::test]
+    async fn text_streams_in_several_deltas_with_the_last_tool_output() {
+        let provider = script();
+        let history = [
+            Message::user("What day is it?"),
+            Message {
+                role: Role::Tool,
+                parts: vec![
+                    Part::ToolResult(keel_core::message::ToolResult { call_id: "a".into(), name: "x".into(), output: json!("Monday"), is_error: false }),
+                    Part::ToolResult(keel_core::message::ToolResult { call_id: "b".into(), name: "day-name".into(), output: json!("Sunday"), is_error: false }),
+                ],
+            },
+        ];
+        let (reply, deltas) = call(&provider, &history, 1, 1).await;
+        assert_eq!(deltas, ["It ", "is ", "Sunday ", "today."]);
+        assert_eq!(reply.unwrap().parts, [Part::Text("It is Sunday today.".into())]);
+    }
+
+    #[tokio::test]
+    async fn errors_fail_the_first_attempts_then_reply() {
+        let provider = script();
+        let history = [Message::user("hi")];
+        let (first, _) = call(&provider, &history, 2, 1).await;
+        let error = first.unwrap_err();
+        assert_eq!(error.kind, ProviderErrorKind::Transient);
+        assert_eq!(error.status, Some(503));
+        let (second, _) = call(&provider, &history, 2, 2).await;
+        assert_eq!(second.unwrap().parts, [Part::Text("recovered".into())]);
+        for attempt in 1..4 {
+            let (result, _) = call(&provider, &history, 3, attempt).await;
+            assert_eq!(result.unwrap_err().kind, ProviderErrorKind::BadRequest);
+        }
+    }
+
+    #[tokio::test]
+    async fn an_exhausted_script_echoes_the_input() {
+        let provider = script();
+        let history = [Message::user("echo me please")];
+        let (reply, deltas) = call(&provider, &history, 9, 1).await;
+        assert_eq!(deltas.concat(), "echo me please");
+        assert_eq!(reply.unwrap().parts, [Part::Text("echo me please".into())]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn delays_wait_before_replying() {
+        let provider = MockProvider::new(MockScript {
+            entries: vec![MockEntry { delay_ms: 5_000, text: Some("late".into()), ..MockEntry::default() }],
+        });
+        let start = tokio::time::Instant::now();
+        let (reply, _) = call(&provider, &[Message::user("x")], 0, 1).await;
+        assert_eq!(reply.unwrap().parts, [Part::Text("late".into())]);
+        assert!(start.elapsed() >= std::time::Duration::from_secs(5));
+    }
+
+    #[test]
+    fn model_strings_pick_a_provider() {
+        assert!(from_model_ok("mock"));
+        let err = crate::from_model("openai/gpt-4o-mini", None).err().unwrap();
+        assert_eq!(err.kind, ProviderErrorKind::Unavailable);
+        let err = crate::from_model("nope/x", None).err().unwrap();
+        assert!(err.message.contains("unknown provider `nope`"), "{}", err.message);
+    }
+
+    fn from_model_ok(model: &str) -> bool {
+        crate::from_model(model, None).is_ok()
+    }
+}

@@ -1,0 +1,386 @@
+//! The driver: executes a [`Machine`]'s actions, journals each completed step, replays journaled
+//! steps instead of executing them again.
+//!
+//! The loop has a closed set of inputs (see [`Input`]): it takes the next queued input or, when
+//! none is queued, waits for the first of "a tool call finished" and "the run was cancelled".
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use keel_core::journal::{JournalEntry, JournalRecord};
+use keel_core::machine::{Action, Input, Machine, RunOutcome};
+use keel_core::message::ToolCall;
+use keel_core::provider::ProviderErrorKind;
+use keel_core::{
+    BoxFuture, DeltaSink, ErrorCode, Event, Message, ModelReply, Part, ProviderError, Role,
+    RunFailure, RunId, RunRecord, RunState, SessionId, StepName, StopReason, StoreError,
+    ToolContext, ToolError, ToolOutcome,
+};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::{SessionClaim, Shared};
+use crate::handle::RunResult;
+
+/// How a run begins.
+pub(crate) enum Plan {
+    /// A new run of `session` answering `input`.
+    Fresh { run_id: RunId, session: SessionId, input: Message, claim: SessionClaim },
+    /// Re-drive a stored run from its journal.
+    Resume { run_id: RunId },
+}
+
+type ToolFuture = BoxFuture<'static, (StepName, String, ToolOutcome)>;
+
+/// Runs a run to its end and returns its result. Every failure is also sent as `run.error`.
+pub(crate) async fn run(
+    shared: Arc<Shared>,
+    plan: Plan,
+    events: UnboundedSender<Event>,
+    cancel: CancellationToken,
+) -> Result<RunResult, RunFailure> {
+    let result = match prepare(&shared, plan).await {
+        Ok(prepared) => {
+            let mut driver = Driver {
+                shared,
+                run_id: prepared.run_id,
+                session: prepared.session,
+                journal: prepared.journal,
+                events: events.clone(),
+                cancel,
+                _claim: prepared.claim,
+            };
+            driver.drive(prepared.machine).await
+        }
+        Err(failure) => Err(failure),
+    };
+    if let Err(failure) = &result {
+        // The machine already emitted `run.error` for failures it decided; these are the
+        // driver's own (store, journal), which it could not have seen.
+        if failure.code == ErrorCode::Store
+            || failure.code == ErrorCode::JournalCorrupt
+            || failure.code == ErrorCode::RunNotFound
+            || failure.code == ErrorCode::SessionBusy
+        {
+            let _ = events.send(Event::RunError { code: failure.code, message: failure.message.clone() });
+        }
+    }
+    result
+}
+
+struct Prepared {
+    run_id: RunId,
+    session: SessionId,
+    machine: Machine,
+    journal: HashMap<StepName, JournalRecord>,
+    claim: SessionClaim,
+}
+
+fn store_failure(error: StoreError) -> RunFailure {
+    RunFailure::new(ErrorCode::Store, format!("the store failed: {error}"))
+}
+
+async fn prepare(shared: &Arc<Shared>, plan: Plan) -> Result<Prepared, RunFailure> {
+    let store = &shared.store;
+    match plan {
+        Plan::Fresh { run_id, session, input, claim } => {
+            let history = store.load_messages(&session).await.map_err(store_failure)?;
+            // Each completed model call appends exactly one assistant message.
+            let call_base = history.iter().filter(|m| m.role == Role::Assistant).count() as u64;
+            let record = RunRecord {
+                run_id: run_id.clone(),
+                session_id: session.clone(),
+                input: input.clone(),
+                history_len: history.len() as u64,
+                call_base,
+                state: RunState::Running,
+            };
+            store.create_run(&record).await.map_err(store_failure)?;
+            let machine =
+                Machine::new(Arc::clone(&shared.agent), run_id.clone(), session.clone(), history, input, call_base);
+            Ok(Prepared { run_id, session, machine, journal: HashMap::new(), claim })
+        }
+        Plan::Resume { run_id } => {
+            let record = store.load_run(&run_id).await.map_err(store_failure)?.ok_or_else(|| {
+                RunFailure::new(ErrorCode::RunNotFound, format!("no run {run_id} in the store"))
+            })?;
+            let claim = shared.claim(&record.session_id)?;
+            let mut history = store.load_messages(&record.session_id).await.map_err(store_failure)?;
+            let history_len = record.history_len as usize;
+            if history.len() < history_len {
+                return Err(RunFailure::new(
+                    ErrorCode::JournalCorrupt,
+                    format!(
+                        "run {run_id} started after message {history_len} of session {}, which has only {}",
+                        record.session_id,
+                        history.len()
+                    ),
+                ));
+            }
+            history.truncate(history_len);
+            let journal = store
+                .load_journal(&run_id)
+                .await
+                .map_err(store_failure)?
+                .into_iter()
+                .map(|entry| (entry.step, entry.record))
+                .collect();
+            tracing::debug!(run = %run_id, "re-driving run from its journal");
+            let machine = Machine::new(
+                Arc::clone(&shared.agent),
+                run_id.clone(),
+                record.session_id.clone(),
+                history,
+                record.input,
+                record.call_base,
+            );
+            Ok(Prepared { run_id, session: record.session_id, machine, journal, claim })
+        }
+    }
+}
+
+struct Driver {
+    shared: Arc<Shared>,
+    run_id: RunId,
+    session: SessionId,
+    /// Journaled steps not replayed yet.
+    journal: HashMap<StepName, JournalRecord>,
+    events: UnboundedSender<Event>,
+    cancel: CancellationToken,
+    _claim: SessionClaim,
+}
+
+impl Driver {
+    async fn drive(&mut self, mut machine: Machine) -> Result<RunResult, RunFailure> {
+        let mut inputs = VecDeque::from([Input::Start]);
+        let mut tools: FuturesUnordered<ToolFuture> = FuturesUnordered::new();
+        loop {
+            let input = match inputs.pop_front() {
+                Some(input) => input,
+                None if tools.is_empty() => {
+                    return Err(RunFailure::new(ErrorCode::Internal, "the run loop stalled; please report this bug"));
+                }
+                None => {
+                    tokio::select! {
+                        biased;
+                        () = self.cancel.cancelled() => {
+                            // Dropping the futures aborts the tool tasks.
+                            tools.clear();
+                            Input::Cancel
+                        }
+                        Some((step, call_id, outcome)) = tools.next() => {
+                            let entry = JournalEntry { step, record: JournalRecord::ToolResult(outcome) };
+                            self.record(&entry).await?;
+                            let JournalRecord::ToolResult(outcome) = entry.record else { unreachable!() };
+                            Input::ToolDone { call_id, outcome }
+                        }
+                    }
+                }
+            };
+            for action in machine.step(input) {
+                match action {
+                    Action::Emit(event) => self.emit(event),
+                    Action::Persist { first_position, count } => {
+                        let messages = &machine.transcript()[first_position..first_position + count];
+                        self.shared
+                            .store
+                            .append_messages(&self.session, &self.run_id, first_position as u64, messages)
+                            .await
+                            .map_err(store_failure)?;
+                    }
+                    Action::CallModel { step } => inputs.push_back(self.model_step(&machine, step).await?),
+                    Action::CallTool { step, call } => match self.journal.remove(&step) {
+                        Some(JournalRecord::ToolResult(outcome)) => {
+                            inputs.push_back(Input::ToolDone { call_id: call.call_id, outcome });
+                        }
+                        Some(JournalRecord::ModelReply(_)) => return Err(self.corrupt(&step)),
+                        None => tools.push(self.spawn_tool(step, call)),
+                    },
+                    Action::Finish(outcome) => return self.finish(outcome).await,
+                }
+            }
+        }
+    }
+
+    fn emit(&self, event: Event) {
+        // The caller may have stopped listening; the run goes on.
+        let _ = self.events.send(event);
+    }
+
+    fn corrupt(&self, step: &StepName) -> RunFailure {
+        RunFailure::new(
+            ErrorCode::JournalCorrupt,
+            format!("the journal of run {} has a record of the wrong kind for step {step}", self.run_id),
+        )
+    }
+
+    async fn record(&self, entry: &JournalEntry) -> Result<(), RunFailure> {
+        self.shared.store.append_journal(&self.run_id, entry).await.map_err(store_failure)
+    }
+
+    /// One model call: from the journal when recorded, else from the provider (then recorded).
+    async fn model_step(&mut self, machine: &Machine, step: StepName) -> Result<Input, RunFailure> {
+        match self.journal.remove(&step) {
+            Some(JournalRecord::ModelReply(reply)) => {
+                tracing::debug!(run = %self.run_id, %step, "replayed from the journal");
+                let text: String = reply
+                    .parts
+                    .iter()
+                    .filter_map(|p| if let Part::Text(t) = p { Some(t.as_str()) } else { None })
+                    .collect();
+                if !text.is_empty() {
+                    self.emit(Event::TextDelta { delta: text });
+                }
+                return Ok(Input::ModelReply(reply));
+            }
+            Some(JournalRecord::ToolResult(_)) => return Err(self.corrupt(&step)),
+            None => {}
+        }
+        let result = tokio::select! {
+            biased;
+            () = self.cancel.cancelled() => return Ok(Input::Cancel),
+            result = call_model(&self.shared, machine, &self.events) => result,
+        };
+        match result {
+            Ok(reply) => {
+                let entry = JournalEntry { step, record: JournalRecord::ModelReply(reply) };
+                self.record(&entry).await?;
+                let JournalRecord::ModelReply(reply) = entry.record else { unreachable!() };
+                Ok(Input::ModelReply(reply))
+            }
+            Err(error) => Ok(Input::ModelFailed(error)),
+        }
+    }
+
+    /// Starts a tool call in its own task, so that a panic or a blocked thread in the tool cannot
+    /// take the run down with it.
+    fn spawn_tool(&self, step: StepName, call: ToolCall) -> ToolFuture {
+        let ToolCall { call_id, name, input } = call;
+        let Some(tool) = self.shared.agent.tools.get(&name).cloned() else {
+            // The machine checked the name; this is a bug, reported to the model as a failure.
+            let error = ToolError::with_code(ErrorCode::Internal, format!("tool `{name}` vanished"), false);
+            return Box::pin(std::future::ready((step, call_id, Err(error))));
+        };
+        let ctx = ToolContext {
+            run_id: self.run_id.clone(),
+            session_id: self.session.clone(),
+            call_id: call_id.clone(),
+            idempotency_key: format!("{}:{step}", self.run_id),
+        };
+        let timeout = self.shared.agent.limits.tool_timeout;
+        let mut task = AbortOnDrop(tokio::spawn(async move { tool.call(input, &ctx).await }));
+        Box::pin(async move {
+            let outcome = match tokio::time::timeout(timeout, &mut task.0).await {
+                Ok(Ok(outcome)) => outcome,
+                Ok(Err(join_error)) => Err(ToolError::with_code(
+                    ErrorCode::ToolPanicked,
+                    format!("tool `{name}` crashed: {}", panic_message(join_error)),
+                    false,
+                )),
+                Err(_elapsed) => Err(ToolError::with_code(
+                    ErrorCode::ToolTimeout,
+                    format!("tool `{name}` did not finish within {timeout:?} (`limits.tool_timeout`) and was stopped"),
+                    true,
+                )),
+            };
+            (step, call_id, outcome)
+        })
+    }
+
+    async fn finish(&mut self, outcome: RunOutcome) -> Result<RunResult, RunFailure> {
+        let store = &self.shared.store;
+        match outcome {
+            RunOutcome::Done { text, output, stopped, usage } => {
+                let state = if stopped == StopReason::Cancelled { RunState::Cancelled } else { RunState::Done };
+                store.set_run_state(&self.run_id, state).await.map_err(store_failure)?;
+                Ok(RunResult {
+                    run_id: self.run_id.clone(),
+                    session_id: self.session.clone(),
+                    text,
+                    output,
+                    stopped,
+                    usage,
+                })
+            }
+            RunOutcome::Failed(failure) => {
+                store.set_run_state(&self.run_id, RunState::Failed).await.map_err(store_failure)?;
+                Err(failure)
+            }
+        }
+    }
+}
+
+/// Aborts a spawned task when dropped (on timeout or cancel).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn panic_message(error: tokio::task::JoinError) -> String {
+    if !error.is_panic() {
+        return "it was aborted".into();
+    }
+    let payload = error.into_panic();
+    if let Some(message) = payload.downcast_ref::<&str>() {
+        format!("it panicked: {message}")
+    } else if let Some(message) = payload.downcast_ref::<String>() {
+        format!("it panicked: {message}")
+    } else {
+        "it panicked".into()
+    }
+}
+
+/// Streams text deltas to the run's observers.
+struct EventSink<'a>(&'a UnboundedSender<Event>);
+
+impl DeltaSink for EventSink<'_> {
+    fn text_delta(&mut self, delta: &str) {
+        let _ = self.0.send(Event::TextDelta { delta: delta.to_owned() });
+    }
+}
+
+/// Calls the model with the agent's timeout and retry policy.
+async fn call_model(
+    shared: &Shared,
+    machine: &Machine,
+    events: &UnboundedSender<Event>,
+) -> Result<ModelReply, ProviderError> {
+    let retry = &shared.agent.retry;
+    let timeout = shared.agent.limits.provider_timeout;
+    let mut sink = EventSink(events);
+    let mut attempt = 1;
+    loop {
+        let request = machine.model_request(attempt);
+        let result = match tokio::time::timeout(timeout, shared.provider.complete(request, &mut sink)).await {
+            Ok(result) => result,
+            Err(_elapsed) => Err(ProviderError::new(
+                ProviderErrorKind::Timeout,
+                format!("no reply within {timeout:?} (`limits.provider_timeout`)"),
+            )),
+        };
+        let error = match result {
+            Ok(reply) => return Ok(reply),
+            Err(error) => error,
+        };
+        let next = attempt + 1;
+        let wait = if error.is_transient() { retry.backoff(next) } else { None };
+        let Some(mut wait) = wait else {
+            let mut error = error;
+            if attempt > 1 {
+                error.message = format!("{} (after {attempt} attempts)", error.message);
+            }
+            return Err(error);
+        };
+        if let ProviderErrorKind::RateLimited { retry_after: Some(after) } = error.kind {
+            wait = wait.max(after);
+        }
+        tracing::warn!(attempt, ?wait, %error, "model call failed; retrying");
+        tokio::time::sleep(wait).await;
+        attempt = next;
+    }
+}

@@ -1,0 +1,113 @@
+//! [`Engine`]: an agent bound to a provider and a store, able to start and re-drive runs.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use keel_core::{AgentDef, ErrorCode, Message, Provider, RunFailure, RunId, SessionId, Store};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::driver::{self, Plan};
+use crate::handle::RunHandle;
+
+/// What every run of an engine shares.
+pub(crate) struct Shared {
+    pub(crate) agent: Arc<AgentDef>,
+    pub(crate) provider: Arc<dyn Provider>,
+    pub(crate) store: Arc<dyn Store>,
+    /// Sessions with a run in flight in this process.
+    busy: Mutex<HashSet<SessionId>>,
+}
+
+/// Marks a session busy for as long as it lives.
+pub(crate) struct SessionClaim {
+    shared: Arc<Shared>,
+    session: SessionId,
+}
+
+impl Shared {
+    /// Claims the session for one run, or says it is busy.
+    pub(crate) fn claim(self: &Arc<Self>, session: &SessionId) -> Result<SessionClaim, RunFailure> {
+        let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        if !busy.insert(session.clone()) {
+            return Err(RunFailure::new(
+                ErrorCode::SessionBusy,
+                format!("session {session} already has a run in flight; wait for it to finish or cancel it"),
+            ));
+        }
+        Ok(SessionClaim { shared: Arc::clone(self), session: session.clone() })
+    }
+}
+
+impl Drop for SessionClaim {
+    fn drop(&mut self) {
+        let mut busy = self.shared.busy.lock().unwrap_or_else(|p| p.into_inner());
+        busy.remove(&self.session);
+    }
+}
+
+/// An agent bound to a model provider and a store.
+///
+/// Cheap to clone; clones share the same "session busy" bookkeeping.
+#[derive(Clone)]
+pub struct Engine {
+    shared: Arc<Shared>,
+}
+
+impl Engine {
+    /// Binds an agent to a provider and a store.
+    pub fn new(agent: Arc<AgentDef>, provider: Arc<dyn Provider>, store: Arc<dyn Store>) -> Engine {
+        Engine { shared: Arc::new(Shared { agent, provider, store, busy: Mutex::default() }) }
+    }
+
+    /// The agent.
+    pub fn agent(&self) -> &AgentDef {
+        &self.shared.agent
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.shared.store
+    }
+
+    /// Starts a run: one turn of `session` answering `input`. The run goes on in a Tokio task
+    /// even if the handle is dropped.
+    ///
+    /// Fails at once with `KEEL_SESSION_BUSY` when the session has a run in flight, and with
+    /// `KEEL_INTERNAL` when called outside a Tokio runtime.
+    pub fn start(&self, session: SessionId, input: Message) -> Result<RunHandle, RunFailure> {
+        let claim = self.shared.claim(&session)?;
+        let run_id = RunId::from_suffix(&uuid::Uuid::now_v7().simple().to_string());
+        Ok(self.spawn(run_id.clone(), Plan::Fresh { run_id, session, input, claim }))
+    }
+
+    /// Re-drives a run from its journal (after a crash, a restart, or to replay it). Journaled
+    /// steps are not executed again; the run continues from the first step without a record.
+    pub fn resume(&self, run_id: RunId) -> RunHandle {
+        self.spawn(run_id.clone(), Plan::Resume { run_id })
+    }
+
+    fn spawn(&self, run_id: RunId, plan: Plan) -> RunHandle {
+        let (event_tx, event_rx) = mpsc::unbounded_channel();
+        let (result_tx, result_rx) = oneshot::channel();
+        let cancel = CancellationToken::new();
+        let handle = RunHandle::new(run_id, event_rx, result_rx, cancel.clone());
+        let shared = Arc::clone(&self.shared);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    let result = driver::run(shared, plan, event_tx, cancel).await;
+                    // The caller may have dropped the handle: the run's outcome is in the store.
+                    let _ = result_tx.send(result);
+                });
+            }
+            Err(_) => {
+                let _ = result_tx.send(Err(RunFailure::new(
+                    ErrorCode::Internal,
+                    "keel runs need a Tokio runtime: call this from within `#[tokio::main]` or a runtime",
+                )));
+            }
+        }
+        handle
+    }
+}

@@ -1,0 +1,92 @@
+//! The store conformance suite: the same checks, run against every backend.
+//!
+//! A backend's tests call [`run_all`] with a fresh, empty store. Each check panics with a
+//! message naming the broken rule.
+
+use keel_core::journal::{JournalEntry, JournalRecord};
+use keel_core::{
+    Message, ModelReply, RunId, RunRecord, RunState, SessionId, StepName, Store, StoreError, Usage,
+};
+use serde_json::json;
+
+/// Runs every check against `store`, which must be empty.
+pub async fn run_all(store: &dyn Store) {
+    messages_append_idempotently(store).await;
+    messages_of_another_run_conflict(store).await;
+    runs_round_trip(store).await;
+    journal_first_write_wins(store).await;
+}
+
+fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
+    RunRecord {
+        run_id: RunId::from_suffix(run),
+        session_id: session.clone(),
+        input: Message::user("hi"),
+        history_len,
+        call_base: 0,
+        state: RunState::Running,
+    }
+}
+
+/// Appending the same messages twice (a replay) stores them once.
+pub async fn messages_append_idempotently(store: &dyn Store) {
+    let session = SessionId::new("conformance-append").unwrap();
+    let run = RunId::from_suffix("append");
+    let messages = [Message::user("one"), Message::assistant("two")];
+    store.append_messages(&session, &run, 0, &messages).await.unwrap();
+    store.append_messages(&session, &run, 0, &messages).await.unwrap();
+    store.append_messages(&session, &run, 1, &messages[1..]).await.unwrap();
+    assert_eq!(store.load_messages(&session).await.unwrap(), messages, "a replayed append duplicated messages");
+    let unknown = SessionId::new("conformance-none").unwrap();
+    assert!(store.load_messages(&unknown).await.unwrap().is_empty(), "an unknown session has messages");
+}
+
+/// A position written by one run cannot be overwritten by another, and no gap can be made.
+pub async fn messages_of_another_run_conflict(store: &dyn Store) {
+    let session = SessionId::new("conformance-conflict").unwrap();
+    let first = RunId::from_suffix("first");
+    let second = RunId::from_suffix("second");
+    store.append_messages(&session, &first, 0, &[Message::user("a")]).await.unwrap();
+    let err = store.append_messages(&session, &second, 0, &[Message::user("b")]).await.unwrap_err();
+    assert!(matches!(err, StoreError::Conflict(_)), "overwrite by another run: {err:?}");
+    let err = store.append_messages(&session, &second, 5, &[Message::user("b")]).await.unwrap_err();
+    assert!(matches!(err, StoreError::Conflict(_)), "gap: {err:?}");
+    assert_eq!(store.load_messages(&session).await.unwrap(), [Message::user("a")]);
+}
+
+/// Runs are stored whole and change state.
+pub async fn runs_round_trip(store: &dyn Store) {
+    let session = SessionId::new("conformance-runs").unwrap();
+    let record = run_record("rt", &session, 3);
+    store.create_run(&record).await.unwrap();
+    assert_eq!(store.load_run(&record.run_id).await.unwrap().as_ref(), Some(&record));
+    assert!(store.create_run(&record).await.is_err(), "a run was created twice");
+    store.set_run_state(&record.run_id, RunState::Done).await.unwrap();
+    let loaded = store.load_run(&record.run_id).await.unwrap().unwrap();
+    assert_eq!(loaded.state, RunState::Done);
+    assert_eq!(store.load_run(&RunId::from_suffix("missing")).await.unwrap(), None);
+    assert!(store.set_run_state(&RunId::from_suffix("missing"), RunState::Done).await.is_err());
+}
+
+/// The first record of a step wins; the journal keeps write order.
+pub async fn journal_first_write_wins(store: &dyn Store) {
+    let run = RunId::from_suffix("journal");
+    let reply = |text: &str| ModelReply {
+        parts: vec![keel_core::Part::Text(text.into())],
+        usage: Usage { input_tokens: 1, output_tokens: 1 },
+    };
+    let entries = [
+        JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply("first")) },
+        JournalEntry {
+            step: StepName::Tool { name: "add".into(), call_id: "c1".into() },
+            record: JournalRecord::ToolResult(Ok(json!(5))),
+        },
+    ];
+    for entry in &entries {
+        store.append_journal(&run, entry).await.unwrap();
+    }
+    let duplicate = JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply("second")) };
+    store.append_journal(&run, &duplicate).await.unwrap();
+    assert_eq!(store.load_journal(&run).await.unwrap(), entries, "a second record replaced the first");
+    assert!(store.load_journal(&RunId::from_suffix("empty")).await.unwrap().is_empty());
+}

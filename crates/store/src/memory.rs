@@ -1,0 +1,153 @@
+//! The in-memory store: one mutex over plain maps.
+//!
+//! Operations never await while holding the lock, so a std mutex is right (and faster than an
+//! async one). Domain values are kept as they are, without encoding: this store is the
+//! baseline the runtime's overhead is measured on.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+use keel_core::journal::JournalEntry;
+use keel_core::{BoxFuture, Message, RunId, RunRecord, RunState, SessionId, Store, StoreError};
+
+#[derive(Default)]
+struct Inner {
+    /// Each session's transcript, with the run that wrote each message.
+    sessions: HashMap<SessionId, Vec<(RunId, Message)>>,
+    runs: HashMap<RunId, RunRecord>,
+    journals: HashMap<RunId, Vec<JournalEntry>>,
+}
+
+/// A store in process memory.
+#[derive(Default)]
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> MemoryStore {
+        MemoryStore::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave the maps half-updated in a way that matters
+        // more than losing the store, so recover the guard.
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+fn ready<'a, T: Send + 'a>(value: T) -> BoxFuture<'a, T> {
+    Box::pin(std::future::ready(value))
+}
+
+impl Store for MemoryStore {
+    fn load_messages<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Vec<Message>, StoreError>> {
+        let inner = self.lock();
+        let messages = inner
+            .sessions
+            .get(session)
+            .map(|list| list.iter().map(|(_, m)| m.clone()).collect())
+            .unwrap_or_default();
+        ready(Ok(messages))
+    }
+
+    fn append_messages<'a>(
+        &'a self,
+        session: &'a SessionId,
+        run: &'a RunId,
+        first_position: u64,
+        messages: &'a [Message],
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let mut inner = self.lock();
+        let list = inner.sessions.entry(session.clone()).or_default();
+        let mut result = Ok(());
+        for (offset, message) in messages.iter().enumerate() {
+            let position = first_position as usize + offset;
+            match list.get(position) {
+                Some((writer, _)) if writer == run => {}
+                Some((writer, _)) => {
+                    result = Err(StoreError::Conflict(format!(
+                        "position {position} of session {session} was written by {writer}, not {run}"
+                    )));
+                    break;
+                }
+                None if position == list.len() => list.push((run.clone(), message.clone())),
+                None => {
+                    result = Err(StoreError::Conflict(format!(
+                        "position {position} of session {session} is past its end ({})",
+                        list.len()
+                    )));
+                    break;
+                }
+            }
+        }
+        ready(result)
+    }
+
+    fn create_run<'a>(&'a self, run: &'a RunRecord) -> BoxFuture<'a, Result<(), StoreError>> {
+        let mut inner = self.lock();
+        let result = if inner.runs.contains_key(&run.run_id) {
+            Err(StoreError::Conflict(format!("run {} already exists", run.run_id)))
+        } else {
+            inner.runs.insert(run.run_id.clone(), run.clone());
+            Ok(())
+        };
+        ready(result)
+    }
+
+    fn load_run<'a>(
+        &'a self,
+        run: &'a RunId,
+    ) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>> {
+        ready(Ok(self.lock().runs.get(run).cloned()))
+    }
+
+    fn set_run_state<'a>(
+        &'a self,
+        run: &'a RunId,
+        state: RunState,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let result = match self.lock().runs.get_mut(run) {
+            Some(record) => {
+                record.state = state;
+                Ok(())
+            }
+            None => Err(StoreError::NotFound(format!("run {run}"))),
+        };
+        ready(result)
+    }
+
+    fn load_journal<'a>(
+        &'a self,
+        run: &'a RunId,
+    ) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>> {
+        ready(Ok(self.lock().journals.get(run).cloned().unwrap_or_default()))
+    }
+
+    fn append_journal<'a>(
+        &'a self,
+        run: &'a RunId,
+        entry: &'a JournalEntry,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let mut inner = self.lock();
+        let journal = inner.journals.entry(run.clone()).or_default();
+        if !journal.iter().any(|existing| existing.step == entry.step) {
+            journal.push(entry.clone());
+        }
+        ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn memory_store_conforms() {
+        crate::conformance::run_all(&MemoryStore::new()).await;
+    }
+}

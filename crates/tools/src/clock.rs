@@ -1,0 +1,159 @@
+//! The clock tools: `current-date` and `day-name`.
+//!
+//! Both take an optional IANA time zone (`Europe/Paris`); without one they use the machine's
+//! local zone. Reading the clock inside a tool step is what keeps the run loop deterministic:
+//! the answer is journaled, and a replay reads the journal, not the clock.
+
+use jiff::ZonedDateTime as Zoned;
+use jiff::tz::TimeZone;
+use keel_core::{BoxFuture, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec};
+use serde_json::{Value, json};
+
+fn zone_input_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "timezone": {
+                "type": "string",
+                "description": "An IANA time zone such as Europe/Paris or America/New_York; default: the machine's local zone"
+            }
+        },
+        "additionalProperties": false
+    })
+}
+
+fn now_in(input: &Value) -> Result<Zoned, ToolError> {
+    let zone = match input.get("timezone").and_then(Value::as_str) {
+        Some(name) => TimeZone::get(name).map_err(|_| {
+            ToolError::failed(format!(
+                "unknown time zone {name:?}: use an IANA name such as Europe/Paris or America/New_York"
+            ))
+        })?,
+        None => TimeZone::system(),
+    };
+    Ok(Zoned::now().with_time_zone(zone))
+}
+
+/// `current-date`: today's date, weekday, time and zone.
+pub struct CurrentDate {
+    spec: ToolSpec,
+}
+
+impl CurrentDate {
+    /// The tool.
+    pub fn new() -> CurrentDate {
+        CurrentDate {
+            spec: ToolSpec {
+                name: "current-date".into(),
+                description: "Returns the current date, weekday and time (ISO 8601), optionally in a given time zone.".into(),
+                input_schema: zone_input_schema(),
+            },
+        }
+    }
+}
+
+impl Default for CurrentDate {
+    fn default() -> Self {
+        CurrentDate::new()
+    }
+}
+
+impl Tool for CurrentDate {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    fn call<'a>(&'a self, input: Value, _ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
+        let outcome = now_in(&input).map(|now| {
+            json!({
+                "date": now.strftime("%Y-%m-%d").to_string(),
+                "weekday": now.strftime("%A").to_string(),
+                "time": now.strftime("%H:%M:%S").to_string(),
+                "timezone": now.time_zone().iana_name().unwrap_or("local"),
+                "iso": now.timestamp().to_string(),
+            })
+        });
+        Box::pin(std::future::ready(outcome))
+    }
+}
+
+/// `day-name`: the name of today's weekday (`Sunday`).
+pub struct DayName {
+    spec: ToolSpec,
+}
+
+impl DayName {
+    /// The tool.
+    pub fn new() -> DayName {
+        DayName {
+            spec: ToolSpec {
+                name: "day-name".into(),
+                description: "Returns the name of today's day of the week (for example Monday), optionally in a given time zone.".into(),
+                input_schema: zone_input_schema(),
+            },
+        }
+    }
+}
+
+impl Default for DayName {
+    fn default() -> Self {
+        DayName::new()
+    }
+}
+
+impl Tool for DayName {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    fn call<'a>(&'a self, input: Value, _ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
+        let outcome = now_in(&input).map(|now| Value::String(now.strftime("%A").to_string()));
+        Box::pin(std::future::ready(outcome))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_core::{RunId, SessionId};
+
+    fn ctx() -> ToolContext {
+        ToolContext {
+            run_id: RunId::from_suffix("t"),
+            session_id: SessionId::new("s").unwrap(),
+            call_id: "c".into(),
+            idempotency_key: "run_t:tool:day-name:c".into(),
+        }
+    }
+
+    fn weekday_now(zone: &str) -> String {
+        Zoned::now().with_time_zone(TimeZone::get(zone).unwrap()).strftime("%A").to_string()
+    }
+
+    #[tokio::test]
+    async fn day_name_answers_in_the_given_zone() {
+        // Read the clock around the call: the day may change in between, at midnight.
+        for zone in ["Pacific/Kiritimati", "Pacific/Pago_Pago", "UTC"] {
+            let before = weekday_now(zone);
+            let out = DayName::new().call(json!({ "timezone": zone }), &ctx()).await.unwrap();
+            let after = weekday_now(zone);
+            assert!(out == json!(before) || out == json!(after), "{zone}: {out}");
+        }
+    }
+
+    #[tokio::test]
+    async fn unknown_zones_are_tool_errors() {
+        let err = DayName::new().call(json!({ "timezone": "Mars/Olympus" }), &ctx()).await.unwrap_err();
+        assert!(err.message.contains("unknown time zone \"Mars/Olympus\""), "{}", err.message);
+    }
+
+    #[tokio::test]
+    async fn current_date_has_date_and_weekday() {
+        let out = CurrentDate::new().call(json!({ "timezone": "Asia/Tokyo" }), &ctx()).await.unwrap();
+        let date = out["date"].as_str().unwrap();
+        assert_eq!(date.len(), 10, "{out}");
+        assert_eq!(out["timezone"], "Asia/Tokyo");
+        let parsed: jiff::civil::Date = date.parse().unwrap();
+        assert_eq!(out["weekday"], parsed.strftime("%A").to_string());
+    }
+}

@@ -1,0 +1,318 @@
+//! Command tools: a program the agent can call, defined in `tools/<name>.toml`.
+//!
+//! The input JSON goes to the program's stdin. Its stdout is the output: parsed as JSON when it
+//! is JSON, else kept as text. A non-zero exit is a tool error carrying the tail of stderr. The
+//! program runs in its own process group, and a timeout or a cancelled run kills the whole group
+//! (a shell script's children included), not just the direct child.
+//!
+//! The program gets `KEEL_IDEMPOTENCY_KEY`, `KEEL_RUN_ID`, `KEEL_SESSION_ID` and `KEEL_CALL_ID`
+//! in its environment, so that it can dedupe side effects when a crash makes a call run again.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use keel_core::{BoxFuture, ErrorCode, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use serde_json::Value;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
+
+/// The most stdout kept from a command (the output cap of the agent applies after).
+const MAX_STDOUT_BYTES: usize = 8 * 1024 * 1024;
+/// How much of stderr's end a failure shows.
+const STDERR_TAIL_BYTES: usize = 2048;
+
+/// What a command tool runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommandConfig {
+    /// The tool's name.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: String,
+    /// The JSON Schema of its input.
+    pub input_schema: Value,
+    /// The program and its arguments (no shell is involved).
+    pub command: Vec<String>,
+    /// The working directory.
+    pub working_dir: PathBuf,
+    /// Its own time limit; the agent's `limits.tool_timeout` applies too.
+    pub timeout: Option<Duration>,
+}
+
+/// A tool that runs a program. See the module docs.
+pub struct CommandTool {
+    spec: ToolSpec,
+    config: CommandConfig,
+}
+
+impl CommandTool {
+    /// A command tool. `config.command` must not be empty.
+    pub fn new(config: CommandConfig) -> CommandTool {
+        let spec = ToolSpec {
+            name: config.name.clone(),
+            description: config.description.clone(),
+            input_schema: config.input_schema.clone(),
+        };
+        CommandTool { spec, config }
+    }
+}
+
+/// Kills a process group when dropped, unless disarmed: covers timeouts, cancelled runs and
+/// panics alike.
+struct GroupKiller(Option<Pid>);
+
+impl Drop for GroupKiller {
+    fn drop(&mut self) {
+        if let Some(group) = self.0 {
+            // ESRCH (already gone) is fine.
+            let _ = killpg(group, Signal::SIGKILL);
+        }
+    }
+}
+
+async fn read_capped(mut reader: impl AsyncRead + Unpin, cap: usize) -> std::io::Result<(Vec<u8>, bool)> {
+    let mut kept = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let mut truncated = false;
+    loop {
+        let n = reader.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok((kept, truncated));
+        }
+        let room = cap.saturating_sub(kept.len());
+        kept.extend_from_slice(&chunk[..n.min(room)]);
+        truncated |= n > room;
+    }
+}
+
+async fn read_tail(mut reader: impl AsyncRead + Unpin, tail: usize) -> std::io::Result<Vec<u8>> {
+    let mut kept = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let n = reader.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(kept);
+        }
+        kept.extend_from_slice(&chunk[..n]);
+        if kept.len() > tail * 2 {
+            kept.drain(..kept.len() - tail);
+        }
+    }
+}
+
+impl CommandTool {
+    async fn run(&self, input: Value, ctx: &ToolContext) -> ToolOutcome {
+        let name = &self.config.name;
+        let Some((program, args)) = self.config.command.split_first() else {
+            return Err(ToolError::failed(format!("command tool `{name}` has an empty `command`")));
+        };
+        let mut child = Command::new(program)
+            .args(args)
+            .current_dir(&self.config.working_dir)
+            .env("KEEL_IDEMPOTENCY_KEY", &ctx.idempotency_key)
+            .env("KEEL_RUN_ID", ctx.run_id.as_str())
+            .env("KEEL_SESSION_ID", ctx.session_id.as_str())
+            .env("KEEL_CALL_ID", &ctx.call_id)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| {
+                ToolError::failed(format!(
+                    "cannot start `{program}` for tool `{name}` (in {}): {e}",
+                    self.config.working_dir.display()
+                ))
+            })?;
+        let mut killer = GroupKiller(child.id().and_then(|id| i32::try_from(id).ok()).map(Pid::from_raw));
+
+        let mut stdin = child.stdin.take().expect("stdin is piped");
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let payload = input.to_string();
+        let write_input = async move {
+            // A program that exits without reading its input is not an error.
+            let _ = stdin.write_all(payload.as_bytes()).await;
+            drop(stdin);
+        };
+        let work = async {
+            let ((), out, err, status) =
+                tokio::join!(write_input, read_capped(stdout, MAX_STDOUT_BYTES), read_tail(stderr, STDERR_TAIL_BYTES), child.wait());
+            (out, err, status)
+        };
+        let (out, err, status) = match self.config.timeout {
+            Some(limit) => match tokio::time::timeout(limit, work).await {
+                Ok(done) => done,
+                Err(_) => {
+                    // `killer` kills the group on drop.
+                    return Err(ToolError::with_code(
+                        ErrorCode::ToolTimeout,
+                        format!("command tool `{name}` did not finish within {limit:?} (its `timeout`) and was killed"),
+                        true,
+                    ));
+                }
+            },
+            None => work.await,
+        };
+        let status = status.map_err(|e| ToolError::failed(format!("waiting for `{program}` failed: {e}")))?;
+        // The leader exited; still reap the group's stragglers (a script's background jobs).
+        if let Some(group) = killer.0.take() {
+            let _ = killpg(group, Signal::SIGKILL);
+        }
+        let stderr_tail = String::from_utf8_lossy(&err.unwrap_or_default()).trim().to_owned();
+        if !status.success() {
+            let how = match status.code() {
+                Some(code) => format!("exited with status {code}"),
+                None => "was killed by a signal".to_owned(),
+            };
+            let detail = if stderr_tail.is_empty() { "(no stderr)".to_owned() } else { tail_chars(&stderr_tail, STDERR_TAIL_BYTES) };
+            return Err(ToolError::failed(format!("command tool `{name}` {how}: {detail}")));
+        }
+        let (stdout, truncated) = out.map_err(|e| ToolError::failed(format!("reading the output of `{program}` failed: {e}")))?;
+        let text = String::from_utf8_lossy(&stdout);
+        let text = text.trim_end_matches(['\n', '\r']);
+        if !truncated && let Ok(json) = serde_json::from_str::<Value>(text) {
+            return Ok(json);
+        }
+        let mut text = text.to_owned();
+        if truncated {
+            text.push_str(&format!("\n[output truncated: the command wrote more than {MAX_STDOUT_BYTES} bytes]"));
+        }
+        Ok(Value::String(text))
+    }
+}
+
+fn tail_chars(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut start = text.len() - max;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("...{}", &text[start..])
+}
+
+impl Tool for CommandTool {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    fn call<'a>(&'a self, input: Value, ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
+        Box::pin(self.run(input, ctx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_core::{RunId, SessionId};
+    use serde_json::json;
+
+    fn ctx() -> ToolContext {
+        ToolContext {
+            run_id: RunId::from_suffix("r1"),
+            session_id: SessionId::new("s1").unwrap(),
+            call_id: "c1".into(),
+            idempotency_key: "run_r1:tool:t:c1".into(),
+        }
+    }
+
+    fn tool(script: &str, timeout: Option<Duration>, dir: &std::path::Path) -> CommandTool {
+        CommandTool::new(CommandConfig {
+            name: "t".into(),
+            description: "test".into(),
+            input_schema: json!({"type": "object"}),
+            command: vec!["sh".into(), "-c".into(), script.into()],
+            working_dir: dir.to_owned(),
+            timeout,
+        })
+    }
+
+    #[tokio::test]
+    async fn json_in_json_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = tool(r#"read line; printf '{"got": %s, "key": "%s"}\n' "$line" "$KEEL_IDEMPOTENCY_KEY""#, None, dir.path())
+            .call(json!({"n": 1}), &ctx())
+            .await
+            .unwrap();
+        assert_eq!(out, json!({"got": {"n": 1}, "key": "run_r1:tool:t:c1"}));
+    }
+
+    #[tokio::test]
+    async fn text_output_is_kept_as_text_and_cwd_is_used() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("hello.txt"), "hello from the file\n").unwrap();
+        let out = tool("cat hello.txt", None, dir.path()).call(json!({}), &ctx()).await.unwrap();
+        assert_eq!(out, json!("hello from the file"));
+    }
+
+    #[tokio::test]
+    async fn a_failing_command_reports_its_stderr_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = tool("echo starting; echo 'disk is full' >&2; exit 3", None, dir.path())
+            .call(json!({}), &ctx())
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ErrorCode::ToolFailed);
+        assert_eq!(err.message, "command tool `t` exited with status 3: disk is full");
+    }
+
+    #[tokio::test]
+    async fn a_missing_program_is_a_tool_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = tool("", None, dir.path()).config;
+        config.command = vec!["/nonexistent/keel-test-program".into()];
+        let err = CommandTool::new(config).call(json!({}), &ctx()).await.unwrap_err();
+        assert!(err.message.contains("cannot start `/nonexistent/keel-test-program`"), "{}", err.message);
+    }
+
+    /// Whether a process is alive (signal 0 checks without sending anything).
+    fn alive(pid: i32) -> bool {
+        nix::sys::signal::kill(Pid::from_raw(pid), None).is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_timeout_kills_the_whole_process_group() {
+        let dir = tempfile::tempdir().unwrap();
+        // The shell starts a grandchild that would outlive a plain kill of the shell.
+        let script = "sleep 300 & echo $! > grandchild.pid; wait";
+        let err = tool(script, Some(Duration::from_millis(300)), dir.path())
+            .call(json!({}), &ctx())
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ErrorCode::ToolTimeout);
+        let pid: i32 = std::fs::read_to_string(dir.path().join("grandchild.pid")).unwrap().trim().parse().unwrap();
+        for _ in 0..100 {
+            if !alive(pid) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("the grandchild {pid} survived the timeout");
+    }
+
+    #[tokio::test]
+    async fn dropping_the_call_kills_the_process_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let command = tool("sleep 300 & echo $! > grandchild.pid; wait", None, dir.path());
+        let context = ctx();
+        let call = command.call(json!({}), &context);
+        let pid_file = dir.path().join("grandchild.pid");
+        tokio::select! {
+            _ = call => panic!("the command finished"),
+            () = async { while std::fs::read_to_string(&pid_file).map_or(true, |s| s.trim().is_empty()) { tokio::time::sleep(Duration::from_millis(10)).await } } => {}
+        }
+        let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+        for _ in 0..100 {
+            if !alive(pid) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("the grandchild {pid} survived the cancelled call");
+    }
+}
