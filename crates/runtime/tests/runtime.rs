@@ -1,0 +1,409 @@
+//! Runtime tests: the driver against the memory store, the mock provider and real tools.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use keel_core::agent::OutputSchema;
+use keel_core::{
+    AgentDef, BoxFuture, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry, MockFailure,
+    MockScript, MockToolCall, ModelReply, ModelRequest, Provider, ProviderError, RetryPolicy,
+    RunState, SessionId, StopReason, Store, Tool, ToolSet,
+};
+use keel_providers::MockProvider;
+use keel_runtime::Engine;
+use keel_store::MemoryStore;
+use keel_tools::function_tool;
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+/// Counts model calls by session call index, then delegates to the mock.
+struct CountingProvider {
+    mock: MockProvider,
+    calls: Mutex<Vec<u64>>,
+}
+
+impl Provider for CountingProvider {
+    fn complete<'a>(
+        &'a self,
+        request: ModelRequest<'a>,
+        sink: &'a mut dyn DeltaSink,
+    ) -> BoxFuture<'a, Result<ModelReply, ProviderError>> {
+        self.calls.lock().unwrap().push(request.call_index);
+        self.mock.complete(request, sink)
+    }
+}
+
+fn counting(entries: Vec<MockEntry>) -> Arc<CountingProvider> {
+    Arc::new(CountingProvider { mock: MockProvider::new(MockScript { entries }), calls: Mutex::default() })
+}
+
+fn calls(list: &[(&str, Value)]) -> MockEntry {
+    MockEntry {
+        tool_calls: list.iter().map(|(name, input)| MockToolCall { name: (*name).into(), input: input.clone() }).collect(),
+        ..MockEntry::default()
+    }
+}
+
+fn text(t: &str) -> MockEntry {
+    MockEntry { text: Some(t.into()), ..MockEntry::default() }
+}
+
+#[derive(Deserialize, JsonSchema)]
+struct Note {
+    note: String,
+}
+
+/// A tool that records each execution.
+fn recorder(log: Arc<Mutex<Vec<String>>>) -> Arc<dyn Tool> {
+    function_tool("record", "Records a note", move |input: Note| {
+        let log = Arc::clone(&log);
+        async move {
+            log.lock().unwrap().push(input.note.clone());
+            Ok::<_, String>(format!("recorded {}", input.note))
+        }
+    })
+}
+
+#[derive(Deserialize, JsonSchema)]
+struct Nothing {}
+
+/// A tool that hangs on its first execution (the "crash" happens while it runs) and answers
+/// on later ones.
+fn hang_once(started: Arc<tokio::sync::Notify>, runs: Arc<AtomicUsize>) -> Arc<dyn Tool> {
+    function_tool("slow", "Takes a while", move |_: Nothing| {
+        let started = Arc::clone(&started);
+        let first = runs.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            if first {
+                started.notify_one();
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, String>("slow done")
+        }
+    })
+}
+
+fn agent(tools: Vec<Arc<dyn Tool>>, edit: impl FnOnce(&mut AgentDef)) -> Arc<AgentDef> {
+    let mut def = AgentDef {
+        name: "test".into(),
+        instructions: "Test agent.".into(),
+        model: "mock".into(),
+        tools: ToolSet::new(tools).unwrap(),
+        limits: Limits::default(),
+        retry: RetryPolicy { max_attempts: 3, initial_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(2) },
+        output_schema: None,
+        stop_on_tools: Vec::new(),
+    };
+    edit(&mut def);
+    Arc::new(def)
+}
+
+fn session(id: &str) -> SessionId {
+    SessionId::new(id).unwrap()
+}
+
+fn crash_script() -> Vec<MockEntry> {
+    vec![
+        calls(&[("record", json!({"note": "a"})), ("slow", json!({}))]),
+        calls(&[("record", json!({"note": "b"}))]),
+        text("finished: {{last_tool_output}}"),
+    ]
+}
+
+#[test]
+fn a_run_interrupted_mid_tool_resumes_without_repeating_completed_steps() {
+    // The uninterrupted reference run.
+    let reference_store = Arc::new(MemoryStore::new());
+    let reference_log = Arc::new(Mutex::new(Vec::new()));
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let reference = runtime.block_on(async {
+        let runs = Arc::new(AtomicUsize::new(1)); // never hangs
+        let tools = vec![recorder(Arc::clone(&reference_log)), hang_once(Arc::default(), runs)];
+        let engine = Engine::new(agent(tools, |_| {}), counting(crash_script()), reference_store.clone());
+        engine.start(session("s"), Message::user("go")).unwrap().result().await.unwrap()
+    });
+    let reference_transcript = runtime.block_on(reference_store.load_messages(&session("s"))).unwrap();
+    drop(runtime);
+
+    // The same run, killed while `slow` runs: dropping the runtime drops every task mid-flight,
+    // as a crash would, leaving only what was already in the store.
+    let store = Arc::new(MemoryStore::new());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let slow_runs = Arc::new(AtomicUsize::new(0));
+    let provider = counting(crash_script());
+    let tools = || vec![recorder(Arc::clone(&log)), hang_once(Arc::default(), Arc::clone(&slow_runs))];
+    let first = tokio::runtime::Runtime::new().unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let run_id = first.block_on(async {
+        let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::clone(&started), Arc::clone(&slow_runs))];
+        let engine = Engine::new(agent(tools, |_| {}), provider.clone(), store.clone());
+        let handle = engine.start(session("s"), Message::user("go")).unwrap();
+        started.notified().await;
+        // Let `record` finish and be journaled too.
+        while log.lock().unwrap().is_empty() {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        handle.run_id().clone()
+    });
+    first.shutdown_timeout(Duration::from_secs(1));
+    assert_eq!(*provider.calls.lock().unwrap(), [0], "one model call before the crash");
+    assert_eq!(*log.lock().unwrap(), ["a"]);
+
+    // A new "process" re-drives the run from the store.
+    let second = tokio::runtime::Runtime::new().unwrap();
+    let result = second.block_on(async {
+        let engine = Engine::new(agent(tools(), |_| {}), provider.clone(), store.clone());
+        engine.resume(run_id.clone()).result().await.unwrap()
+    });
+    assert_eq!(result.text, "finished: recorded b");
+    assert_eq!(result.text, reference.text);
+    assert_eq!(result.usage, reference.usage);
+    // Turn 0 was journaled: never paid twice. `record a` completed: never re-run. `slow` had
+    // not completed: it runs again (at-least-once), once.
+    assert_eq!(*provider.calls.lock().unwrap(), [0, 1, 2]);
+    assert_eq!(*log.lock().unwrap(), ["a", "b"]);
+    assert_eq!(slow_runs.load(Ordering::SeqCst), 2);
+    let transcript = second.block_on(store.load_messages(&session("s"))).unwrap();
+    assert_eq!(transcript, reference_transcript, "the transcript differs from an uninterrupted run");
+    let record = second.block_on(store.load_run(&run_id)).unwrap().unwrap();
+    assert_eq!(record.state, RunState::Done);
+}
+
+#[tokio::test]
+async fn re_driving_a_finished_run_calls_nothing_and_appends_nothing() {
+    let store = Arc::new(MemoryStore::new());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let provider = counting(crash_script());
+    let slow_runs = Arc::new(AtomicUsize::new(1));
+    let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::default(), Arc::clone(&slow_runs))];
+    let engine = Engine::new(agent(tools, |_| {}), provider.clone(), store.clone());
+    let first = engine.start(session("s"), Message::user("go")).unwrap().result().await.unwrap();
+    let transcript = store.load_messages(&session("s")).await.unwrap();
+    assert_eq!(transcript.len(), 6, "user, 3 assistant and 2 tool messages: {transcript:#?}");
+
+    let mut replay = engine.resume(first.run_id.clone());
+    let mut replay_events = Vec::new();
+    while let Some(event) = replay.next().await {
+        replay_events.push(event);
+    }
+    let second = replay.result().await.unwrap();
+    assert_eq!(second, first);
+    assert_eq!(provider.calls.lock().unwrap().len(), 3, "a journaled model call was made again");
+    assert_eq!(*log.lock().unwrap(), ["a", "b"], "a journaled tool ran again");
+    assert_eq!(slow_runs.load(Ordering::SeqCst), 2, "slow ran again (it started at 1 and ran once)");
+    assert_eq!(store.load_messages(&session("s")).await.unwrap(), transcript, "the replay changed the transcript");
+    // The replay still tells its observers the whole story, text included.
+    assert!(replay_events.contains(&Event::TextDelta { delta: "finished: recorded b".into() }));
+}
+
+#[tokio::test]
+async fn events_come_in_order_and_text_streams() {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let provider = counting(vec![calls(&[("record", json!({"note": "x"}))]), text("all done now")]);
+    let engine = Engine::new(agent(vec![recorder(log)], |_| {}), provider, Arc::new(MemoryStore::new()));
+    let mut run = engine.start(session("s"), Message::user("go")).unwrap();
+    let mut kinds = Vec::new();
+    while let Some(event) = run.next().await {
+        kinds.push(keel_core::wire::event_type(&event));
+    }
+    assert_eq!(
+        kinds,
+        [
+            "run.start", "turn.start", "usage", "tool.start", "tool.done", "turn.start",
+            "text.delta", "text.delta", "text.delta", "usage", "run.done"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn parallel_tool_calls_run_concurrently_and_keep_call_order() {
+    #[derive(Deserialize, JsonSchema)]
+    struct Wait {
+        ms: u64,
+    }
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let (f, p) = (Arc::clone(&in_flight), Arc::clone(&peak));
+    let wait = function_tool("wait", "Waits", move |input: Wait| {
+        let (in_flight, peak) = (Arc::clone(&f), Arc::clone(&p));
+        async move {
+            let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(now, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(input.ms)).await;
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+            Ok::<_, String>(input.ms)
+        }
+    });
+    let provider = counting(vec![
+        calls(&[("wait", json!({"ms": 300})), ("wait", json!({"ms": 10})), ("wait", json!({"ms": 150}))]),
+        text("ok"),
+    ]);
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(agent(vec![wait], |_| {}), provider, store.clone());
+    let mut run = engine.start(session("p"), Message::user("go")).unwrap();
+    let mut done_order = Vec::new();
+    while let Some(event) = run.next().await {
+        if let Event::ToolDone { output, .. } = event {
+            done_order.push(output);
+        }
+    }
+    run.result().await.unwrap();
+    assert_eq!(peak.load(Ordering::SeqCst), 3, "the calls did not overlap");
+    assert_eq!(done_order, [json!(10), json!(150), json!(300)], "events come as calls finish");
+    let transcript = store.load_messages(&session("p")).await.unwrap();
+    let outputs: Vec<Value> = transcript[2].tool_results().map(|r| r.output.clone()).collect();
+    assert_eq!(outputs, [json!(300), json!(10), json!(150)], "results are kept in call order");
+}
+
+#[tokio::test]
+async fn a_panicking_tool_and_a_hanging_tool_become_tool_errors() {
+    let boom = function_tool("boom", "Panics", |_: Nothing| async move {
+        if true {
+            panic!("kaboom");
+        }
+        Ok::<_, String>(())
+    });
+    let hang = function_tool("hang", "Never returns", |_: Nothing| async move {
+        std::future::pending::<()>().await;
+        Ok::<_, String>(())
+    });
+    let provider = counting(vec![calls(&[("boom", json!({})), ("hang", json!({}))]), text("recovered")]);
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(
+        agent(vec![boom, hang], |a| a.limits.tool_timeout = Duration::from_millis(200)),
+        provider,
+        store.clone(),
+    );
+    let result = engine.start(session("e"), Message::user("go")).unwrap().result().await.unwrap();
+    assert_eq!(result.text, "recovered");
+    let transcript = store.load_messages(&session("e")).await.unwrap();
+    let errors: Vec<(bool, String)> =
+        transcript[2].tool_results().map(|r| (r.is_error, r.output.as_str().unwrap_or("").to_owned())).collect();
+    assert_eq!(
+        errors,
+        [
+            (true, "tool `boom` crashed: it panicked: kaboom".to_owned()),
+            (true, "tool `hang` did not finish within 200ms (`limits.tool_timeout`) and was stopped".to_owned()),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn transient_provider_errors_are_retried_and_permanent_ones_fail_the_run() {
+    let flaky = MockEntry {
+        error: Some(MockFailure { status: 503, message: "overloaded".into(), times: Some(2) }),
+        text: Some("third time lucky".into()),
+        ..MockEntry::default()
+    };
+    let engine = Engine::new(agent(vec![], |_| {}), counting(vec![flaky]), Arc::new(MemoryStore::new()));
+    let result = engine.start(session("r"), Message::user("go")).unwrap().result().await.unwrap();
+    assert_eq!(result.text, "third time lucky");
+
+    let broken = MockEntry {
+        error: Some(MockFailure { status: 500, message: "down".into(), times: None }),
+        ..MockEntry::default()
+    };
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(agent(vec![], |_| {}), counting(vec![broken]), store.clone());
+    let mut run = engine.start(session("r"), Message::user("go")).unwrap();
+    let run_id = run.run_id().clone();
+    let mut last = None;
+    while let Some(event) = run.next().await {
+        last = Some(event);
+    }
+    let failure = run.result().await.unwrap_err();
+    assert_eq!(failure.code, ErrorCode::ProviderError);
+    assert!(failure.message.contains("down (after 3 attempts)"), "{}", failure.message);
+    assert!(matches!(last, Some(Event::RunError { code: ErrorCode::ProviderError, .. })), "{last:?}");
+    assert_eq!(store.load_run(&run_id).await.unwrap().unwrap().state, RunState::Failed);
+}
+
+#[tokio::test]
+async fn cancel_stops_a_hanging_tool_and_leaves_no_dangling_call() {
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let started = Arc::new(tokio::sync::Notify::new());
+    let (flag, notify) = (Arc::clone(&cancelled), Arc::clone(&started));
+    let hang = function_tool("hang", "Never returns", move |_: Nothing| {
+        let (flag, notify) = (Arc::clone(&flag), Arc::clone(&notify));
+        async move {
+            struct SetOnDrop(Arc<AtomicBool>);
+            impl Drop for SetOnDrop {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::SeqCst);
+                }
+            }
+            let _guard = SetOnDrop(flag);
+            notify.notify_one();
+            std::future::pending::<()>().await;
+            Ok::<_, String>(())
+        }
+    });
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(agent(vec![hang], |_| {}), counting(vec![calls(&[("hang", json!({}))])]), store.clone());
+    let run = engine.start(session("c"), Message::user("go")).unwrap();
+    started.notified().await;
+    run.cancel();
+    let result = run.result().await.unwrap();
+    assert_eq!(result.stopped, StopReason::Cancelled);
+    for _ in 0..100 {
+        if cancelled.load(Ordering::SeqCst) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(cancelled.load(Ordering::SeqCst), "the tool's work was not dropped");
+    let transcript = store.load_messages(&session("c")).await.unwrap();
+    let last = transcript.last().unwrap();
+    assert_eq!(last.tool_results().count(), 1, "the call has no result: {transcript:#?}");
+    // The session is free again.
+    let engine2 = engine.clone();
+    assert!(engine2.start(session("c"), Message::user("again")).is_ok());
+}
+
+#[tokio::test]
+async fn a_second_run_on_a_busy_session_is_rejected() {
+    let slow = MockEntry { delay_ms: 200, text: Some("slow".into()), ..MockEntry::default() };
+    let engine = Engine::new(agent(vec![], |_| {}), counting(vec![slow]), Arc::new(MemoryStore::new()));
+    let first = engine.start(session("b"), Message::user("one")).unwrap();
+    let Err(busy) = engine.start(session("b"), Message::user("two")) else { panic!("accepted") };
+    assert_eq!(busy.code, ErrorCode::SessionBusy);
+    assert!(engine.start(session("other"), Message::user("x")).is_ok());
+    first.result().await.unwrap();
+    assert!(engine.start(session("b"), Message::user("three")).is_ok());
+}
+
+#[tokio::test]
+async fn a_session_continues_across_runs_and_the_script_follows_the_session() {
+    let store = Arc::new(MemoryStore::new());
+    let provider = counting(vec![text("first answer"), text("second answer")]);
+    let engine = Engine::new(agent(vec![], |_| {}), provider.clone(), store.clone());
+    let one = engine.start(session("m"), Message::user("hi")).unwrap().result().await.unwrap();
+    let two = engine.start(session("m"), Message::user("again")).unwrap().result().await.unwrap();
+    let three = engine.start(session("m"), Message::user("echo this")).unwrap().result().await.unwrap();
+    assert_eq!([one.text, two.text, three.text], ["first answer", "second answer", "echo this"]);
+    assert_eq!(*provider.calls.lock().unwrap(), [0, 1, 2]);
+    assert_eq!(store.load_messages(&session("m")).await.unwrap().len(), 6);
+}
+
+#[tokio::test]
+async fn structured_output_is_returned() {
+    let schema = OutputSchema::new(json!({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]})).unwrap();
+    let engine = Engine::new(
+        agent(vec![], |a| a.output_schema = Some(schema)),
+        counting(vec![text("{\"answer\": \"5\"}")]),
+        Arc::new(MemoryStore::new()),
+    );
+    let result = engine.start(session("o"), Message::user("2+3?")).unwrap().result().await.unwrap();
+    assert_eq!(result.output, Some(json!({"answer": "5"})));
+}
+
+#[tokio::test]
+async fn resuming_an_unknown_run_fails_clearly() {
+    let engine = Engine::new(agent(vec![], |_| {}), counting(vec![]), Arc::new(MemoryStore::new()));
+    let failure = engine.resume(keel_core::RunId::from_suffix("nope")).result().await.unwrap_err();
+    assert_eq!(failure.code, ErrorCode::RunNotFound);
+}
