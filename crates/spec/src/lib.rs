@@ -1,1 +1,142 @@
-//! placeholder
+//! keel-spec: loads an agent from a spec file (`agent.yaml`, `agent.toml`, `agent.json`, or any
+//! `*.yaml|*.yml|*.toml|*.json`) or an agent directory, into an [`AgentSpec`].
+//!
+//! Loading never stops at the first problem: every problem is reported as a [`Diagnostic`] with
+//! its file, line and column, unknown keys come with a "did you mean", and nothing panics on
+//! user input. An [`AgentSpec`] is plain data; the `keel` crate turns it into a runnable agent
+//! (built-in tools by name, command tools, the provider).
+//!
+//! An agent directory:
+//! ```text
+//! my-agent/
+//!   agent.yaml              # the spec keys (or agent.toml / agent.json)
+//!   instructions.md         # the system prompt
+//!   tools/<name>.toml       # command tools
+//!   skills/<name>/SKILL.md  # front matter (name, description) + instructions; tools/ beside it
+//! ```
+
+mod command_tool;
+mod decode;
+mod diagnostic;
+mod directory;
+mod spec_file;
+mod tree;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use keel_core::{ErrorCode, Limits, MockScript, RetryPolicy};
+use serde_json::Value;
+
+pub use decode::did_you_mean;
+pub use diagnostic::{Diagnostic, Pos, Severity};
+
+/// An agent as its files describe it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AgentSpec {
+    /// The agent's name: `name`, else the directory or file name.
+    pub name: String,
+    /// A one-line description (for subagents and listings).
+    pub description: Option<String>,
+    /// The system prompt, skills' instructions appended.
+    pub instructions: String,
+    /// `provider/model` or `mock`.
+    pub model: String,
+    /// Built-in tools, by name.
+    pub builtin_tools: Vec<String>,
+    /// Command tools from `tools/` and the skills' `tools/`.
+    pub command_tools: Vec<CommandToolSpec>,
+    /// Limits and budgets.
+    pub limits: Limits,
+    /// Model call retries.
+    pub retry: RetryPolicy,
+    /// The JSON Schema of the final answer (`output.schema`).
+    pub output_schema: Option<Value>,
+    /// The mock provider's script (`mock.script`).
+    pub mock: Option<MockScript>,
+    /// The skills loaded, in the order their instructions were appended.
+    pub skills: Vec<String>,
+    /// The file or directory the agent was loaded from.
+    pub source: PathBuf,
+}
+
+/// A command tool, from `tools/<name>.toml`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommandToolSpec {
+    /// The tool name (the file name without `.toml`).
+    pub name: String,
+    /// What it does.
+    pub description: String,
+    /// The JSON Schema of its input.
+    pub input_schema: Value,
+    /// The program and its arguments; a relative program path is resolved against
+    /// `working_dir`.
+    pub command: Vec<String>,
+    /// Where it runs.
+    pub working_dir: PathBuf,
+    /// Its own time limit.
+    pub timeout: Option<Duration>,
+    /// The file it was defined in.
+    pub file: PathBuf,
+}
+
+/// What the loader checks names against.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadOptions<'a> {
+    /// The built-in tool names (`keel_tools::BUILTIN_NAMES`).
+    pub builtin_tools: &'a [&'a str],
+    /// The provider names a `model` may start with (`keel_providers::PROVIDER_NAMES`).
+    pub providers: &'a [&'a str],
+}
+
+/// The outcome of loading: the spec when there is no error, and every diagnostic (warnings
+/// included) in file order.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The spec, when no diagnostic is an error.
+    pub spec: Option<AgentSpec>,
+    /// Every problem found.
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+/// The spec file names an agent directory may hold, in the order they are looked for.
+pub const SPEC_FILE_NAMES: &[&str] = &["agent.yaml", "agent.yml", "agent.toml", "agent.json"];
+
+/// Loads an agent from a spec file or an agent directory.
+pub fn load(path: &Path, options: &LoadOptions<'_>) -> Loaded {
+    let mut diagnostics = Vec::new();
+    let spec = load_into(path, options, &mut diagnostics);
+    let spec = if diagnostics.iter().any(Diagnostic::is_error) { None } else { spec };
+    Loaded { spec, diagnostics }
+}
+
+fn load_into(path: &Path, options: &LoadOptions<'_>, diagnostics: &mut Vec<Diagnostic>) -> Option<AgentSpec> {
+    let metadata = match std::fs::metadata(path) {
+        Ok(metadata) => metadata,
+        Err(error) => {
+            diagnostics.push(
+                Diagnostic::error(ErrorCode::SpecNotFound, path, Pos::default(), format!("cannot read the agent: {error}"))
+                    .with_hint("give an agent directory (with agent.yaml) or a spec file (.yaml, .toml or .json)"),
+            );
+            return None;
+        }
+    };
+    if metadata.is_dir() {
+        return directory::load(path, options, diagnostics);
+    }
+    let is_directory_spec = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|name| SPEC_FILE_NAMES.contains(&name));
+    match (is_directory_spec, path.parent()) {
+        // `my-agent/agent.yaml` means the directory `my-agent`.
+        (true, Some(parent)) => {
+            let dir = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
+            directory::load_with_spec_file(dir, path, options, diagnostics)
+        }
+        _ => spec_file::load_standalone(path, options, diagnostics),
+    }
+}
+
+#[cfg(test)]
+mod tests;

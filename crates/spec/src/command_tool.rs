@@ -1,0 +1,162 @@
+//! Command tools: `tools/<name>.toml` files.
+//!
+//! ```toml
+//! description = "Adds two numbers"
+//! command = ["python3", "add.py"]        # argv; no shell
+//! timeout = "10s"                         # optional
+//! working_dir = "."                       # optional, relative to the agent directory
+//! [input_schema]                          # optional JSON Schema, default: any object
+//! type = "object"
+//! properties = { a = { type = "number" }, b = { type = "number" } }
+//! required = ["a", "b"]
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use keel_core::ErrorCode;
+use keel_core::tool::{compile_input_schema, validate_tool_name};
+use serde_json::json;
+
+use crate::CommandToolSpec;
+use crate::decode::Decoder;
+use crate::diagnostic::{Diagnostic, Pos};
+use crate::tree::{self, Format, Kind};
+
+const KEYS: &[&str] = &["description", "command", "input_schema", "timeout", "working_dir"];
+
+/// Loads every `*.toml` of `tools_dir` (sorted by name). `base_dir` is where commands run by
+/// default and what relative paths are relative to.
+pub(crate) fn load_dir(tools_dir: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) -> Vec<CommandToolSpec> {
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(tools_dir) {
+        Ok(entries) => entries
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "toml") && p.is_file())
+            .collect(),
+        Err(_) => return Vec::new(),
+    };
+    files.sort();
+    files.iter().filter_map(|file| load_file(file, base_dir, diagnostics)).collect()
+}
+
+fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) -> Option<CommandToolSpec> {
+    let name = file.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_owned();
+    if !validate_tool_name(&name) {
+        diagnostics.push(
+            Diagnostic::error(ErrorCode::SpecInvalid, file, Pos::default(), format!("invalid tool name {name:?} (from the file name)"))
+                .with_hint("name tool files with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`, then `.toml`"),
+        );
+        return None;
+    }
+    let text = match std::fs::read_to_string(file) {
+        Ok(text) => text,
+        Err(error) => {
+            diagnostics.push(Diagnostic::error(ErrorCode::SpecNotFound, file, Pos::default(), format!("cannot read the tool: {error}")));
+            return None;
+        }
+    };
+    let root = match tree::parse(&text, Format::Toml, file) {
+        Ok(root) => root,
+        Err(diagnostic) => {
+            diagnostics.push(diagnostic);
+            return None;
+        }
+    };
+    let mut d = Decoder { file: file.to_owned(), diagnostics };
+    let mut map = d.map(&root, "the tool")?;
+    let description = map.take("description").and_then(|n| d.text(n, "description"));
+    let command_node = map.take("command");
+    let schema_node = map.take("input_schema");
+    let timeout = map.take("timeout").and_then(|n| d.duration(n, "timeout"));
+    let working_dir = match map.take("working_dir") {
+        Some(node) => {
+            let dir = base_dir.join(d.text(node, "working_dir")?);
+            if !dir.is_dir() {
+                d.error(node.pos, format!("`working_dir` {} is not a directory", dir.display())).hint =
+                    Some("the path is relative to the agent directory".into());
+                return None;
+            }
+            dir
+        }
+        None => base_dir.to_owned(),
+    };
+    map.finish(&mut d, "", KEYS);
+
+    if description.is_none() && map_lacks(&root, "description") {
+        d.error(root.pos, "missing `description`").hint =
+            Some("say what the tool does and when to use it: the model reads it".into());
+    }
+    let command = match command_node {
+        None => {
+            d.error(root.pos, "missing `command`").hint =
+                Some("add the program and its arguments, e.g. `command = [\"python3\", \"add.py\"]`".into());
+            None
+        }
+        Some(node) => command(node, &mut d, &working_dir),
+    };
+    let input_schema = match schema_node {
+        None => json!({ "type": "object" }),
+        Some(node) => {
+            let schema = node.to_json();
+            if let Err(reason) = compile_input_schema(&schema) {
+                d.error(node.pos, format!("`input_schema` is not a valid JSON Schema: {reason}"));
+                return None;
+            }
+            schema
+        }
+    };
+    Some(CommandToolSpec {
+        name,
+        description: description?,
+        input_schema,
+        command: command?,
+        working_dir,
+        timeout,
+        file: file.to_owned(),
+    })
+}
+
+fn map_lacks(root: &tree::Node, key: &str) -> bool {
+    matches!(&root.kind, Kind::Map(entries) if !entries.iter().any(|(k, _, _)| k == key))
+}
+
+fn command(node: &tree::Node, d: &mut Decoder<'_>, working_dir: &Path) -> Option<Vec<String>> {
+    if let Kind::Str(line) = &node.kind {
+        let words: Vec<String> = line.split_whitespace().map(|w| format!("{w:?}")).collect();
+        d.error(node.pos, "`command` must be a list of arguments, not a string").hint =
+            Some(format!("no shell runs the command; write `command = [{}]`", words.join(", ")));
+        return None;
+    }
+    let argv: Vec<String> = d.string_list(node, "command")?.into_iter().map(|(arg, _)| arg).collect();
+    let Some(program) = argv.first() else {
+        d.error(node.pos, "`command` is empty").hint = Some("give the program and its arguments".into());
+        return None;
+    };
+    let mut argv = argv.clone();
+    if program.contains('/') {
+        let path = Path::new(program);
+        let resolved = if path.is_absolute() {
+            path.to_owned()
+        } else {
+            // `./bin/x` joins as `dir/bin/x`, not `dir/./bin/x`.
+            let relative: PathBuf = path.components().filter(|c| *c != std::path::Component::CurDir).collect();
+            working_dir.join(relative)
+        };
+        if !resolved.is_file() {
+            d.error(node.pos, format!("the command's program `{program}` does not exist (looked at {})", resolved.display())).hint =
+                Some("relative paths are relative to the tool's working directory (the agent directory by default)".into());
+            return None;
+        }
+        argv[0] = resolved.to_string_lossy().into_owned();
+    } else if !on_path(program) {
+        d.error(node.pos, format!("the command's program `{program}` is not on PATH")).hint =
+            Some("install it, or give a path such as `./scripts/tool.sh`".into());
+        return None;
+    }
+    Some(argv)
+}
+
+fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
+}

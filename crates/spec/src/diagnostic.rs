@@ -1,0 +1,88 @@
+//! Diagnostics: a problem in a spec, with its code, file, line and column, and a hint.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use keel_core::ErrorCode;
+
+/// How bad a problem is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Severity {
+    /// The agent cannot run.
+    Error,
+    /// The agent runs, but something is probably not what the author meant.
+    Warning,
+}
+
+/// A position in a file: 1-based line and column (in characters).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pos {
+    /// The line, from 1 (0 when unknown).
+    pub line: usize,
+    /// The column, from 1 (0 when unknown).
+    pub col: usize,
+}
+
+/// One problem found while loading an agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Diagnostic {
+    /// Error or warning.
+    pub severity: Severity,
+    /// The stable code.
+    pub code: ErrorCode,
+    /// The file the problem is in.
+    pub file: PathBuf,
+    /// Where in the file (line 0: the whole file).
+    pub pos: Pos,
+    /// What is wrong.
+    pub message: String,
+    /// What to do about it.
+    pub hint: Option<String>,
+}
+
+impl Diagnostic {
+    /// An error.
+    pub fn error(code: ErrorCode, file: &Path, pos: Pos, message: impl Into<String>) -> Diagnostic {
+        Diagnostic { severity: Severity::Error, code, file: file.to_owned(), pos, message: message.into(), hint: None }
+    }
+
+    /// A warning.
+    pub fn warning(code: ErrorCode, file: &Path, pos: Pos, message: impl Into<String>) -> Diagnostic {
+        Diagnostic { severity: Severity::Warning, ..Diagnostic::error(code, file, pos, message) }
+    }
+
+    /// Adds a hint.
+    pub fn with_hint(mut self, hint: impl Into<String>) -> Diagnostic {
+        self.hint = Some(hint.into());
+        self
+    }
+
+    /// Whether this is an error.
+    pub fn is_error(&self) -> bool {
+        self.severity == Severity::Error
+    }
+}
+
+/// Renders as
+/// ```text
+/// error[KEEL_SPEC_INVALID]: unknown key `modle`
+///   --> agent.yaml:3:1
+///   hint: did you mean `model`?
+/// ```
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let level = match self.severity {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+        };
+        writeln!(f, "{level}[{}]: {}", self.code, self.message)?;
+        match self.pos {
+            Pos { line: 0, .. } => write!(f, "  --> {}", self.file.display())?,
+            Pos { line, col } => write!(f, "  --> {}:{line}:{col}", self.file.display())?,
+        }
+        if let Some(hint) = &self.hint {
+            write!(f, "\n  hint: {hint}")?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,364 @@
+//! Agent directories: the spec file, `instructions.md`, `tools/` and `skills/`, and the checks
+//! that need all of them (tool names, collisions).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use keel_core::ErrorCode;
+
+use crate::command_tool;
+use crate::decode::{Decoder, did_you_mean};
+use crate::diagnostic::{Diagnostic, Pos};
+use crate::spec_file::{self, FileSpec};
+use crate::tree::{self, Kind};
+use crate::{AgentSpec, CommandToolSpec, LoadOptions, SPEC_FILE_NAMES};
+
+/// Directories of the design this build does not read yet.
+const NOT_YET_DIRS: &[&str] = &["subagents", "schedules", "channels", "memory"];
+
+const SKILL_KEYS: &[&str] = &["name", "description", "license", "allowed-tools", "metadata", "compatibility", "version"];
+
+/// A skill: instructions (and tools) the agent gains.
+struct Skill {
+    name: String,
+    description: String,
+    body: String,
+    tools: Vec<CommandToolSpec>,
+}
+
+/// Loads an agent directory, finding its spec file.
+pub(crate) fn load(dir: &Path, options: &LoadOptions<'_>, diagnostics: &mut Vec<Diagnostic>) -> Option<AgentSpec> {
+    let found: Vec<PathBuf> = SPEC_FILE_NAMES.iter().map(|n| dir.join(n)).filter(|p| p.is_file()).collect();
+    match found.as_slice() {
+        [] => {
+            diagnostics.push(
+                Diagnostic::error(ErrorCode::SpecNotFound, dir, Pos::default(), "no agent.yaml, agent.toml or agent.json in this directory")
+                    .with_hint("create agent.yaml with at least `model: mock`"),
+            );
+            None
+        }
+        [file] => load_with_spec_file(dir, file, options, diagnostics),
+        [first, second, ..] => {
+            diagnostics.push(Diagnostic::error(
+                ErrorCode::SpecInvalid,
+                second,
+                Pos::default(),
+                format!("the directory has two spec files, {} and {}; keep one", file_name(first), file_name(second)),
+            ));
+            None
+        }
+    }
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// Loads an agent directory whose spec file is `file`.
+pub(crate) fn load_with_spec_file(
+    dir: &Path,
+    file: &Path,
+    options: &LoadOptions<'_>,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Option<AgentSpec> {
+    // Absolute paths for what runs later (working directories), relative ones in messages.
+    let absolute = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let spec = spec_file::read(file, options, diagnostics);
+
+    let instructions_file = dir.join("instructions.md");
+    let dir_instructions = if instructions_file.is_file() {
+        match std::fs::read_to_string(&instructions_file) {
+            Ok(text) => Some(text),
+            Err(error) => {
+                diagnostics.push(Diagnostic::error(
+                    ErrorCode::SpecNotFound,
+                    &instructions_file,
+                    Pos::default(),
+                    format!("cannot read the instructions: {error}"),
+                ));
+                None
+            }
+        }
+    } else {
+        None
+    };
+    if let (Some(spec), Some(_)) = (&spec, &dir_instructions)
+        && let Some((_, pos)) = &spec.instructions
+    {
+        diagnostics.push(
+            Diagnostic::error(ErrorCode::SpecInvalid, file, *pos, "the instructions are given twice: here and in instructions.md")
+                .with_hint("keep one of them"),
+        );
+    }
+
+    let mut command_tools = command_tool::load_dir(&dir.join("tools"), &absolute, diagnostics);
+    for tool in &mut command_tools {
+        tool.working_dir = rebase(&tool.working_dir, dir, &absolute);
+    }
+    let requested = spec.as_ref().and_then(|s| s.skills.clone());
+    let skills = load_skills(dir, &absolute, requested.as_deref(), file, diagnostics);
+
+    for name in NOT_YET_DIRS {
+        let path = dir.join(name);
+        if path.is_dir() {
+            diagnostics.push(
+                Diagnostic::warning(ErrorCode::SpecUnsupported, &path, Pos::default(), format!("`{name}/` is not supported by this version of keel yet; it is ignored"))
+            );
+        }
+    }
+
+    let spec = spec?;
+    let default_name = absolute.file_name().and_then(|n| n.to_str()).unwrap_or("agent").to_owned();
+    let mut instructions = dir_instructions.unwrap_or_default();
+    let mut skill_names = Vec::new();
+    for skill in skills {
+        for tool in skill.tools {
+            if let Some(existing) = command_tools.iter().find(|t| t.name == tool.name) {
+                diagnostics.push(
+                    Diagnostic::error(
+                        ErrorCode::SpecInvalid,
+                        &tool.file,
+                        Pos::default(),
+                        format!("tool `{}` of skill `{}` has the same name as the tool in {}", tool.name, skill.name, existing.file.display()),
+                    )
+                    .with_hint("tool names must be unique across the agent and its skills; rename one"),
+                );
+                continue;
+            }
+            command_tools.push(tool);
+        }
+        append_skill(&mut instructions, &skill.name, &skill.description, &skill.body);
+        skill_names.push(skill.name);
+    }
+    finish(spec, default_name, instructions, command_tools, skill_names, file, options, diagnostics)
+}
+
+/// A path under `dir` written relative, made absolute under `absolute`.
+fn rebase(path: &Path, dir: &Path, absolute: &Path) -> PathBuf {
+    match path.strip_prefix(dir) {
+        Ok(rest) => absolute.join(rest),
+        Err(_) => path.to_owned(),
+    }
+}
+
+fn append_skill(instructions: &mut String, name: &str, description: &str, body: &str) {
+    if !instructions.is_empty() && !instructions.ends_with('\n') {
+        instructions.push('\n');
+    }
+    if !instructions.is_empty() {
+        instructions.push('\n');
+    }
+    instructions.push_str(&format!("## Skill: {name}\n{description}\n\n{}\n", body.trim()));
+}
+
+fn load_skills(
+    dir: &Path,
+    absolute: &Path,
+    requested: Option<&[(String, Pos)]>,
+    spec_file: &Path,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Vec<Skill> {
+    let skills_dir = dir.join("skills");
+    let mut available: Vec<String> = std::fs::read_dir(&skills_dir)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter(|e| e.path().join("SKILL.md").is_file())
+                .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    available.sort();
+    let names: Vec<String> = match requested {
+        None => available.clone(),
+        Some(requested) => {
+            let mut names = Vec::new();
+            let candidates: Vec<&str> = available.iter().map(String::as_str).collect();
+            for (name, pos) in requested {
+                if available.contains(name) {
+                    names.push(name.clone());
+                    continue;
+                }
+                let hint = match did_you_mean(name, &candidates) {
+                    Some(close) => format!("did you mean `{close}`?"),
+                    None if candidates.is_empty() => "create skills/<name>/SKILL.md next to the spec".to_owned(),
+                    None => format!("available skills: {}", candidates.join(", ")),
+                };
+                diagnostics.push(
+                    Diagnostic::error(ErrorCode::SpecInvalid, spec_file, *pos, format!("unknown skill `{name}`: there is no skills/{name}/SKILL.md"))
+                        .with_hint(hint),
+                );
+            }
+            names
+        }
+    };
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let skill_dir = skills_dir.join(&name);
+            let (description, body) = read_skill_file(&skill_dir.join("SKILL.md"), &name, diagnostics)?;
+            let skill_absolute = absolute.join("skills").join(&name);
+            let mut tools = command_tool::load_dir(&skill_dir.join("tools"), &skill_absolute, diagnostics);
+            for tool in &mut tools {
+                tool.working_dir = rebase(&tool.working_dir, &skill_dir, &skill_absolute);
+            }
+            Some(Skill { name, description, body, tools })
+        })
+        .collect()
+}
+
+/// Reads a SKILL.md: YAML front matter between `---` lines, then the instructions.
+fn read_skill_file(file: &Path, dir_name: &str, diagnostics: &mut Vec<Diagnostic>) -> Option<(String, String)> {
+    let text = match std::fs::read_to_string(file) {
+        Ok(text) => text,
+        Err(error) => {
+            diagnostics.push(Diagnostic::error(ErrorCode::SpecNotFound, file, Pos::default(), format!("cannot read the skill: {error}")));
+            return None;
+        }
+    };
+    let missing_front_matter = || {
+        Diagnostic::error(ErrorCode::SpecInvalid, file, Pos { line: 1, col: 1 }, "SKILL.md must start with YAML front matter")
+            .with_hint("begin the file with `---`, then `name:` and `description:` lines, then `---`")
+    };
+    let Some(rest) = text.strip_prefix("---\n").or_else(|| text.strip_prefix("---\r\n")) else {
+        diagnostics.push(missing_front_matter());
+        return None;
+    };
+    let Some(end) = rest.find("\n---") else {
+        diagnostics.push(missing_front_matter());
+        return None;
+    };
+    let front = &rest[..=end];
+    let body = rest[end + 4..].trim_start_matches(['-']).trim_start_matches(['\r', '\n']).to_owned();
+    let node = match tree::parse_yaml(front, file) {
+        Ok(node) => shift_lines(node, 1),
+        Err(mut diagnostic) => {
+            diagnostic.pos.line += 1;
+            diagnostics.push(diagnostic);
+            return None;
+        }
+    };
+    let mut d = Decoder { file: file.to_owned(), diagnostics };
+    let mut map = d.map(&node, "the front matter")?;
+    let name = map.take("name").and_then(|n| d.text(n, "name").map(|t| (t, n.pos)));
+    let description = map.take("description").and_then(|n| d.text(n, "description"));
+    for key in &SKILL_KEYS[2..] {
+        map.take(key);
+    }
+    map.finish(&mut d, "front matter", SKILL_KEYS);
+    match &name {
+        Some((name, pos)) if name != dir_name => {
+            d.error(*pos, format!("the skill is named `{name}` but lives in skills/{dir_name}/")).hint =
+                Some("the front matter `name` must match the skill's directory name".into());
+        }
+        Some(_) => {}
+        None => {
+            d.error(node.pos, "the front matter has no `name`");
+        }
+    }
+    if description.is_none() {
+        d.error(node.pos, "the front matter has no `description`").hint =
+            Some("say in one line what the skill is for".into());
+    }
+    Some((description?, body))
+}
+
+/// Moves every position of a tree down by `lines` (front matter starts after `---`).
+fn shift_lines(mut node: tree::Node, lines: usize) -> tree::Node {
+    node.pos.line += lines;
+    node.kind = match node.kind {
+        Kind::Seq(items) => Kind::Seq(items.into_iter().map(|n| shift_lines(n, lines)).collect()),
+        Kind::Map(entries) => Kind::Map(
+            entries
+                .into_iter()
+                .map(|(k, mut p, v)| {
+                    p.line += lines;
+                    (k, p, shift_lines(v, lines))
+                })
+                .collect(),
+        ),
+        other => other,
+    };
+    node
+}
+
+/// Builds the spec from the decoded file and what the directory added, checking tool names.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn finish(
+    spec: FileSpec,
+    default_name: String,
+    dir_instructions: String,
+    command_tools: Vec<CommandToolSpec>,
+    skills: Vec<String>,
+    file: &Path,
+    options: &LoadOptions<'_>,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Option<AgentSpec> {
+    let command_names: Vec<&str> = command_tools.iter().map(|t| t.name.as_str()).collect();
+    for tool in &command_tools {
+        if options.builtin_tools.contains(&tool.name.as_str()) {
+            diagnostics.push(
+                Diagnostic::error(ErrorCode::SpecInvalid, &tool.file, Pos::default(), format!("tool `{}` has the name of a built-in tool", tool.name))
+                    .with_hint("rename the file: built-in tool names are reserved"),
+            );
+        }
+    }
+    let mut builtin_tools = Vec::new();
+    let mut seen: HashMap<&str, Pos> = HashMap::new();
+    for (name, pos) in &spec.tools {
+        if let Some(first) = seen.insert(name, *pos) {
+            diagnostics.push(Diagnostic::warning(
+                ErrorCode::SpecInvalid,
+                file,
+                *pos,
+                format!("tool `{name}` is listed twice (first at line {})", first.line),
+            ));
+            continue;
+        }
+        if options.builtin_tools.contains(&name.as_str()) {
+            builtin_tools.push(name.clone());
+        } else if !command_names.contains(&name.as_str()) {
+            let candidates: Vec<&str> = options.builtin_tools.iter().copied().chain(command_names.iter().copied()).collect();
+            let hint = match did_you_mean(name, &candidates) {
+                Some(close) => format!("did you mean `{close}`?"),
+                None => format!("available tools: {}", candidates.join(", ")),
+            };
+            diagnostics.push(
+                Diagnostic::error(ErrorCode::SpecInvalid, file, *pos, format!("unknown tool `{name}`")).with_hint(hint),
+            );
+        }
+    }
+    let mock = spec.mock.map(|(script, called)| {
+        for (name, pos) in called {
+            let known = builtin_tools.contains(&name) || command_names.contains(&name.as_str());
+            if !known {
+                diagnostics.push(Diagnostic::warning(
+                    ErrorCode::SpecInvalid,
+                    file,
+                    pos,
+                    format!("the mock script calls `{name}`, which the agent does not have (the model will get an error result)"),
+                ));
+            }
+        }
+        script
+    });
+    let instructions = match spec.instructions {
+        Some((text, _)) if dir_instructions.is_empty() => text,
+        Some((text, _)) => format!("{text}\n\n{dir_instructions}"),
+        None => dir_instructions,
+    };
+    Some(AgentSpec {
+        name: spec.name.unwrap_or(default_name),
+        description: spec.description,
+        instructions,
+        model: spec.model?,
+        builtin_tools,
+        command_tools,
+        limits: spec.limits,
+        retry: spec.retry,
+        output_schema: spec.output_schema,
+        mock,
+        skills,
+        source: file.to_owned(),
+    })
+}

@@ -1,0 +1,367 @@
+//! The keys of a spec file (DESIGN.md §2), decoded from a [`Node`] tree.
+
+use std::path::Path;
+
+use keel_core::agent::OutputSchema;
+use keel_core::{ErrorCode, Limits, MockEntry, MockFailure, MockScript, MockToolCall, RetryPolicy};
+use serde_json::Value;
+
+use crate::decode::{Decoder, did_you_mean};
+use crate::diagnostic::{Diagnostic, Pos};
+use crate::tree::{self, Format, Kind, Node};
+use crate::{AgentSpec, LoadOptions};
+
+/// Every top-level key a spec may have.
+pub(crate) const KEYS: &[&str] = &[
+    "name", "description", "instructions", "model", "tools", "http", "limits", "retry", "approvals",
+    "concurrency", "workspace", "output", "compaction", "mcp", "triggers", "memory", "skills", "mock",
+];
+
+/// Keys of the design this build does not implement yet: refusing them is safer than ignoring
+/// them (an ignored `approvals` would run risky tools without asking).
+const NOT_YET: &[&str] = &["http", "approvals", "workspace", "compaction", "mcp", "triggers", "memory"];
+
+const LIMIT_KEYS: &[&str] = &[
+    "max_turns", "max_total_tokens", "max_tool_calls", "tool_timeout", "max_tool_output_chars", "provider_timeout",
+];
+const RETRY_KEYS: &[&str] = &["max_attempts", "initial_backoff", "max_backoff"];
+const MOCK_ENTRY_KEYS: &[&str] = &["text", "tool_calls", "delay_ms", "error"];
+
+/// The spec file's keys, decoded; `instructions` and `skills` are finished by the caller.
+pub(crate) struct FileSpec {
+    pub(crate) name: Option<String>,
+    pub(crate) description: Option<String>,
+    pub(crate) instructions: Option<(String, Pos)>,
+    pub(crate) model: Option<String>,
+    pub(crate) tools: Vec<(String, Pos)>,
+    pub(crate) limits: Limits,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) output_schema: Option<Value>,
+    pub(crate) mock: Option<(MockScript, Vec<(String, Pos)>)>,
+    pub(crate) skills: Option<Vec<(String, Pos)>>,
+}
+
+/// Reads and decodes a spec file.
+pub(crate) fn read(file: &Path, options: &LoadOptions<'_>, diagnostics: &mut Vec<Diagnostic>) -> Option<FileSpec> {
+    let Some(format) = Format::of(file) else {
+        diagnostics.push(
+            Diagnostic::error(ErrorCode::SpecNotFound, file, Pos::default(), "not a spec file")
+                .with_hint("spec files end in .yaml, .yml, .toml or .json"),
+        );
+        return None;
+    };
+    let text = match std::fs::read_to_string(file) {
+        Ok(text) => text,
+        Err(error) => {
+            diagnostics.push(Diagnostic::error(ErrorCode::SpecNotFound, file, Pos::default(), format!("cannot read the spec: {error}")));
+            return None;
+        }
+    };
+    let root = match tree::parse(&text, format, file) {
+        Ok(root) => root,
+        Err(diagnostic) => {
+            diagnostics.push(diagnostic);
+            return None;
+        }
+    };
+    let mut decoder = Decoder { file: file.to_owned(), diagnostics };
+    decode(&root, &mut decoder, options)
+}
+
+fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option<FileSpec> {
+    let mut map = d.map(root, "the spec")?;
+    let base_dir = d.file().parent().map(Path::to_path_buf).unwrap_or_default();
+    let mut spec = FileSpec {
+        name: None,
+        description: None,
+        instructions: None,
+        model: None,
+        tools: Vec::new(),
+        limits: Limits::default(),
+        retry: RetryPolicy::default(),
+        output_schema: None,
+        mock: None,
+        skills: None,
+    };
+    if let Some(node) = map.take("name") {
+        spec.name = d.text(node, "name");
+        if let Some(name) = &spec.name
+            && !keel_core::tool::validate_tool_name(name)
+        {
+            d.error(node.pos, format!("invalid agent name {name:?}: use 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`"));
+        }
+    }
+    if let Some(node) = map.take("description") {
+        spec.description = d.text(node, "description");
+    }
+    if let Some(node) = map.take("instructions") {
+        spec.instructions = instructions(node, d, &base_dir).map(|text| (text, node.pos));
+    }
+    match map.take("model") {
+        Some(node) => spec.model = model(node, d, options),
+        None => {
+            d.error(map.pos, "missing `model`").hint =
+                Some("add `model: mock` to run offline, or `model: openai/gpt-4o-mini` (provider/model)".into());
+        }
+    }
+    if let Some(node) = map.take("tools") {
+        spec.tools = d.string_list(node, "tools").unwrap_or_default();
+    }
+    if let Some(node) = map.take("limits") {
+        limits(node, d, &mut spec.limits);
+    }
+    if let Some(node) = map.take("retry") {
+        retry(node, d, &mut spec.retry);
+    }
+    if let Some(node) = map.take("output") {
+        spec.output_schema = output(node, d);
+    }
+    if let Some(node) = map.take("concurrency") {
+        if let Some(mode) = d.string(node, "concurrency") {
+            match mode.as_str() {
+                "reject" => {}
+                "replace" | "queue" => {
+                    d.push(Diagnostic::error(
+                        ErrorCode::SpecUnsupported,
+                        &d.file.clone(),
+                        node.pos,
+                        format!("`concurrency: {mode}` is not supported by this version of keel yet"),
+                    ))
+                    .hint = Some("use `concurrency: reject` (the default) for now".into());
+                }
+                other => {
+                    let hint = did_you_mean(other, &["reject", "replace", "queue"])
+                        .map_or("use reject, replace or queue".to_owned(), |c| format!("did you mean `{c}`?"));
+                    d.error(node.pos, format!("unknown concurrency mode {other:?}")).hint = Some(hint);
+                }
+            }
+        }
+    }
+    if let Some(node) = map.take("skills") {
+        spec.skills = d.string_list(node, "skills");
+    }
+    if let Some(node) = map.take("mock") {
+        spec.mock = mock(node, d);
+    }
+    for key in NOT_YET {
+        if let Some(pos) = map.key_pos(key) {
+            map.take(key);
+            let file = d.file.clone();
+            d.push(Diagnostic::error(
+                ErrorCode::SpecUnsupported,
+                &file,
+                pos,
+                format!("`{key}` is not supported by this version of keel yet"),
+            ))
+            .hint = Some(format!("remove `{key}` to run the agent with this version"));
+        }
+    }
+    map.finish(d, "", KEYS);
+    Some(spec)
+}
+
+fn instructions(node: &Node, d: &mut Decoder<'_>, base_dir: &Path) -> Option<String> {
+    if let Kind::Map(_) = node.kind {
+        // `instructions: { file: prompt.md }`
+        let mut map = d.map(node, "instructions")?;
+        let file = map.take("file").and_then(|f| d.text(f, "instructions.file").map(|t| (t, f.pos)));
+        map.finish(d, "instructions", &["file"]);
+        let (file, pos) = file.or_else(|| {
+            d.error(node.pos, "`instructions` as a mapping needs `file`").hint =
+                Some("write `instructions: { file: prompt.md }`, or the instructions as a string".into());
+            None
+        })?;
+        let path = base_dir.join(&file);
+        return match std::fs::read_to_string(&path) {
+            Ok(text) => Some(text),
+            Err(error) => {
+                d.error(pos, format!("cannot read the instructions file {}: {error}", path.display())).hint =
+                    Some("the path is relative to the spec file's directory".into());
+                None
+            }
+        };
+    }
+    d.string(node, "instructions")
+}
+
+fn model(node: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option<String> {
+    let model = d.text(node, "model")?;
+    let (provider, name) = match model.split_once('/') {
+        Some((provider, name)) => (provider, Some(name)),
+        None => (model.as_str(), None),
+    };
+    if !options.providers.contains(&provider) {
+        let hint = match did_you_mean(provider, options.providers) {
+            Some(close) => format!("did you mean `{close}`?"),
+            None => format!("write provider/model with a provider among: {}", options.providers.join(", ")),
+        };
+        d.error(node.pos, format!("unknown provider `{provider}` in model {model:?}")).hint = Some(hint);
+        return None;
+    }
+    if provider != "mock" && name.is_none_or(str::is_empty) {
+        d.error(node.pos, format!("model {model:?} names no model")).hint =
+            Some(format!("write `{provider}/<model>`, for example `openai/gpt-4o-mini`"));
+        return None;
+    }
+    Some(model)
+}
+
+fn limits(node: &Node, d: &mut Decoder<'_>, limits: &mut Limits) {
+    let Some(mut map) = d.map(node, "limits") else { return };
+    let max = i64::from(u32::MAX);
+    if let Some(n) = map.take("max_turns").and_then(|v| d.int(v, "limits.max_turns", 1, max)) {
+        limits.max_turns = n as u32;
+    }
+    if let Some(n) = map.take("max_total_tokens").and_then(|v| d.int(v, "limits.max_total_tokens", 1, i64::MAX)) {
+        limits.max_total_tokens = Some(n as u64);
+    }
+    if let Some(n) = map.take("max_tool_calls").and_then(|v| d.int(v, "limits.max_tool_calls", 0, max)) {
+        limits.max_tool_calls = Some(n as u32);
+    }
+    if let Some(t) = map.take("tool_timeout").and_then(|v| d.duration(v, "limits.tool_timeout")) {
+        limits.tool_timeout = t;
+    }
+    if let Some(n) = map.take("max_tool_output_chars").and_then(|v| d.int(v, "limits.max_tool_output_chars", 1, i64::MAX)) {
+        limits.max_tool_output_chars = n as usize;
+    }
+    if let Some(t) = map.take("provider_timeout").and_then(|v| d.duration(v, "limits.provider_timeout")) {
+        limits.provider_timeout = t;
+    }
+    map.finish(d, "limits", LIMIT_KEYS);
+}
+
+fn retry(node: &Node, d: &mut Decoder<'_>, retry: &mut RetryPolicy) {
+    let Some(mut map) = d.map(node, "retry") else { return };
+    if let Some(n) = map.take("max_attempts").and_then(|v| d.int(v, "retry.max_attempts", 1, 100)) {
+        retry.max_attempts = n as u32;
+    }
+    if let Some(t) = map.take("initial_backoff").and_then(|v| d.duration(v, "retry.initial_backoff")) {
+        retry.initial_backoff = t;
+    }
+    if let Some(t) = map.take("max_backoff").and_then(|v| d.duration(v, "retry.max_backoff")) {
+        retry.max_backoff = t;
+    }
+    map.finish(d, "retry", RETRY_KEYS);
+}
+
+fn output(node: &Node, d: &mut Decoder<'_>) -> Option<Value> {
+    let mut map = d.map(node, "output")?;
+    let schema_node = map.take("schema");
+    map.finish(d, "output", &["schema"]);
+    let schema_node = schema_node.or_else(|| {
+        d.error(node.pos, "`output` needs `schema`");
+        None
+    })?;
+    d.map(schema_node, "output.schema")?;
+    let schema = schema_node.to_json();
+    if let Err(reason) = OutputSchema::new(schema.clone()) {
+        d.error(schema_node.pos, format!("`output.schema` is not a valid JSON Schema: {reason}"));
+        return None;
+    }
+    Some(schema)
+}
+
+/// The mock script, plus the tool names it calls (checked once the agent's tools are known).
+fn mock(node: &Node, d: &mut Decoder<'_>) -> Option<(MockScript, Vec<(String, Pos)>)> {
+    let mut map = d.map(node, "mock")?;
+    let script = map.take("script");
+    map.finish(d, "mock", &["script"]);
+    let Some(script) = script else {
+        d.error(node.pos, "`mock` needs `script`").hint =
+            Some("write `mock: { script: [ { text: \"Hello!\" } ] }`".into());
+        return None;
+    };
+    let items = d.list(script, "mock.script")?;
+    let mut entries = Vec::with_capacity(items.len());
+    let mut called = Vec::new();
+    for (index, item) in items.iter().enumerate() {
+        let what = format!("mock.script[{index}]");
+        let Some(mut entry_map) = d.map(item, &what) else { continue };
+        let mut entry = MockEntry::default();
+        if let Some(v) = entry_map.take("text") {
+            entry.text = d.string(v, &format!("{what}.text"));
+        }
+        if let Some(v) = entry_map.take("delay_ms") {
+            entry.delay_ms = d.int(v, &format!("{what}.delay_ms"), 0, 3_600_000).unwrap_or(0) as u64;
+        }
+        if let Some(v) = entry_map.take("tool_calls") {
+            for call in d.list(v, &format!("{what}.tool_calls")).unwrap_or_default() {
+                if let Some(call) = mock_call(call, d, &what) {
+                    called.push((call.name.clone(), item.pos));
+                    entry.tool_calls.push(call);
+                }
+            }
+        }
+        if let Some(v) = entry_map.take("error") {
+            entry.error = mock_error(v, d, &what);
+        }
+        entry_map.finish(d, &what, MOCK_ENTRY_KEYS);
+        if entry.text.is_none() && entry.tool_calls.is_empty() && entry.error.is_none() {
+            d.error(item.pos, format!("`{what}` has no `text`, `tool_calls` or `error`"));
+        }
+        entries.push(entry);
+    }
+    Some((MockScript { entries }, called))
+}
+
+fn mock_call(node: &Node, d: &mut Decoder<'_>, what: &str) -> Option<MockToolCall> {
+    let what = format!("{what}.tool_calls[]");
+    let mut map = d.map(node, &what)?;
+    let name = map.take("name").and_then(|n| d.text(n, &format!("{what}.name")));
+    let input = match map.take("input") {
+        Some(input) => {
+            d.map(input, &format!("{what}.input"))?;
+            input.to_json()
+        }
+        None => Value::Object(Default::default()),
+    };
+    map.finish(d, &what, &["name", "input"]);
+    let name = name.or_else(|| {
+        d.error(node.pos, format!("`{what}` needs `name`"));
+        None
+    })?;
+    Some(MockToolCall { name, input })
+}
+
+fn mock_error(node: &Node, d: &mut Decoder<'_>, what: &str) -> Option<MockFailure> {
+    let what = format!("{what}.error");
+    if let Kind::Int(_) = node.kind {
+        // `error: 503`
+        let status = d.int(node, &what, 400, 599)? as u16;
+        return Some(MockFailure { status, message: format!("mock provider error (status {status})"), times: None });
+    }
+    let mut map = d.map(node, &what)?;
+    let status = map.take("status").and_then(|v| d.int(v, &format!("{what}.status"), 400, 599));
+    let message = map.take("message").and_then(|v| d.string(v, &format!("{what}.message")));
+    let times = map.take("times").and_then(|v| d.int(v, &format!("{what}.times"), 1, 1000));
+    map.finish(d, &what, &["status", "message", "times"]);
+    let Some(status) = status else {
+        d.error(node.pos, format!("`{what}` needs `status` (an HTTP status such as 429 or 503)"));
+        return None;
+    };
+    let status = status as u16;
+    Some(MockFailure {
+        status,
+        message: message.unwrap_or_else(|| format!("mock provider error (status {status})")),
+        times: times.map(|t| t as u32),
+    })
+}
+
+/// Loads a spec file that is not inside an agent directory.
+pub(crate) fn load_standalone(
+    file: &Path,
+    options: &LoadOptions<'_>,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Option<AgentSpec> {
+    let spec = read(file, options, diagnostics)?;
+    let default_name = file.file_stem().and_then(|s| s.to_str()).unwrap_or("agent").to_owned();
+    if let Some(skills) = &spec.skills
+        && let Some((_, pos)) = skills.first()
+    {
+        diagnostics.push(
+            Diagnostic::error(ErrorCode::SpecInvalid, file, *pos, "`skills` needs an agent directory")
+                .with_hint("put the spec in a directory as agent.yaml, with skills/<name>/SKILL.md beside it"),
+        );
+    }
+    crate::directory::finish(spec, default_name, String::new(), Vec::new(), Vec::new(), file, options, diagnostics)
+}

@@ -1,0 +1,312 @@
+//! Loader tests: real files in a temporary directory, diagnostics asserted as rendered text.
+
+use std::path::Path;
+
+use expect_test::{Expect, expect};
+use serde_json::json;
+
+use super::*;
+
+const OPTIONS: LoadOptions<'static> = LoadOptions {
+    builtin_tools: &["current-date", "day-name"],
+    providers: &["mock", "openai", "anthropic", "ollama", "openrouter"],
+};
+
+/// Writes `files` (path, content) under a fresh directory and returns it.
+fn tree(files: &[(&str, &str)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (path, content) in files {
+        let path = dir.path().join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, content).unwrap();
+    }
+    dir
+}
+
+/// Loads `target` under `dir` and renders every diagnostic with paths relative to `dir`.
+fn diagnostics(dir: &Path, target: &str) -> String {
+    let loaded = load(&dir.join(target), &OPTIONS);
+    let prefix = format!("{}/", dir.display());
+    let mut out: String =
+        loaded.diagnostics.iter().map(|d| d.to_string().replace(&prefix, "") + "\n").collect();
+    if loaded.spec.is_some() {
+        out.push_str("(loaded)\n");
+    }
+    out
+}
+
+fn check(files: &[(&str, &str)], target: &str, expected: Expect) {
+    let dir = tree(files);
+    expected.assert_eq(&diagnostics(dir.path(), target));
+}
+
+#[test]
+fn a_full_agent_directory_loads() {
+    let dir = tree(&[
+        ("assistant/agent.yaml", "model: mock\ntools: [day-name]\nlimits: { max_turns: 4, tool_timeout: 5s }\nmock:\n  script:\n    - tool_calls: [{ name: day-name }]\n    - { text: 'It is {{last_tool_output}}.', delay_ms: 10 }\n    - error: { status: 503, times: 1 }\n      text: ok\n"),
+        ("assistant/instructions.md", "You are helpful.\n"),
+        ("assistant/tools/add.toml", "description = \"Adds\"\ncommand = [\"sh\", \"-c\", \"cat\"]\ntimeout = \"2s\"\n[input_schema]\ntype = \"object\"\nrequired = [\"a\"]\n"),
+        ("assistant/skills/billing/SKILL.md", "---\nname: billing\ndescription: Handles invoices.\n---\nAlways quote the invoice number.\n"),
+        ("assistant/skills/billing/tools/refund.toml", "description = \"Refunds\"\ncommand = [\"true\"]\n"),
+    ]);
+    let loaded = load(&dir.path().join("assistant"), &OPTIONS);
+    assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
+    let spec = loaded.spec.unwrap();
+    assert_eq!(spec.name, "assistant");
+    assert_eq!(spec.model, "mock");
+    assert_eq!(spec.builtin_tools, ["day-name"]);
+    assert_eq!(spec.instructions, "You are helpful.\n\n## Skill: billing\nHandles invoices.\n\nAlways quote the invoice number.\n");
+    let names: Vec<&str> = spec.command_tools.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["add", "refund"]);
+    let add = &spec.command_tools[0];
+    assert_eq!(add.input_schema, json!({"type": "object", "required": ["a"]}));
+    assert_eq!(add.timeout, Some(std::time::Duration::from_secs(2)));
+    assert!(add.working_dir.is_absolute() && add.working_dir.ends_with("assistant"), "{:?}", add.working_dir);
+    assert!(spec.command_tools[1].working_dir.ends_with("skills/billing"));
+    assert_eq!(spec.limits.max_turns, 4);
+    assert_eq!(spec.skills, ["billing"]);
+    let script = spec.mock.unwrap();
+    assert_eq!(script.entries.len(), 3);
+    assert_eq!(script.entries[1].delay_ms, 10);
+    assert_eq!(script.entries[2].error.as_ref().unwrap().times, Some(1));
+}
+
+#[test]
+fn the_same_spec_in_toml_and_json() {
+    let toml = "model = \"mock\"\ntools = [\"day-name\"]\n[limits]\nmax_turns = 3\n[[mock.script]]\ntext = \"hi\"\n";
+    let json = r#"{"model": "mock", "tools": ["day-name"], "limits": {"max_turns": 3}, "mock": {"script": [{"text": "hi"}]}}"#;
+    let yaml = "model: mock\ntools: [day-name]\nlimits: {max_turns: 3}\nmock: {script: [{text: hi}]}\n";
+    let dir = tree(&[("a.toml", toml), ("a.json", json), ("a.yaml", yaml)]);
+    let specs: Vec<AgentSpec> =
+        ["a.toml", "a.json", "a.yaml"].iter().map(|f| load(&dir.path().join(f), &OPTIONS).spec.unwrap()).collect();
+    for spec in &specs {
+        assert_eq!(spec.name, "a");
+        assert_eq!(spec.limits.max_turns, 3);
+        assert_eq!(spec.mock.as_ref().unwrap().entries[0].text.as_deref(), Some("hi"));
+    }
+}
+
+#[test]
+fn every_problem_is_reported_with_its_position() {
+    check(
+        &[(
+            "agent.yaml",
+            "modle: mock\ntools: [day-nam, current-date]\nlimits:\n  max_turns: 0\n  tool_timeout: soon\n  max_tool_cals: 3\nretry: 4\n",
+        )],
+        "agent.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: missing `model`
+              --> agent.yaml:1:1
+              hint: add `model: mock` to run offline, or `model: openai/gpt-4o-mini` (provider/model)
+            error[KEEL_SPEC_INVALID]: `limits.max_turns` must be at least 1, not 0
+              --> agent.yaml:4:14
+            error[KEEL_SPEC_INVALID]: `limits.tool_timeout` is not a duration (expected number at 0): "soon"
+              --> agent.yaml:5:17
+              hint: write durations like `500ms`, `30s`, `5m`, `2h` or `3d`
+            error[KEEL_SPEC_INVALID]: unknown key `max_tool_cals` in `limits`
+              --> agent.yaml:6:3
+              hint: did you mean `max_tool_calls`?
+            error[KEEL_SPEC_INVALID]: `retry` must be a mapping, not an integer
+              --> agent.yaml:7:8
+            error[KEEL_SPEC_INVALID]: unknown key `modle`
+              --> agent.yaml:1:1
+              hint: did you mean `model`?
+        "#]],
+    );
+}
+
+#[test]
+fn unknown_tools_and_providers_get_suggestions() {
+    check(
+        &[("agent.toml", "model = \"opneai/gpt-4o\"\ntools = [\"day-nam\", \"weather\"]\n")],
+        "agent.toml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: unknown provider `opneai` in model "opneai/gpt-4o"
+              --> agent.toml:1:9
+              hint: did you mean `openai`?
+        "#]],
+    );
+    check(
+        &[("agent.toml", "model = \"mock\"\ntools = [\"day-nam\", \"weather\"]\n")],
+        "agent.toml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: unknown tool `day-nam`
+              --> agent.toml:2:10
+              hint: did you mean `day-name`?
+            error[KEEL_SPEC_INVALID]: unknown tool `weather`
+              --> agent.toml:2:21
+              hint: available tools: current-date, day-name
+        "#]],
+    );
+}
+
+#[test]
+fn syntax_errors_and_missing_files() {
+    check(&[("agent.json", "{\"model\": \"mock\",\n  \"tools\": [}\n")], "agent.json", expect![[r#"
+        error[KEEL_SPEC_SYNTAX]: invalid JSON: expected value at line 2 column 13
+          --> agent.json:2:13
+    "#]]);
+    check(&[], "nothing.yaml", expect![[r#"
+        error[KEEL_SPEC_NOT_FOUND]: cannot read the agent: No such file or directory (os error 2)
+          --> nothing.yaml
+          hint: give an agent directory (with agent.yaml) or a spec file (.yaml, .toml or .json)
+    "#]]);
+    check(&[("a/readme.md", "")], "a", expect![[r#"
+        error[KEEL_SPEC_NOT_FOUND]: no agent.yaml, agent.toml or agent.json in this directory
+          --> a
+          hint: create agent.yaml with at least `model: mock`
+    "#]]);
+    check(
+        &[("a.yaml", "model: mock\ninstructions: { file: prompt.md }\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: cannot read the instructions file prompt.md: No such file or directory (os error 2)
+              --> a.yaml:2:23
+              hint: the path is relative to the spec file's directory
+        "#]],
+    );
+}
+
+#[test]
+fn instructions_from_a_file() {
+    let dir = tree(&[("a.yaml", "model: mock\ninstructions: { file: prompts/main.md }\n"), ("prompts/main.md", "Be kind.")]);
+    assert_eq!(load(&dir.path().join("a.yaml"), &OPTIONS).spec.unwrap().instructions, "Be kind.");
+}
+
+#[test]
+fn bad_command_tools() {
+    check(
+        &[
+            ("a/agent.yaml", "model: mock\n"),
+            ("a/tools/no_command.toml", "description = \"x\"\n"),
+            ("a/tools/string_command.toml", "description = \"x\"\ncommand = \"python3 tool.py\"\n"),
+            ("a/tools/missing_program.toml", "description = \"x\"\ncommand = [\"./bin/tool.sh\"]\n"),
+            ("a/tools/bad_schema.toml", "description = \"x\"\ncommand = [\"true\"]\n[input_schema]\ntype = 12\n"),
+            ("a/tools/typo.toml", "descripton = \"x\"\ncommand = [\"true\"]\n"),
+            ("a/tools/day-name.toml", "description = \"x\"\ncommand = [\"true\"]\n"),
+        ],
+        "a",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `input_schema` is not a valid JSON Schema: 12 is not valid under any of the schemas listed in the 'anyOf' keyword
+              --> a/tools/bad_schema.toml:4:1
+            error[KEEL_SPEC_INVALID]: the command's program `./bin/tool.sh` does not exist (looked at TMP/a/./bin/tool.sh)
+              --> a/tools/missing_program.toml:2:11
+              hint: relative paths are relative to the tool's working directory (the agent directory by default)
+            error[KEEL_SPEC_INVALID]: missing `command`
+              --> a/tools/no_command.toml:1:1
+              hint: add the program and its arguments, e.g. `command = ["python3", "add.py"]`
+            error[KEEL_SPEC_INVALID]: `command` must be a list of arguments, not a string
+              --> a/tools/string_command.toml:2:11
+              hint: no shell runs the command; write `command = ["python3", "tool.py"]`
+            error[KEEL_SPEC_INVALID]: unknown key `descripton`
+              --> a/tools/typo.toml:1:1
+              hint: did you mean `description`?
+            error[KEEL_SPEC_INVALID]: missing `description`
+              --> a/tools/typo.toml:1:1
+              hint: say what the tool does and when to use it: the model reads it
+            error[KEEL_SPEC_INVALID]: tool `day-name` has the name of a built-in tool
+              --> a/tools/day-name.toml
+              hint: rename the file: built-in tool names are reserved
+        "#]],
+    );
+}
+
+#[test]
+fn skills_problems() {
+    check(
+        &[
+            ("a/agent.yaml", "model: mock\nskills: [billing, shiping]\n"),
+            ("a/tools/refund.toml", "description = \"x\"\ncommand = [\"true\"]\n"),
+            ("a/skills/billing/SKILL.md", "---\nname: billing\ndescription: Bills.\n---\nBody.\n"),
+            ("a/skills/billing/tools/refund.toml", "description = \"y\"\ncommand = [\"true\"]\n"),
+            ("a/skills/shipping/SKILL.md", "---\nname: shipping\ndescriptoin: Ships.\n---\nBody.\n"),
+            ("a/skills/broken/SKILL.md", "no front matter\n"),
+        ],
+        "a",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: unknown skill `shiping`: there is no skills/shiping/SKILL.md
+              --> a/agent.yaml:2:19
+              hint: did you mean `shipping`?
+            error[KEEL_SPEC_INVALID]: tool `refund` of skill `billing` has the same name as the tool in TMP/a/tools/refund.toml
+              --> a/skills/billing/tools/refund.toml
+              hint: tool names must be unique across the agent and its skills; rename one
+        "#]],
+    );
+    check(
+        &[
+            ("a/agent.yaml", "model: mock\n"),
+            ("a/skills/shipping/SKILL.md", "---\nname: shipping\ndescriptoin: Ships.\n---\nBody.\n"),
+            ("a/skills/broken/SKILL.md", "no front matter\n"),
+        ],
+        "a",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: SKILL.md must start with YAML front matter
+              --> a/skills/broken/SKILL.md:1:1
+              hint: begin the file with `---`, then `name:` and `description:` lines, then `---`
+            error[KEEL_SPEC_INVALID]: unknown key `descriptoin` in `front matter`
+              --> a/skills/shipping/SKILL.md:3:1
+              hint: did you mean `description`?
+            error[KEEL_SPEC_INVALID]: the front matter has no `description`
+              --> a/skills/shipping/SKILL.md:2:1
+              hint: say in one line what the skill is for
+        "#]],
+    );
+}
+
+#[test]
+fn features_of_later_versions_are_refused_not_ignored() {
+    check(
+        &[("a.yaml", "model: mock\napprovals: { tools: [shell] }\nconcurrency: queue\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_UNSUPPORTED]: `concurrency: queue` is not supported by this version of keel yet
+              --> a.yaml:3:14
+              hint: use `concurrency: reject` (the default) for now
+            error[KEEL_SPEC_UNSUPPORTED]: `approvals` is not supported by this version of keel yet
+              --> a.yaml:2:1
+              hint: remove `approvals` to run the agent with this version
+        "#]],
+    );
+}
+
+#[test]
+fn mock_script_problems() {
+    check(
+        &[("a.yaml", "model: mock\nmock:\n  script:\n    - { delay_ms: 5 }\n    - tool_calls: [{ name: weather, input: 3 }]\n    - tool_calls: [{ name: weather }]\n    - error: { status: 200 }\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `mock.script[0]` has no `text`, `tool_calls` or `error`
+              --> a.yaml:4:7
+            error[KEEL_SPEC_INVALID]: `mock.script[1].tool_calls[].input` must be a mapping, not an integer
+              --> a.yaml:5:45
+            error[KEEL_SPEC_INVALID]: `mock.script[1]` has no `text`, `tool_calls` or `error`
+              --> a.yaml:5:7
+            error[KEEL_SPEC_INVALID]: `mock.script[3].error.status` must be between 400 and 599, not 200
+              --> a.yaml:7:23
+            error[KEEL_SPEC_INVALID]: `mock.script[3].error` needs `status` (an HTTP status such as 429 or 503)
+              --> a.yaml:7:14
+            error[KEEL_SPEC_INVALID]: `mock.script[3]` has no `text`, `tool_calls` or `error`
+              --> a.yaml:7:7
+            warning[KEEL_SPEC_INVALID]: the mock script calls `weather`, which the agent does not have (the model will get an error result)
+              --> a.yaml:6:7
+        "#]],
+    );
+}
+
+#[test]
+fn hostile_input_never_panics() {
+    let inputs = [
+        "", "---\n---\n", "[1, 2]", "model: [", "\u{0}\u{1}", "model: !!binary aGVsbG8=", "a: &x 1\nb: *x\n",
+        "model: mock\nlimits: { max_turns: 99999999999999999999 }\n", "model: mock\ntools: [[[]]]\n",
+        "model: mock\nmock: { script: [ { tool_calls: [ 1, { name: [] } ] } ] }\n",
+    ];
+    for (index, input) in inputs.iter().enumerate() {
+        for ext in ["yaml", "json", "toml"] {
+            let dir = tree(&[(&format!("x{index}.{ext}"), input)]);
+            let loaded = load(&dir.path().join(format!("x{index}.{ext}")), &OPTIONS);
+            if loaded.spec.is_none() {
+                assert!(loaded.diagnostics.iter().any(Diagnostic::is_error), "{input:?} ({ext}): no error reported");
+            }
+        }
+    }
+}

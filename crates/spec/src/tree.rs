@@ -1,0 +1,257 @@
+//! A small value tree with positions, parsed from YAML, TOML or JSON.
+//!
+//! Decoding from this tree instead of deserializing straight into structs lets the loader report
+//! every problem of a file (not just the first), each with its line and column, the same way
+//! for the three formats.
+
+use std::path::Path;
+
+use keel_core::ErrorCode;
+use saphyr::{LoadableYamlNode, MarkedYaml, Scalar, YamlData};
+use serde_json::Value;
+
+use crate::diagnostic::{Diagnostic, Pos};
+
+/// A value with the position it starts at.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Node {
+    pub(crate) kind: Kind,
+    pub(crate) pos: Pos,
+}
+
+/// What a node holds.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Kind {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(String),
+    Seq(Vec<Node>),
+    /// Keys keep their own positions, for "unknown key" errors.
+    Map(Vec<(String, Pos, Node)>),
+}
+
+impl Kind {
+    /// How the kind is named in messages ("a string", "a list"...).
+    pub(crate) fn describe(&self) -> &'static str {
+        match self {
+            Kind::Null => "nothing (null)",
+            Kind::Bool(_) => "a boolean",
+            Kind::Int(_) => "an integer",
+            Kind::Float(_) => "a number",
+            Kind::Str(_) => "a string",
+            Kind::Seq(_) => "a list",
+            Kind::Map(_) => "a mapping",
+        }
+    }
+}
+
+impl Node {
+    /// The node as JSON (for schemas and tool inputs).
+    pub(crate) fn to_json(&self) -> Value {
+        match &self.kind {
+            Kind::Null => Value::Null,
+            Kind::Bool(b) => Value::Bool(*b),
+            Kind::Int(i) => Value::from(*i),
+            Kind::Float(f) => serde_json::Number::from_f64(*f).map_or(Value::Null, Value::Number),
+            Kind::Str(s) => Value::String(s.clone()),
+            Kind::Seq(items) => Value::Array(items.iter().map(Node::to_json).collect()),
+            Kind::Map(entries) => {
+                Value::Object(entries.iter().map(|(k, _, v)| (k.clone(), v.to_json())).collect())
+            }
+        }
+    }
+}
+
+/// The format of a spec file, from its extension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Format {
+    Yaml,
+    Toml,
+    Json,
+}
+
+impl Format {
+    pub(crate) fn of(path: &Path) -> Option<Format> {
+        match path.extension()?.to_str()? {
+            "yaml" | "yml" => Some(Format::Yaml),
+            "toml" => Some(Format::Toml),
+            "json" => Some(Format::Json),
+            _ => None,
+        }
+    }
+}
+
+/// Parses `text` as `format`, or says where its syntax breaks.
+pub(crate) fn parse(text: &str, format: Format, file: &Path) -> Result<Node, Diagnostic> {
+    match format {
+        Format::Yaml => parse_yaml(text, file),
+        Format::Toml => parse_toml(text, file),
+        Format::Json => {
+            // serde_json gives the precise syntax error; the YAML parser (JSON is YAML 1.2)
+            // gives the positions.
+            if let Err(error) = serde_json::from_str::<serde::de::IgnoredAny>(text) {
+                let pos = Pos { line: error.line(), col: error.column() };
+                return Err(syntax(file, pos, format!("invalid JSON: {error}")));
+            }
+            parse_yaml(text, file)
+        }
+    }
+}
+
+fn syntax(file: &Path, pos: Pos, message: String) -> Diagnostic {
+    Diagnostic::error(ErrorCode::SpecSyntax, file, pos, message)
+}
+
+pub(crate) fn parse_yaml(text: &str, file: &Path) -> Result<Node, Diagnostic> {
+    let docs = MarkedYaml::load_from_str(text).map_err(|error| {
+        let mark = error.marker();
+        syntax(file, Pos { line: mark.line(), col: mark.col() + 1 }, format!("invalid YAML: {}", error.info()))
+    })?;
+    match docs.len() {
+        0 => Ok(Node { kind: Kind::Map(Vec::new()), pos: Pos { line: 1, col: 1 } }),
+        1 => from_yaml(&docs[0], file),
+        _ => Err(syntax(
+            file,
+            yaml_pos(&docs[1]),
+            "the file holds several YAML documents; a spec is one document".into(),
+        )),
+    }
+}
+
+fn yaml_pos(node: &MarkedYaml<'_>) -> Pos {
+    Pos { line: node.span.start.line(), col: node.span.start.col() + 1 }
+}
+
+fn from_yaml(node: &MarkedYaml<'_>, file: &Path) -> Result<Node, Diagnostic> {
+    let pos = yaml_pos(node);
+    let kind = match &node.data {
+        YamlData::Value(scalar) => match scalar {
+            Scalar::Null => Kind::Null,
+            Scalar::Boolean(b) => Kind::Bool(*b),
+            Scalar::Integer(i) => Kind::Int(*i),
+            Scalar::FloatingPoint(f) => Kind::Float(f.into_inner()),
+            Scalar::String(s) => Kind::Str(s.to_string()),
+        },
+        YamlData::Sequence(items) => {
+            Kind::Seq(items.iter().map(|item| from_yaml(item, file)).collect::<Result<_, _>>()?)
+        }
+        YamlData::Mapping(map) => {
+            let mut entries = Vec::with_capacity(map.len());
+            for (key, value) in map {
+                let name = match &key.data {
+                    YamlData::Value(Scalar::String(s)) => s.to_string(),
+                    YamlData::Value(Scalar::Integer(i)) => i.to_string(),
+                    YamlData::Value(Scalar::Boolean(b)) => b.to_string(),
+                    _ => return Err(syntax(file, yaml_pos(key), "mapping keys must be plain strings".into())),
+                };
+                entries.push((name, yaml_pos(key), from_yaml(value, file)?));
+            }
+            Kind::Map(entries)
+        }
+        YamlData::Tagged(_, inner) => return from_yaml(inner, file),
+        YamlData::Representation(text, _, _) => Kind::Str(text.to_string()),
+        YamlData::Alias(_) | YamlData::BadValue => {
+            return Err(syntax(file, pos, "YAML aliases and unresolvable values are not supported in specs".into()));
+        }
+    };
+    Ok(Node { kind, pos })
+}
+
+/// Maps byte offsets to line and column.
+struct LineIndex<'a> {
+    text: &'a str,
+    starts: Vec<usize>,
+}
+
+impl<'a> LineIndex<'a> {
+    fn new(text: &'a str) -> LineIndex<'a> {
+        let starts = std::iter::once(0).chain(text.match_indices('\n').map(|(i, _)| i + 1)).collect();
+        LineIndex { text, starts }
+    }
+
+    fn pos(&self, offset: usize) -> Pos {
+        let line = self.starts.partition_point(|&start| start <= offset).max(1);
+        let start = self.starts[line - 1];
+        let end = offset.min(self.text.len());
+        let col = self.text.get(start..end).map_or(end - start, |s| s.chars().count()) + 1;
+        Pos { line, col }
+    }
+}
+
+pub(crate) fn parse_toml(text: &str, file: &Path) -> Result<Node, Diagnostic> {
+    let index = LineIndex::new(text);
+    let table = toml::de::DeTable::parse(text).map_err(|error| {
+        let pos = error.span().map_or(Pos::default(), |span| index.pos(span.start));
+        syntax(file, pos, format!("invalid TOML: {}", error.message().trim()))
+    })?;
+    let pos = index.pos(table.span().start);
+    Ok(Node { kind: toml_table(table.get_ref(), &index), pos })
+}
+
+fn toml_table(table: &toml::de::DeTable<'_>, index: &LineIndex<'_>) -> Kind {
+    Kind::Map(
+        table
+            .iter()
+            .map(|(key, value)| (key.get_ref().to_string(), index.pos(key.span().start), toml_value(value, index)))
+            .collect(),
+    )
+}
+
+fn toml_value(value: &toml::Spanned<toml::de::DeValue<'_>>, index: &LineIndex<'_>) -> Node {
+    use toml::de::DeValue;
+    let pos = index.pos(value.span().start);
+    let kind = match value.get_ref() {
+        DeValue::String(s) => Kind::Str(s.to_string()),
+        DeValue::Integer(i) => {
+            let digits = i.as_str().replace('_', "");
+            match i64::from_str_radix(&digits, i.radix()) {
+                Ok(n) => Kind::Int(n),
+                Err(_) => Kind::Str(i.as_str().to_owned()),
+            }
+        }
+        DeValue::Float(f) => Kind::Float(f.as_str().replace('_', "").parse().unwrap_or(f64::NAN)),
+        DeValue::Boolean(b) => Kind::Bool(*b),
+        DeValue::Datetime(d) => Kind::Str(d.to_string()),
+        DeValue::Array(items) => Kind::Seq(items.iter().map(|item| toml_value(item, index)).collect()),
+        DeValue::Table(table) => toml_table(table, index),
+    };
+    Node { kind, pos }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn positions(node: &Node) -> Vec<(String, Pos)> {
+        let Kind::Map(entries) = &node.kind else { panic!("{node:?}") };
+        entries.iter().map(|(k, p, v)| (k.clone(), if matches!(v.kind, Kind::Map(_)) { *p } else { v.pos })).collect()
+    }
+
+    #[test]
+    fn the_three_formats_agree_on_values_and_give_positions() {
+        let file = Path::new("x");
+        let yaml = parse("name: a\nlimits:\n  max_turns: 3\n", Format::Yaml, file).unwrap();
+        let toml = parse("name = \"a\"\n[limits]\nmax_turns = 3\n", Format::Toml, file).unwrap();
+        let json = parse("{\n  \"name\": \"a\",\n  \"limits\": {\"max_turns\": 3}\n}\n", Format::Json, file).unwrap();
+        for node in [&yaml, &toml, &json] {
+            assert_eq!(node.to_json(), serde_json::json!({"name": "a", "limits": {"max_turns": 3}}));
+        }
+        assert_eq!(positions(&yaml), [("name".into(), Pos { line: 1, col: 7 }), ("limits".into(), Pos { line: 2, col: 1 })]);
+        assert_eq!(positions(&toml), [("name".into(), Pos { line: 1, col: 8 }), ("limits".into(), Pos { line: 2, col: 2 })]);
+        assert_eq!(positions(&json), [("name".into(), Pos { line: 2, col: 11 }), ("limits".into(), Pos { line: 3, col: 3 })]);
+    }
+
+    #[test]
+    fn syntax_errors_point_at_the_problem() {
+        let file = Path::new("agent.yaml");
+        let err = parse("name: a\n  bad: [\n", Format::Yaml, file).unwrap_err();
+        assert_eq!(err.code, ErrorCode::SpecSyntax);
+        assert!(err.pos.line >= 2, "{err}");
+        let err = parse("name = \n", Format::Toml, file).unwrap_err();
+        assert_eq!(err.pos.line, 1, "{err}");
+        let err = parse("{\"a\": 1,\n \"b\": }", Format::Json, file).unwrap_err();
+        assert_eq!(err.pos, Pos { line: 2, col: 7 }, "{err}");
+    }
+}
