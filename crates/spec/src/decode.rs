@@ -71,7 +71,7 @@ impl Decoder<'_> {
         match node.kind {
             Kind::Int(n) if (min..=max).contains(&n) => Some(n),
             Kind::Int(n) => {
-                let range = if max == i64::MAX { format!("at least {min}") } else { format!("between {min} and {max}") };
+                let range = if max >= i64::from(u32::MAX) { format!("at least {min}") } else { format!("between {min} and {max}") };
                 self.error(node.pos, format!("`{what}` must be {range}, not {n}"));
                 None
             }

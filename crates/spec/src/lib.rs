@@ -106,6 +106,8 @@ pub const SPEC_FILE_NAMES: &[&str] = &["agent.yaml", "agent.yml", "agent.toml", 
 pub fn load(path: &Path, options: &LoadOptions<'_>) -> Loaded {
     let mut diagnostics = Vec::new();
     let spec = load_into(path, options, &mut diagnostics);
+    // File order reads best; the loader finds problems in its own order.
+    diagnostics.sort_by(|a, b| (&a.file, a.pos.line, a.pos.col).cmp(&(&b.file, b.pos.line, b.pos.col)));
     let spec = if diagnostics.iter().any(Diagnostic::is_error) { None } else { spec };
     Loaded { spec, diagnostics }
 }

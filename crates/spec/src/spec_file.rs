@@ -278,6 +278,8 @@ fn mock(node: &Node, d: &mut Decoder<'_>) -> Option<(MockScript, Vec<(String, Po
         let what = format!("mock.script[{index}]");
         let Some(mut entry_map) = d.map(item, &what) else { continue };
         let mut entry = MockEntry::default();
+        // A present but broken key was reported already; "has no text" would only add noise.
+        let has_reply_key = ["text", "tool_calls", "error"].iter().any(|k| entry_map.key_pos(k).is_some());
         if let Some(v) = entry_map.take("text") {
             entry.text = d.string(v, &format!("{what}.text"));
         }
@@ -296,7 +298,7 @@ fn mock(node: &Node, d: &mut Decoder<'_>) -> Option<(MockScript, Vec<(String, Po
             entry.error = mock_error(v, d, &what);
         }
         entry_map.finish(d, &what, MOCK_ENTRY_KEYS);
-        if entry.text.is_none() && entry.tool_calls.is_empty() && entry.error.is_none() {
+        if !has_reply_key {
             d.error(item.pos, format!("`{what}` has no `text`, `tool_calls` or `error`"));
         }
         entries.push(entry);
@@ -307,6 +309,7 @@ fn mock(node: &Node, d: &mut Decoder<'_>) -> Option<(MockScript, Vec<(String, Po
 fn mock_call(node: &Node, d: &mut Decoder<'_>, what: &str) -> Option<MockToolCall> {
     let what = format!("{what}.tool_calls[]");
     let mut map = d.map(node, &what)?;
+    let has_name = map.key_pos("name").is_some();
     let name = map.take("name").and_then(|n| d.text(n, &format!("{what}.name")));
     let input = match map.take("input") {
         Some(input) => {
@@ -317,7 +320,9 @@ fn mock_call(node: &Node, d: &mut Decoder<'_>, what: &str) -> Option<MockToolCal
     };
     map.finish(d, &what, &["name", "input"]);
     let name = name.or_else(|| {
-        d.error(node.pos, format!("`{what}` needs `name`"));
+        if !has_name {
+            d.error(node.pos, format!("`{what}` needs `name`"));
+        }
         None
     })?;
     Some(MockToolCall { name, input })
@@ -331,11 +336,15 @@ fn mock_error(node: &Node, d: &mut Decoder<'_>, what: &str) -> Option<MockFailur
         return Some(MockFailure { status, message: format!("mock provider error (status {status})"), times: None });
     }
     let mut map = d.map(node, &what)?;
+    let map_has_status = map.key_pos("status").is_some();
     let status = map.take("status").and_then(|v| d.int(v, &format!("{what}.status"), 400, 599));
     let message = map.take("message").and_then(|v| d.string(v, &format!("{what}.message")));
     let times = map.take("times").and_then(|v| d.int(v, &format!("{what}.times"), 1, 1000));
     map.finish(d, &what, &["status", "message", "times"]);
     let Some(status) = status else {
+        if map_has_status {
+            return None;
+        }
         d.error(node.pos, format!("`{what}` needs `status` (an HTTP status such as 429 or 503)"));
         return None;
     };

@@ -98,6 +98,12 @@ fn every_problem_is_reported_with_its_position() {
             error[KEEL_SPEC_INVALID]: missing `model`
               --> agent.yaml:1:1
               hint: add `model: mock` to run offline, or `model: openai/gpt-4o-mini` (provider/model)
+            error[KEEL_SPEC_INVALID]: unknown key `modle`
+              --> agent.yaml:1:1
+              hint: did you mean `model`?
+            error[KEEL_SPEC_INVALID]: unknown tool `day-nam`
+              --> agent.yaml:2:9
+              hint: did you mean `day-name`?
             error[KEEL_SPEC_INVALID]: `limits.max_turns` must be at least 1, not 0
               --> agent.yaml:4:14
             error[KEEL_SPEC_INVALID]: `limits.tool_timeout` is not a duration (expected number at 0): "soon"
@@ -108,9 +114,6 @@ fn every_problem_is_reported_with_its_position() {
               hint: did you mean `max_tool_calls`?
             error[KEEL_SPEC_INVALID]: `retry` must be a mapping, not an integer
               --> agent.yaml:7:8
-            error[KEEL_SPEC_INVALID]: unknown key `modle`
-              --> agent.yaml:1:1
-              hint: did you mean `model`?
         "#]],
     );
 }
@@ -124,6 +127,12 @@ fn unknown_tools_and_providers_get_suggestions() {
             error[KEEL_SPEC_INVALID]: unknown provider `opneai` in model "opneai/gpt-4o"
               --> agent.toml:1:9
               hint: did you mean `openai`?
+            error[KEEL_SPEC_INVALID]: unknown tool `day-nam`
+              --> agent.toml:2:10
+              hint: did you mean `day-name`?
+            error[KEEL_SPEC_INVALID]: unknown tool `weather`
+              --> agent.toml:2:21
+              hint: available tools: current-date, day-name
         "#]],
     );
     check(
@@ -188,8 +197,11 @@ fn bad_command_tools() {
         "a",
         expect![[r#"
             error[KEEL_SPEC_INVALID]: `input_schema` is not a valid JSON Schema: 12 is not valid under any of the schemas listed in the 'anyOf' keyword
-              --> a/tools/bad_schema.toml:4:1
-            error[KEEL_SPEC_INVALID]: the command's program `./bin/tool.sh` does not exist (looked at TMP/a/./bin/tool.sh)
+              --> a/tools/bad_schema.toml:3:1
+            error[KEEL_SPEC_INVALID]: tool `day-name` has the name of a built-in tool
+              --> a/tools/day-name.toml
+              hint: rename the file: built-in tool names are reserved
+            error[KEEL_SPEC_INVALID]: the command's program `./bin/tool.sh` does not exist (looked at a/bin/tool.sh)
               --> a/tools/missing_program.toml:2:11
               hint: relative paths are relative to the tool's working directory (the agent directory by default)
             error[KEEL_SPEC_INVALID]: missing `command`
@@ -204,9 +216,6 @@ fn bad_command_tools() {
             error[KEEL_SPEC_INVALID]: missing `description`
               --> a/tools/typo.toml:1:1
               hint: say what the tool does and when to use it: the model reads it
-            error[KEEL_SPEC_INVALID]: tool `day-name` has the name of a built-in tool
-              --> a/tools/day-name.toml
-              hint: rename the file: built-in tool names are reserved
         "#]],
     );
 }
@@ -227,7 +236,7 @@ fn skills_problems() {
             error[KEEL_SPEC_INVALID]: unknown skill `shiping`: there is no skills/shiping/SKILL.md
               --> a/agent.yaml:2:19
               hint: did you mean `shipping`?
-            error[KEEL_SPEC_INVALID]: tool `refund` of skill `billing` has the same name as the tool in TMP/a/tools/refund.toml
+            error[KEEL_SPEC_INVALID]: tool `refund` of skill `billing` has the same name as the tool in a/tools/refund.toml
               --> a/skills/billing/tools/refund.toml
               hint: tool names must be unique across the agent and its skills; rename one
         "#]],
@@ -243,12 +252,12 @@ fn skills_problems() {
             error[KEEL_SPEC_INVALID]: SKILL.md must start with YAML front matter
               --> a/skills/broken/SKILL.md:1:1
               hint: begin the file with `---`, then `name:` and `description:` lines, then `---`
-            error[KEEL_SPEC_INVALID]: unknown key `descriptoin` in `front matter`
-              --> a/skills/shipping/SKILL.md:3:1
-              hint: did you mean `description`?
             error[KEEL_SPEC_INVALID]: the front matter has no `description`
               --> a/skills/shipping/SKILL.md:2:1
               hint: say in one line what the skill is for
+            error[KEEL_SPEC_INVALID]: unknown key `descriptoin` in `front matter`
+              --> a/skills/shipping/SKILL.md:3:1
+              hint: did you mean `description`?
         "#]],
     );
 }
@@ -259,12 +268,12 @@ fn features_of_later_versions_are_refused_not_ignored() {
         &[("a.yaml", "model: mock\napprovals: { tools: [shell] }\nconcurrency: queue\n")],
         "a.yaml",
         expect![[r#"
-            error[KEEL_SPEC_UNSUPPORTED]: `concurrency: queue` is not supported by this version of keel yet
-              --> a.yaml:3:14
-              hint: use `concurrency: reject` (the default) for now
             error[KEEL_SPEC_UNSUPPORTED]: `approvals` is not supported by this version of keel yet
               --> a.yaml:2:1
               hint: remove `approvals` to run the agent with this version
+            error[KEEL_SPEC_UNSUPPORTED]: `concurrency: queue` is not supported by this version of keel yet
+              --> a.yaml:3:14
+              hint: use `concurrency: reject` (the default) for now
         "#]],
     );
 }
@@ -278,17 +287,11 @@ fn mock_script_problems() {
             error[KEEL_SPEC_INVALID]: `mock.script[0]` has no `text`, `tool_calls` or `error`
               --> a.yaml:4:7
             error[KEEL_SPEC_INVALID]: `mock.script[1].tool_calls[].input` must be a mapping, not an integer
-              --> a.yaml:5:45
-            error[KEEL_SPEC_INVALID]: `mock.script[1]` has no `text`, `tool_calls` or `error`
-              --> a.yaml:5:7
-            error[KEEL_SPEC_INVALID]: `mock.script[3].error.status` must be between 400 and 599, not 200
-              --> a.yaml:7:23
-            error[KEEL_SPEC_INVALID]: `mock.script[3].error` needs `status` (an HTTP status such as 429 or 503)
-              --> a.yaml:7:14
-            error[KEEL_SPEC_INVALID]: `mock.script[3]` has no `text`, `tool_calls` or `error`
-              --> a.yaml:7:7
+              --> a.yaml:5:44
             warning[KEEL_SPEC_INVALID]: the mock script calls `weather`, which the agent does not have (the model will get an error result)
               --> a.yaml:6:7
+            error[KEEL_SPEC_INVALID]: `mock.script[3].error.status` must be between 400 and 599, not 200
+              --> a.yaml:7:24
         "#]],
     );
 }
