@@ -138,3 +138,22 @@ pub fn output_to_text(output: &Value) -> String {
         other => other.to_string(),
     }
 }
+
+impl From<&str> for Message {
+    fn from(text: &str) -> Message {
+        Message::user(text)
+    }
+}
+
+impl From<String> for Message {
+    fn from(text: String) -> Message {
+        Message::user(text)
+    }
+}
+
+impl From<Vec<Part>> for Message {
+    /// A user message of these parts (text, images, files).
+    fn from(parts: Vec<Part>) -> Message {
+        Message { role: Role::User, parts }
+    }
+}

@@ -1,0 +1,286 @@
+//! [`Agent`]: the entry point of the Rust API, built in code or loaded from files.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use keel_core::agent::OutputSchema;
+use keel_core::tool::ToolSetError;
+use keel_core::{
+    AgentDef, ErrorCode, Limits, Message, MockScript, Provider, RetryPolicy, RunFailure, RunId,
+    SessionId, Store, Tool, ToolSet,
+};
+use keel_runtime::{Engine, RunHandle};
+use keel_spec::{AgentSpec, Diagnostic, LoadOptions};
+use keel_store::MemoryStore;
+use keel_tools::{CommandConfig, CommandTool};
+use serde_json::Value;
+
+/// An agent bound to its model provider and store, ready to run.
+#[derive(Clone)]
+pub struct Agent {
+    engine: Engine,
+}
+
+impl fmt::Debug for Agent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Agent").field(self.engine.agent()).finish()
+    }
+}
+
+/// Why an agent could not be loaded.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// The spec has errors (warnings are included, in file order).
+    Spec {
+        /// Every problem found.
+        diagnostics: Vec<Diagnostic>,
+    },
+    /// The spec is valid but the agent cannot be set up (an unavailable provider, say).
+    Setup(RunFailure),
+}
+
+impl LoadError {
+    /// The stable code of the (first) error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            LoadError::Spec { diagnostics } => {
+                diagnostics.iter().find(|d| d.is_error()).map_or(ErrorCode::SpecInvalid, |d| d.code)
+            }
+            LoadError::Setup(failure) => failure.code,
+        }
+    }
+}
+
+impl fmt::Display for LoadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LoadError::Spec { diagnostics } => {
+                for (i, diagnostic) in diagnostics.iter().enumerate() {
+                    if i > 0 {
+                        writeln!(f)?;
+                    }
+                    write!(f, "{diagnostic}")?;
+                }
+                Ok(())
+            }
+            LoadError::Setup(failure) => write!(f, "{failure}"),
+        }
+    }
+}
+
+impl std::error::Error for LoadError {}
+
+impl Agent {
+    /// Starts defining an agent in code.
+    pub fn builder() -> AgentBuilder {
+        AgentBuilder::default()
+    }
+
+    /// Loads an agent from a spec file or an agent directory, with an in-memory store.
+    pub fn load(path: impl AsRef<Path>) -> Result<Agent, LoadError> {
+        let spec = load_spec(path.as_ref())?;
+        Agent::from_spec(spec, Arc::new(MemoryStore::new()))
+    }
+
+    /// Builds an agent from a loaded spec and a store.
+    pub fn from_spec(spec: AgentSpec, store: Arc<dyn Store>) -> Result<Agent, LoadError> {
+        let mut tools: Vec<Arc<dyn Tool>> = Vec::new();
+        for name in &spec.builtin_tools {
+            let tool = keel_tools::builtin(name).ok_or_else(|| {
+                LoadError::Setup(RunFailure::new(ErrorCode::SpecInvalid, format!("unknown built-in tool `{name}`")))
+            })?;
+            tools.push(tool);
+        }
+        for tool in spec.command_tools {
+            tools.push(Arc::new(CommandTool::new(CommandConfig {
+                name: tool.name,
+                description: tool.description,
+                input_schema: tool.input_schema,
+                command: tool.command,
+                working_dir: tool.working_dir,
+                timeout: tool.timeout,
+            })));
+        }
+        let mut builder = Agent::builder()
+            .name(spec.name)
+            .instructions(spec.instructions)
+            .model(spec.model)
+            .limits(spec.limits)
+            .retry(spec.retry)
+            .store(store)
+            .tools(tools);
+        if let Some(script) = spec.mock {
+            builder = builder.mock_script(script);
+        }
+        if let Some(schema) = spec.output_schema {
+            builder = builder.output_schema(schema);
+        }
+        builder.build().map_err(LoadError::Setup)
+    }
+
+    /// Starts a run: one turn of `session` answering `input` (a string, a [`Message`], or
+    /// content parts). The returned handle streams the run's events and gives its result.
+    ///
+    /// Fails at once when the session id is invalid (`KEEL_SESSION_ID_INVALID`) or the session
+    /// has a run in flight (`KEEL_SESSION_BUSY`). Must be called within a Tokio runtime.
+    pub fn run(&self, session: &str, input: impl Into<Message>) -> Result<RunHandle, RunFailure> {
+        let session = SessionId::new(session)?;
+        self.engine.start(session, input.into())
+    }
+
+    /// Re-drives a stored run from its journal; completed steps are not executed again.
+    pub fn resume(&self, run_id: RunId) -> RunHandle {
+        self.engine.resume(run_id)
+    }
+
+    /// The agent's definition.
+    pub fn definition(&self) -> &AgentDef {
+        self.engine.agent()
+    }
+
+    /// The store the agent keeps sessions and journals in.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        self.engine.store()
+    }
+}
+
+/// Loads and validates a spec with keel's built-in tool and provider names.
+pub fn load_spec(path: &Path) -> Result<AgentSpec, LoadError> {
+    let options = LoadOptions { builtin_tools: keel_tools::BUILTIN_NAMES, providers: keel_providers::PROVIDER_NAMES };
+    let loaded = keel_spec::load(path, &options);
+    loaded.spec.ok_or(LoadError::Spec { diagnostics: loaded.diagnostics })
+}
+
+/// Defines an agent in code. Every setting but `model` has a default.
+#[derive(Default)]
+#[must_use]
+pub struct AgentBuilder {
+    name: Option<String>,
+    instructions: String,
+    model: Option<String>,
+    tools: Vec<Arc<dyn Tool>>,
+    limits: Limits,
+    retry: RetryPolicy,
+    output_schema: Option<Value>,
+    stop_on_tools: Vec<String>,
+    mock_script: Option<MockScript>,
+    provider: Option<Arc<dyn Provider>>,
+    store: Option<Arc<dyn Store>>,
+}
+
+impl AgentBuilder {
+    /// The agent's name (default: `agent`).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// The system prompt.
+    pub fn instructions(mut self, instructions: impl Into<String>) -> Self {
+        self.instructions = instructions.into();
+        self
+    }
+
+    /// `provider/model` (`openai/gpt-4o-mini`) or `mock`. Required unless [`Self::provider`]
+    /// is given.
+    pub fn model(mut self, model: impl Into<String>) -> Self {
+        self.model = Some(model.into());
+        self
+    }
+
+    /// Adds a tool (see [`crate::function_tool`]).
+    pub fn tool(mut self, tool: Arc<dyn Tool>) -> Self {
+        self.tools.push(tool);
+        self
+    }
+
+    /// Adds several tools.
+    pub fn tools(mut self, tools: impl IntoIterator<Item = Arc<dyn Tool>>) -> Self {
+        self.tools.extend(tools);
+        self
+    }
+
+    /// Limits and budgets.
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The retry policy of model calls.
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// A JSON Schema the final answer must match; the run's result then carries `output`.
+    pub fn output_schema(mut self, schema: Value) -> Self {
+        self.output_schema = Some(schema);
+        self
+    }
+
+    /// Ends the run (`stopped: stop_condition`) as soon as this tool succeeds; its output becomes
+    /// the run's output.
+    pub fn stop_on_tool(mut self, name: impl Into<String>) -> Self {
+        self.stop_on_tools.push(name.into());
+        self
+    }
+
+    /// The script the `mock` model plays.
+    pub fn mock_script(mut self, script: MockScript) -> Self {
+        self.mock_script = Some(script);
+        self
+    }
+
+    /// A provider to use instead of the one `model` names.
+    pub fn provider(mut self, provider: Arc<dyn Provider>) -> Self {
+        self.provider = Some(provider);
+        self
+    }
+
+    /// Where sessions and journals are kept (default: in memory).
+    pub fn store(mut self, store: Arc<dyn Store>) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    /// Checks everything and builds the agent.
+    pub fn build(self) -> Result<Agent, RunFailure> {
+        let invalid = |message: String| RunFailure::new(ErrorCode::SpecInvalid, message);
+        let model = match (self.model, &self.provider) {
+            (Some(model), _) => model,
+            (None, Some(_)) => "custom".to_owned(),
+            (None, None) => return Err(invalid("the agent has no model: call `.model(\"mock\")` or `.model(\"openai/gpt-4o-mini\")`".into())),
+        };
+        let tools = ToolSet::new(self.tools).map_err(|error: ToolSetError| invalid(error.to_string()))?;
+        for name in &self.stop_on_tools {
+            if !tools.contains(name) {
+                return Err(invalid(format!("`stop_on_tool({name:?})` names a tool the agent does not have")));
+            }
+        }
+        let output_schema = match self.output_schema {
+            Some(schema) => Some(
+                OutputSchema::new(schema).map_err(|reason| invalid(format!("the output schema is not a valid JSON Schema: {reason}")))?,
+            ),
+            None => None,
+        };
+        let provider = match self.provider {
+            Some(provider) => provider,
+            None => keel_providers::from_model(&model, self.mock_script.as_ref())
+                .map_err(|error| RunFailure::new(error.code(), error.message))?,
+        };
+        let definition = AgentDef {
+            name: self.name.unwrap_or_else(|| "agent".to_owned()),
+            instructions: self.instructions,
+            model,
+            tools,
+            limits: self.limits,
+            retry: self.retry,
+            output_schema,
+            stop_on_tools: self.stop_on_tools,
+        };
+        let store = self.store.unwrap_or_else(|| Arc::new(MemoryStore::new()));
+        Ok(Agent { engine: Engine::new(Arc::new(definition), provider, store) })
+    }
+}

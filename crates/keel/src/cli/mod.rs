@@ -1,0 +1,101 @@
+//! The CLI: arguments (clap), settings, and the commands. The only place that prints.
+#![allow(clippy::print_stdout, clippy::print_stderr, reason = "the CLI is where output belongs")]
+
+mod check;
+mod render;
+mod run;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Exit codes, documented in `--help`.
+pub(crate) mod exit {
+    pub const OK: u8 = 0;
+    pub const INVALID_AGENT: u8 = 1;
+    pub const RUN_FAILED: u8 = 3;
+    pub const STOPPED_AT_LIMIT: u8 = 4;
+    pub const INTERRUPTED: u8 = 130;
+}
+
+const EXIT_CODES: &str = "\
+Exit codes:
+  0    the run finished (or `check` found no error)
+  1    the agent is invalid or cannot be set up
+  2    bad command-line usage
+  3    the run failed (run.error)
+  4    the run stopped at a limit (max_turns, max_total_tokens, max_tool_calls)
+  130  interrupted (Ctrl-C)";
+
+/// keel: run durable AI agents.
+#[derive(Parser)]
+#[command(name = "keel", version, about, after_help = EXIT_CODES, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one turn of an agent and stream it to the terminal.
+    #[command(after_help = EXIT_CODES)]
+    Run(RunArgs),
+    /// Check an agent (spec file or directory) and print every problem.
+    #[command(after_help = "Exit codes:\n  0  no error (warnings may be printed)\n  1  the agent has errors")]
+    Check(CheckArgs),
+}
+
+/// Arguments of `keel run`.
+#[derive(clap::Args)]
+pub(crate) struct RunArgs {
+    /// The agent: a directory with agent.yaml, or a spec file (.yaml, .toml, .json).
+    pub(crate) agent: PathBuf,
+    /// What to ask the agent.
+    pub(crate) input: String,
+    /// The session (conversation) id: 1-128 characters of A-Z, a-z, 0-9, `_`, `-`.
+    #[arg(long, default_value = "default")]
+    pub(crate) session: String,
+    /// Where sessions and journals live. Only `memory` is available in this version.
+    #[arg(long, env = "KEEL_STORE", default_value = "memory")]
+    pub(crate) store: String,
+    /// Use this model instead of the spec's (`mock`, `openai/gpt-4o-mini`, ...).
+    #[arg(long)]
+    pub(crate) model: Option<String>,
+    /// Print the run's events as JSON lines on stdout instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// Arguments of `keel check`.
+#[derive(clap::Args)]
+pub(crate) struct CheckArgs {
+    /// The agent: a directory with agent.yaml, or a spec file (.yaml, .toml, .json).
+    pub(crate) agent: PathBuf,
+}
+
+/// Parses the command line, runs the command, and returns its exit code.
+pub(crate) fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let code = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Check(args) => check::check(&args),
+    };
+    match code {
+        Ok(code) => ExitCode::from(code),
+        // A closed pipe (`keel run ... | head`) is not an error.
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::from(exit::RUN_FAILED)
+        }
+    }
+}
+
+/// Logs go to stderr, filtered by `KEEL_LOG` (default: warnings).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).without_time().try_init();
+}

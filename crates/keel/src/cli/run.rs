@@ -1,0 +1,85 @@
+//! `keel run`: one turn of an agent, streamed to the terminal (or as JSON lines).
+
+use std::io::Write;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use keel::{Agent, ErrorCode, MemoryStore, StopReason};
+
+use super::exit;
+use super::render::{HumanRenderer, JsonRenderer, Render};
+use super::RunArgs;
+
+pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
+    let mut stderr = std::io::stderr().lock();
+    if args.store != "memory" {
+        writeln!(
+            stderr,
+            "error[{}]: the store {:?} is not available in this version of keel\n  hint: use `--store memory` (the default)",
+            ErrorCode::SpecUnsupported,
+            args.store
+        )?;
+        return Ok(exit::INVALID_AGENT);
+    }
+    let options = keel_spec::LoadOptions {
+        builtin_tools: keel_tools::BUILTIN_NAMES,
+        providers: keel_providers::PROVIDER_NAMES,
+    };
+    let loaded = keel_spec::load(&args.agent, &options);
+    for diagnostic in &loaded.diagnostics {
+        writeln!(stderr, "{diagnostic}")?;
+    }
+    let Some(mut spec) = loaded.spec else {
+        writeln!(stderr, "the agent has errors; `keel check {}` lists them", args.agent.display())?;
+        return Ok(exit::INVALID_AGENT);
+    };
+    if let Some(model) = &args.model {
+        spec.model.clone_from(model);
+    }
+    let agent = match Agent::from_spec(spec, Arc::new(MemoryStore::new())) {
+        Ok(agent) => agent,
+        Err(error) => {
+            writeln!(stderr, "error[{}]: {}", error.code(), error)?;
+            return Ok(exit::INVALID_AGENT);
+        }
+    };
+    drop(stderr);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(drive(&agent, &args))
+}
+
+async fn drive(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
+    let mut handle = match agent.run(&args.session, args.input.as_str()) {
+        Ok(handle) => handle,
+        Err(failure) => {
+            eprintln!("error[{}]: {}", failure.code, failure.message);
+            return Ok(if failure.code == ErrorCode::SessionIdInvalid { 2 } else { exit::RUN_FAILED });
+        }
+    };
+    let mut renderer: Box<dyn Render> =
+        if args.json { Box::new(JsonRenderer::new()) } else { Box::new(HumanRenderer::new()) };
+    let mut interrupted = false;
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        tokio::select! {
+            event = handle.next() => match event {
+                Some(event) => renderer.event(&event)?,
+                None => break,
+            },
+            _ = &mut ctrl_c, if !interrupted => {
+                interrupted = true;
+                handle.cancel();
+            }
+        }
+    }
+    renderer.finish()?;
+    Ok(match handle.result().await {
+        Ok(result) => match result.stopped {
+            StopReason::Final | StopReason::StopCondition => exit::OK,
+            StopReason::MaxTurns | StopReason::Budget => exit::STOPPED_AT_LIMIT,
+            StopReason::Cancelled => exit::INTERRUPTED,
+        },
+        Err(_) => exit::RUN_FAILED,
+    })
+}

@@ -1,0 +1,63 @@
+//! keel: a runtime for durable AI agents.
+//!
+//! Define an agent in Rust (or load one from a spec file or an agent directory), run it, and
+//! stream its events. Every model call and tool call is a journaled step: a run re-driven after a
+//! crash repeats no completed step.
+//!
+//! ```
+//! use keel::{Agent, MockEntry, MockScript, MockToolCall, StopReason};
+//! use schemars::JsonSchema;
+//! use serde::Deserialize;
+//!
+//! #[derive(Deserialize, JsonSchema)]
+//! struct AddInput {
+//!     a: f64,
+//!     b: f64,
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let add = keel::function_tool("add", "Adds two numbers", |input: AddInput| async move {
+//!     Ok::<_, std::convert::Infallible>(input.a + input.b)
+//! });
+//! // The mock model calls `add`, then answers with its output: runs offline.
+//! let script = MockScript {
+//!     entries: vec![
+//!         MockEntry {
+//!             tool_calls: vec![MockToolCall { name: "add".into(), input: serde_json::json!({"a": 2, "b": 3}) }],
+//!             ..MockEntry::default()
+//!         },
+//!         MockEntry { text: Some("{{last_tool_output}}".into()), ..MockEntry::default() },
+//!     ],
+//! };
+//! let agent = Agent::builder()
+//!     .name("calculator")
+//!     .instructions("Add numbers with the add tool.")
+//!     .model("mock")
+//!     .mock_script(script)
+//!     .tool(add)
+//!     .build()?;
+//!
+//! let result = agent.run("session-1", "What is 2 + 3?")?.result().await?;
+//! assert_eq!(result.text, "5.0");
+//! assert_eq!(result.stopped, StopReason::Final);
+//! # Ok(())
+//! # }
+//! ```
+
+mod agent;
+
+pub use agent::{Agent, AgentBuilder, LoadError, load_spec};
+pub use keel_core::machine::RunOutcome;
+pub use keel_core::wire::{event_to_json, event_type};
+pub use keel_core::{
+    AgentDef, BoxFuture, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry, MockFailure,
+    MockScript, MockToolCall, ModelReply, ModelRequest, Part, Provider, ProviderError, RetryPolicy,
+    Role, RunFailure, RunId, RunState, SessionId, StopReason, Store, Tool, ToolContext, ToolError,
+    ToolOutcome, ToolSpec, Usage,
+};
+pub use keel_providers::MockProvider;
+pub use keel_runtime::{RunHandle, RunResult};
+pub use keel_spec::{AgentSpec, Diagnostic, Severity};
+pub use keel_store::MemoryStore;
+pub use keel_tools::{CommandConfig, CommandTool, function_tool, function_tool_with_context};
