@@ -83,3 +83,9 @@ impl Stream for RunHandle {
         self.events.poll_recv(cx)
     }
 }
+
+impl std::fmt::Debug for RunHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunHandle").field("run_id", &self.run_id).finish_non_exhaustive()
+    }
+}

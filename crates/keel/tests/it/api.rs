@@ -1,0 +1,183 @@
+//! The Rust API, used as a library user would.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures::StreamExt;
+use keel::{Agent, ErrorCode, Event, MockEntry, MockScript, MockToolCall, Part, StopReason, ToolContext};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::support::{agent_dir, repo_root, weekdays_now};
+
+#[derive(Deserialize, JsonSchema)]
+struct AddInput {
+    a: i64,
+    b: i64,
+}
+
+fn add_tool() -> Arc<dyn keel::Tool> {
+    keel::function_tool("add", "Adds two integers", |input: AddInput| async move {
+        Ok::<_, std::convert::Infallible>(input.a + input.b)
+    })
+}
+
+fn script(entries: Vec<MockEntry>) -> MockScript {
+    MockScript { entries }
+}
+
+fn call(name: &str, input: serde_json::Value) -> MockEntry {
+    MockEntry { tool_calls: vec![MockToolCall { name: name.into(), input }], ..MockEntry::default() }
+}
+
+fn say(text: &str) -> MockEntry {
+    MockEntry { text: Some(text.into()), ..MockEntry::default() }
+}
+
+#[tokio::test]
+async fn a_builder_agent_calls_a_function_tool_and_streams_events() {
+    let agent = Agent::builder()
+        .name("calc")
+        .model("mock")
+        .mock_script(script(vec![call("add", json!({"a": 2, "b": 3})), say("The sum is {{last_tool_output}}.")]))
+        .tool(add_tool())
+        .build()
+        .unwrap();
+    let mut run = agent.run("s1", "2+3?").unwrap();
+    let mut text = String::new();
+    let mut tool_outputs = Vec::new();
+    while let Some(event) = run.next().await {
+        match event {
+            Event::TextDelta { delta } => text.push_str(&delta),
+            Event::ToolDone { output, .. } => tool_outputs.push(output),
+            _ => {}
+        }
+    }
+    let result = run.result().await.unwrap();
+    assert_eq!(text, "The sum is 5.");
+    assert_eq!(result.text, "The sum is 5.");
+    assert_eq!(tool_outputs, [json!(5)]);
+    assert_eq!(result.stopped, StopReason::Final);
+    // The transcript is in the store: user, assistant (call), tool, assistant.
+    let messages = agent.store().load_messages(&keel::SessionId::new("s1").unwrap()).await.unwrap();
+    assert_eq!(messages.len(), 4);
+}
+
+#[tokio::test]
+async fn a_loaded_agent_directory_runs_through_the_api() {
+    let agent = Agent::load(repo_root().join("examples/assistant")).unwrap();
+    assert_eq!(agent.definition().name, "assistant");
+    let result = agent.run("s", "What day is it?").unwrap().result().await.unwrap();
+    assert!(weekdays_now().iter().any(|d| result.text == format!("Today is {d}.")), "{}", result.text);
+}
+
+#[tokio::test]
+async fn loading_a_bad_spec_returns_every_diagnostic() {
+    let dir = agent_dir(&[("agent.yaml", "model: mock\ntools: [nope]\nlimits: { max_turns: -1 }\n")]);
+    let error = Agent::load(dir.path()).unwrap_err();
+    assert_eq!(error.code(), ErrorCode::SpecInvalid);
+    let keel::LoadError::Spec { diagnostics } = &error else { panic!("{error}") };
+    assert_eq!(diagnostics.len(), 2, "{error}");
+    let rendered = error.to_string();
+    assert!(rendered.contains("agent.yaml:2:9") && rendered.contains("agent.yaml:3:22"), "{rendered}");
+}
+
+#[tokio::test]
+async fn input_can_be_content_parts_with_bytes() {
+    let agent = Agent::builder().model("mock").build().unwrap();
+    let parts = vec![
+        Part::Text("describe this".into()),
+        Part::Image { media_type: "image/png".into(), data: vec![137u8, 80, 78, 71].into() },
+    ];
+    let result = agent.run("img", parts.clone()).unwrap().result().await.unwrap();
+    assert_eq!(result.text, "describe this");
+    let messages = agent.store().load_messages(&keel::SessionId::new("img").unwrap()).await.unwrap();
+    assert_eq!(messages[0].parts, parts);
+}
+
+#[tokio::test]
+async fn tools_get_an_idempotency_key() {
+    #[derive(Deserialize, JsonSchema)]
+    struct Empty {}
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = Arc::clone(&seen);
+    let tool = keel::function_tool_with_context("charge", "Charges a card", move |_: Empty, ctx: ToolContext| {
+        let log = Arc::clone(&log);
+        async move {
+            log.lock().unwrap().push(ctx.idempotency_key.clone());
+            Ok::<_, String>("charged")
+        }
+    });
+    let agent = Agent::builder().model("mock").mock_script(script(vec![call("charge", json!({})), say("ok")])).tool(tool).build().unwrap();
+    let result = agent.run("pay", "charge me").unwrap().result().await.unwrap();
+    let keys = seen.lock().unwrap().clone();
+    assert_eq!(keys, [format!("{}:tool:charge:call_0_0", result.run_id)]);
+}
+
+#[tokio::test]
+async fn stop_on_tool_and_structured_output() {
+    let agent = Agent::builder()
+        .model("mock")
+        .mock_script(script(vec![call("add", json!({"a": 1, "b": 1})), say("never reached")]))
+        .tool(add_tool())
+        .stop_on_tool("add")
+        .build()
+        .unwrap();
+    let result = agent.run("s", "1+1").unwrap().result().await.unwrap();
+    assert_eq!((result.stopped, result.output, result.text.as_str()), (StopReason::StopCondition, Some(json!(2)), "2"));
+
+    let schema = json!({"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]});
+    let agent = Agent::builder().model("mock").mock_script(script(vec![say("{\"sum\": 4}")])).output_schema(schema.clone()).build().unwrap();
+    assert_eq!(agent.run("s", "2+2").unwrap().result().await.unwrap().output, Some(json!({"sum": 4})));
+    let agent = Agent::builder().model("mock").mock_script(script(vec![say("four")])).output_schema(schema).build().unwrap();
+    assert_eq!(agent.run("s", "2+2").unwrap().result().await.unwrap_err().code, ErrorCode::OutputInvalid);
+}
+
+#[tokio::test]
+async fn invalid_definitions_and_inputs_are_refused_with_codes() {
+    let no_model = Agent::builder().build().unwrap_err();
+    assert!(no_model.message.contains("no model"), "{}", no_model.message);
+    let duplicate = Agent::builder().model("mock").tool(add_tool()).tool(add_tool()).build().unwrap_err();
+    assert!(duplicate.message.contains("two tools are named `add`"), "{}", duplicate.message);
+    let bad_stop = Agent::builder().model("mock").stop_on_tool("nope").build().unwrap_err();
+    assert_eq!(bad_stop.code, ErrorCode::SpecInvalid);
+    let bad_schema = Agent::builder().model("mock").output_schema(json!({"type": 5})).build().unwrap_err();
+    assert!(bad_schema.message.contains("output schema"), "{}", bad_schema.message);
+    let unavailable = Agent::builder().model("anthropic/claude-sonnet").build().unwrap_err();
+    assert_eq!(unavailable.code, ErrorCode::ProviderUnavailable);
+
+    let agent = Agent::builder().model("mock").build().unwrap();
+    assert_eq!(agent.run("bad id!", "hi").unwrap_err().code, ErrorCode::SessionIdInvalid);
+}
+
+#[tokio::test]
+async fn a_second_input_on_a_busy_session_is_rejected() {
+    let slow = MockEntry { delay_ms: 300, text: Some("slow".into()), ..MockEntry::default() };
+    let agent = Agent::builder().model("mock").mock_script(script(vec![slow])).build().unwrap();
+    let first = agent.run("busy", "one").unwrap();
+    assert_eq!(agent.run("busy", "two").unwrap_err().code, ErrorCode::SessionBusy);
+    first.result().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_dropped_handle_does_not_stop_the_run() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&runs);
+    #[derive(Deserialize, JsonSchema)]
+    struct Empty {}
+    let tool = keel::function_tool("tick", "Counts", move |_: Empty| {
+        let counter = Arc::clone(&counter);
+        async move { Ok::<_, String>(counter.fetch_add(1, Ordering::SeqCst)) }
+    });
+    let agent = Agent::builder().model("mock").mock_script(script(vec![call("tick", json!({})), say("ok")])).tool(tool).build().unwrap();
+    drop(agent.run("bg", "go").unwrap());
+    for _ in 0..200 {
+        if agent.store().load_messages(&keel::SessionId::new("bg").unwrap()).await.unwrap().len() == 4 {
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    panic!("the run stopped when its handle was dropped");
+}

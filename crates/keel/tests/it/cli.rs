@@ -1,0 +1,239 @@
+//! The `keel` binary, driven as a user would.
+
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::time::Duration;
+
+use predicates::prelude::*;
+use serde_json::Value;
+
+use crate::support::{agent_dir, keel, repo_root, weekdays_now};
+
+#[test]
+fn the_quick_start_example_answers_with_today() {
+    let output = keel()
+        .current_dir(repo_root())
+        .args(["run", "examples/assistant", "What day is it?"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let expected: Vec<String> = weekdays_now().iter().map(|d| format!("Today is {d}.\n")).collect();
+    assert!(expected.contains(&stdout), "stdout {stdout:?}, expected one of {expected:?}");
+    // Tool calls are shown on stderr, one compact line each; no spinner when piped.
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "{stderr:?}");
+    assert_eq!(lines[0], "→ day-name {}");
+    assert!(lines[1].starts_with("✓ day-name "), "{stderr:?}");
+    assert!(!stderr.contains('\r') && !stderr.contains('\u{1b}'), "terminal control codes when piped: {stderr:?}");
+}
+
+#[test]
+fn json_prints_every_event_as_a_json_line() {
+    let output = keel().current_dir(repo_root()).args(["run", "examples/assistant", "What day is it?", "--json"]).output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let events: Vec<Value> =
+        String::from_utf8(output.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        types,
+        ["run.start", "turn.start", "usage", "tool.start", "tool.done", "turn.start", "text.delta", "text.delta", "text.delta", "usage", "run.done"]
+    );
+    assert_eq!(events[0]["sessionId"], "default");
+    assert!(events[0]["runId"].as_str().unwrap().starts_with("run_"));
+    assert_eq!(events[3]["name"], "day-name");
+    let done = events.last().unwrap();
+    assert_eq!(done["stopped"], "final");
+    let text = done["text"].as_str().unwrap();
+    assert!(weekdays_now().iter().any(|d| text == format!("Today is {d}.")), "{text}");
+    assert!(done["usage"]["inputTokens"].as_u64().unwrap() > 0);
+    assert!(output.stderr.is_empty(), "--json keeps stderr quiet: {:?}", String::from_utf8_lossy(&output.stderr));
+}
+
+#[test]
+fn a_spec_file_in_toml_runs_too() {
+    let dir = agent_dir(&[(
+        "echo.toml",
+        "model = \"mock\"\ninstructions = \"Echo.\"\n",
+    )]);
+    keel().args(["run"]).arg(dir.path().join("echo.toml")).arg("echo me").assert().success().stdout("echo me\n");
+}
+
+#[test]
+fn model_can_be_overridden() {
+    let dir = agent_dir(&[("agent.yaml", "model: openai/gpt-4o-mini\n")]);
+    // The spec names a provider this build cannot reach; --model mock runs it offline.
+    keel().arg("run").arg(dir.path()).arg("hello").assert().code(1).stderr(predicate::str::contains("KEEL_PROVIDER_UNAVAILABLE"));
+    keel().arg("run").arg(dir.path()).arg("hello").args(["--model", "mock"]).assert().success().stdout("hello\n");
+    keel().arg("run").arg(dir.path()).arg("hello").args(["--model", "nope/x"]).assert().code(1).stderr(predicate::str::contains("unknown provider `nope`"));
+}
+
+#[test]
+fn check_prints_every_problem_with_its_place() {
+    let dir = agent_dir(&[
+        ("bad/agent.yaml", "modle: mock\ntools: [day-nam]\nlimits: { max_turns: many }\n"),
+        ("bad/tools/lookup.toml", "description = \"Looks up\"\n[input_schema]\ntype = \"objekt\"\n"),
+    ]);
+    let assert = keel().current_dir(dir.path()).args(["check", "bad"]).assert().code(1);
+    let stderr = String::from_utf8(assert.get_output().stderr.clone()).unwrap();
+    for expected in [
+        "error[KEEL_SPEC_INVALID]: missing `model`\n  --> bad/agent.yaml:1:1",
+        "error[KEEL_SPEC_INVALID]: unknown key `modle`\n  --> bad/agent.yaml:1:1\n  hint: did you mean `model`?",
+        "error[KEEL_SPEC_INVALID]: unknown tool `day-nam`\n  --> bad/agent.yaml:2:9\n  hint: did you mean `day-name`?",
+        "error[KEEL_SPEC_INVALID]: `limits.max_turns` must be an integer, not a string\n  --> bad/agent.yaml:3:22",
+        "--> bad/tools/lookup.toml:2:1",
+        "error[KEEL_SPEC_INVALID]: missing `command`\n  --> bad/tools/lookup.toml:1:1",
+        "errors found in bad",
+    ] {
+        assert!(stderr.contains(expected), "missing {expected:?} in:\n{stderr}");
+    }
+    assert!(!stderr.contains("panicked"));
+    // `run` refuses the same agent, with the same diagnostics.
+    keel().current_dir(dir.path()).args(["run", "bad", "hi"]).assert().code(1).stderr(predicate::str::contains("unknown key `modle`"));
+    // A good agent checks clean.
+    keel().current_dir(repo_root()).args(["check", "examples/assistant"]).assert().success().stdout(predicate::str::starts_with("ok: agent `assistant`"));
+}
+
+#[test]
+fn a_missing_instructions_file_is_an_error() {
+    let dir = agent_dir(&[("a.yaml", "model: mock\ninstructions: { file: missing.md }\n")]);
+    keel().current_dir(dir.path()).args(["check", "a.yaml"]).assert().code(1).stderr(predicate::str::contains(
+        "cannot read the instructions file missing.md",
+    ).and(predicate::str::contains("--> a.yaml:2:23")));
+}
+
+#[test]
+fn a_provider_error_fails_the_run_with_its_code() {
+    let dir = agent_dir(&[(
+        "agent.yaml",
+        "model: mock\nretry: { max_attempts: 2, initial_backoff: 10ms }\nmock:\n  script:\n    - error: { status: 503, message: upstream overloaded }\n",
+    )]);
+    keel().arg("run").arg(dir.path()).arg("hi").assert().code(3).stderr(predicate::str::contains(
+        "error[KEEL_PROVIDER_ERROR]: the model call failed: upstream overloaded (after 2 attempts)",
+    ));
+    let output = keel().arg("run").arg(dir.path()).arg("hi").arg("--json").output().unwrap();
+    assert_eq!(output.status.code(), Some(3));
+    let last: Value = serde_json::from_str(String::from_utf8(output.stdout).unwrap().lines().last().unwrap()).unwrap();
+    assert_eq!(last["type"], "run.error");
+    assert_eq!(last["code"], "KEEL_PROVIDER_ERROR");
+}
+
+const TOOLS_AGENT: &str = "model: mock
+limits: { max_turns: 4 }
+mock:
+  script:
+    - tool_calls:
+        - { name: append, input: { line: first } }
+        - { name: fail, input: {} }
+        - { name: nap, input: {} }
+        - { name: append, input: { line: 12 } }
+    - text: 'done: {{last_tool_output}}'
+";
+
+#[test]
+fn command_tools_run_with_json_on_stdin_and_errors_go_back_to_the_model() {
+    let dir = agent_dir(&[
+        ("agent.yaml", TOOLS_AGENT),
+        (
+            "tools/append.toml",
+            "description = \"Appends a line to log.txt\"\ncommand = [\"python3\", \"-c\", \"import json,sys; d=json.load(sys.stdin); open('log.txt','a').write(d['line']+'\\\\n'); print(json.dumps({'ok': True, 'line': d['line']}))\"]\n[input_schema]\ntype = \"object\"\nrequired = [\"line\"]\nproperties = { line = { type = \"string\" } }\n",
+        ),
+        ("tools/fail.toml", "description = \"Always fails\"\ncommand = [\"sh\", \"-c\", \"echo 'no such invoice' >&2; exit 7\"]\n"),
+        ("tools/nap.toml", "description = \"Sleeps too long\"\ncommand = [\"sleep\", \"30\"]\ntimeout = \"300ms\"\n"),
+    ]);
+    let output = keel().arg("run").arg(dir.path()).arg("go").arg("--json").output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let events: Vec<Value> = String::from_utf8(output.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let outcomes: Vec<String> = events
+        .iter()
+        .filter(|e| e["type"] == "tool.done" || e["type"] == "tool.error")
+        .map(|e| format!("{} {}", e["callId"], if e["type"] == "tool.done" { e["output"].to_string() } else { e["error"].to_string() }))
+        .collect();
+    let mut sorted = outcomes.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        [
+            r#""call_0_0" {"line":"first","ok":true}"#,
+            r#""call_0_1" "command tool `fail` exited with status 7: no such invoice""#,
+            r#""call_0_2" "command tool `nap` did not finish within 300ms (its `timeout`) and was killed""#,
+            r#""call_0_3" "invalid input for `append`: /line: 12 is not of type \"string\"""#,
+        ]
+    );
+    // The run went on after the failures, and the one valid call ran exactly once.
+    let done = events.last().unwrap();
+    assert_eq!(done["stopped"], "final");
+    assert_eq!(std::fs::read_to_string(dir.path().join("log.txt")).unwrap(), "first\n");
+}
+
+#[test]
+fn max_turns_stops_with_exit_code_4() {
+    let dir = agent_dir(&[(
+        "agent.yaml",
+        "model: mock\ntools: [day-name]\nlimits: { max_turns: 1 }\nmock: { script: [ { tool_calls: [ { name: day-name } ] } ] }\n",
+    )]);
+    keel().arg("run").arg(dir.path()).arg("hi").assert().code(4).stderr(predicate::str::contains("stopped: the run used all its turns"));
+}
+
+#[test]
+fn usage_errors_exit_2_and_help_and_version_work() {
+    keel().arg("run").assert().code(2).stderr(predicate::str::contains("Usage: keel run"));
+    keel().args(["run", "x", "y", "--session", "not valid!"]).assert().code(1);
+    keel().arg("--version").assert().success().stdout(predicate::str::starts_with("keel "));
+    keel().args(["check", "--help"]).assert().success().stdout(predicate::str::contains("Exit codes"));
+}
+
+#[test]
+fn an_invalid_session_id_is_refused() {
+    keel()
+        .current_dir(repo_root())
+        .args(["run", "examples/assistant", "hi", "--session", "no spaces"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("KEEL_SESSION_ID_INVALID"));
+}
+
+#[test]
+fn ctrl_c_cancels_the_run_and_kills_the_tool() {
+    let dir = agent_dir(&[
+        ("agent.yaml", "model: mock\nmock: { script: [ { tool_calls: [ { name: nap } ] } ] }\n"),
+        ("tools/nap.toml", "description = \"Sleeps\"\ncommand = [\"sh\", \"-c\", \"sleep 60 & echo $! > nap.pid; wait\"]\n"),
+    ]);
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+        .arg("run")
+        .arg(dir.path())
+        .arg("go")
+        .current_dir(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    assert_eq!(line, "→ nap {}\n");
+    let pid_file = dir.path().join("nap.pid");
+    for _ in 0..200 {
+        if std::fs::read_to_string(&pid_file).is_ok_and(|s| !s.trim().is_empty()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let grandchild: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    assert!(rest.contains("✗ nap failed: cancelled"), "{rest}");
+    assert!(rest.contains("stopped: cancelled"), "{rest}");
+    let alive = || nix::sys::signal::kill(nix::unistd::Pid::from_raw(grandchild), None).is_ok();
+    for _ in 0..100 {
+        if !alive() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("the tool's process {grandchild} outlived the cancelled run");
+}

@@ -1,0 +1,5 @@
+//! End-to-end tests: the `keel` binary (`cli`) and the Rust API (`api`).
+
+mod api;
+mod cli;
+mod support;
