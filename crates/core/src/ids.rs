@@ -1,6 +1,10 @@
 //! Identifiers: sessions, runs and step names, parsed and displayed in one place.
+//!
+//! Ids are immutable and cloned often (events, tool contexts, store keys), so they share their
+//! text (`Arc<str>`): a clone is a reference count, not an allocation.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::error::{ErrorCode, RunFailure};
 
@@ -8,7 +12,7 @@ use crate::error::{ErrorCode, RunFailure};
 ///
 /// The restriction keeps ids safe in URLs, file names and log lines.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SessionId(String);
+pub struct SessionId(Arc<str>);
 
 impl SessionId {
     /// Validates and wraps a session id.
@@ -23,7 +27,7 @@ impl SessionId {
                 ),
             ));
         }
-        Ok(SessionId(id))
+        Ok(SessionId(id.into()))
     }
 
     /// The id as a string.
@@ -40,7 +44,7 @@ impl fmt::Display for SessionId {
 
 /// A run id, `run_` followed by a unique suffix chosen by the runtime.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RunId(String);
+pub struct RunId(Arc<str>);
 
 impl RunId {
     /// The prefix every run id starts with.
@@ -48,7 +52,10 @@ impl RunId {
 
     /// Builds a run id from a unique suffix (the runtime uses a time-ordered UUID).
     pub fn from_suffix(suffix: &str) -> RunId {
-        RunId(format!("{}{suffix}", Self::PREFIX))
+        let mut id = String::with_capacity(Self::PREFIX.len() + suffix.len());
+        id.push_str(Self::PREFIX);
+        id.push_str(suffix);
+        RunId(id.into())
     }
 
     /// Parses a run id as printed by [`RunId`]'s `Display`.
@@ -57,7 +64,7 @@ impl RunId {
         let valid = !suffix.is_empty()
             && suffix.len() <= 64
             && suffix.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        valid.then(|| RunId(id.to_owned()))
+        valid.then(|| RunId(id.into()))
     }
 
     /// The id as a string.
@@ -101,6 +108,23 @@ impl StepName {
     }
 }
 
+impl StepName {
+    /// `<run_id>:<step>`: the idempotency key tools get for this step. Built without the
+    /// formatting machinery: it is made for every tool call.
+    pub fn idempotency_key(&self, run: &RunId) -> String {
+        match self {
+            StepName::ModelTurn(turn) => format!("{run}:llm:turn:{turn}"),
+            StepName::Tool { name, call_id } => {
+                let mut key = String::with_capacity(run.0.len() + name.len() + call_id.len() + 7);
+                for piece in [&*run.0, ":tool:", name, ":", call_id] {
+                    key.push_str(piece);
+                }
+                key
+            }
+        }
+    }
+}
+
 impl fmt::Display for StepName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -131,7 +155,9 @@ mod tests {
             StepName::ModelTurn(41),
             StepName::Tool { name: "day-name".into(), call_id: "call:1".into() },
         ] {
-            assert_eq!(StepName::parse(&step.to_string()), Some(step));
+            assert_eq!(StepName::parse(&step.to_string()), Some(step.clone()));
+            let run = RunId::from_suffix("r");
+            assert_eq!(step.idempotency_key(&run), format!("{run}:{step}"));
         }
         assert_eq!(StepName::parse("llm:turn:x"), None);
         assert_eq!(StepName::parse("other"), None);

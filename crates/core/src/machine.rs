@@ -109,9 +109,10 @@ enum Phase {
     Finished,
 }
 
+/// A tool call of the current turn. The call itself is in the turn's assistant message.
 #[derive(Debug)]
 struct PendingCall {
-    call: ToolCall,
+    call_id: String,
     /// The outcome after the output cap; `None` while the call runs.
     result: Option<ToolOutcome>,
 }
@@ -121,7 +122,7 @@ pub struct Machine {
     agent: Arc<AgentDef>,
     run_id: RunId,
     session_id: SessionId,
-    transcript: Vec<Message>,
+    transcript: Vec<Arc<Message>>,
     call_base: u64,
     turns: u32,
     usage: Usage,
@@ -140,12 +141,12 @@ impl Machine {
         agent: Arc<AgentDef>,
         run_id: RunId,
         session_id: SessionId,
-        history: Vec<Message>,
+        history: Vec<Arc<Message>>,
         input: Message,
         call_base: u64,
     ) -> Machine {
         let mut transcript = history;
-        transcript.push(input);
+        transcript.push(Arc::new(input));
         Machine {
             agent,
             run_id,
@@ -162,7 +163,7 @@ impl Machine {
     }
 
     /// The whole transcript: the session's history, then this run's messages.
-    pub fn transcript(&self) -> &[Message] {
+    pub fn transcript(&self) -> &[Arc<Message>] {
         &self.transcript
     }
 
@@ -249,20 +250,20 @@ impl Machine {
 
         let mut parts = reply.parts;
         normalize_call_ids(&mut parts, self.call_base + u64::from(turn));
-        self.transcript.push(Message { role: Role::Assistant, parts });
+        self.transcript.push(Arc::new(Message { role: Role::Assistant, parts }));
         self.persist_last(actions, 1);
 
         let message = self.transcript.last().expect("just pushed");
-        let calls: Vec<ToolCall> = message.tool_calls().cloned().collect();
-        if calls.is_empty() {
+        if message.tool_calls().next().is_none() {
             let text = message.text();
             return self.final_answer(text, actions);
         }
 
         self.phase = Phase::AwaitingTools;
-        self.calls.clear();
+        let mut pending = std::mem::take(&mut self.calls);
+        pending.clear();
         let max_tool_calls = self.agent.limits.max_tool_calls;
-        for call in calls {
+        for call in message.tool_calls() {
             actions.push(Action::Emit(Event::ToolStart {
                 call_id: call.call_id.clone(),
                 name: call.name.clone(),
@@ -304,23 +305,24 @@ impl Machine {
                         call_id: call.call_id.clone(),
                         error: error.message.clone(),
                     }));
-                    self.calls.push(PendingCall { call, result: Some(Err(error)) });
+                    pending.push(PendingCall { call_id: call.call_id.clone(), result: Some(Err(error)) });
                 }
                 None => {
                     self.tool_calls += 1;
                     let step = StepName::Tool { name: call.name.clone(), call_id: call.call_id.clone() };
                     actions.push(Action::CallTool { step, call: call.clone() });
-                    self.calls.push(PendingCall { call, result: None });
+                    pending.push(PendingCall { call_id: call.call_id.clone(), result: None });
                 }
             }
         }
+        self.calls = pending;
         self.complete_turn_if_done(actions);
     }
 
     fn on_tool_done(&mut self, call_id: &str, outcome: ToolOutcome, actions: &mut Vec<Action>) {
         let max_chars = self.agent.limits.max_tool_output_chars;
         let Some(pending) =
-            self.calls.iter_mut().find(|p| p.call.call_id == call_id && p.result.is_none())
+            self.calls.iter_mut().find(|p| p.call_id == call_id && p.result.is_none())
         else {
             let failure = RunFailure::new(
                 ErrorCode::Internal,
@@ -357,10 +359,14 @@ impl Machine {
     fn close_turn(&mut self, actions: &mut Vec<Action>) -> Option<Value> {
         let mut stop_output = None;
         let mut parts = Vec::with_capacity(self.calls.len());
-        for pending in self.calls.drain(..) {
+        // The turn's calls are in its assistant message, the last one of the transcript.
+        let assistant = self.transcript.iter().rev().find(|m| m.role == Role::Assistant).map(Arc::clone);
+        let calls = assistant.iter().flat_map(|m| m.tool_calls());
+        for (pending, call) in self.calls.drain(..).zip(calls) {
+            debug_assert_eq!(pending.call_id, call.call_id);
             let (output, is_error) = match pending.result.expect("every call has a result") {
                 Ok(output) => {
-                    if stop_output.is_none() && self.agent.stop_on_tools.contains(&pending.call.name) {
+                    if stop_output.is_none() && self.agent.stop_on_tools.contains(&call.name) {
                         stop_output = Some(output.clone());
                     }
                     (output, false)
@@ -368,13 +374,13 @@ impl Machine {
                 Err(error) => (Value::String(error.message), true),
             };
             parts.push(Part::ToolResult(ToolResult {
-                call_id: pending.call.call_id,
-                name: pending.call.name,
+                call_id: pending.call_id,
+                name: call.name.clone(),
                 output,
                 is_error,
             }));
         }
-        self.transcript.push(Message { role: Role::Tool, parts });
+        self.transcript.push(Arc::new(Message { role: Role::Tool, parts }));
         self.persist_last(actions, 1);
         stop_output
     }
@@ -405,7 +411,7 @@ impl Machine {
             .iter()
             .rev()
             .find(|m| m.role == Role::Assistant)
-            .map(Message::text)
+            .map(|m| m.text())
             .unwrap_or_default();
         self.finish_with_text(stopped, text, output, actions);
     }
@@ -444,7 +450,7 @@ impl Machine {
                     false,
                 );
                 actions.push(Action::Emit(Event::ToolError {
-                    call_id: pending.call.call_id.clone(),
+                    call_id: pending.call_id.clone(),
                     error: error.message.clone(),
                 }));
                 pending.result = Some(Err(error));

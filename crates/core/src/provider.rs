@@ -4,6 +4,7 @@
 //! the end. The reply, not the deltas, is what the journal records: a replay re-emits the text in
 //! one piece and never calls the provider again.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -22,7 +23,7 @@ pub struct ModelRequest<'a> {
     /// The system prompt.
     pub instructions: &'a str,
     /// The transcript so far: the session's history and this run's messages.
-    pub messages: &'a [Message],
+    pub messages: &'a [Arc<Message>],
     /// The tools the model may call.
     pub tools: &'a [ToolSpec],
     /// The schema the final answer must match, when structured output is wanted.

@@ -3,6 +3,8 @@
 //! Backends live in `keel-store` (memory now; SQLite and PostgreSQL join the same conformance
 //! suite). Every write is idempotent so that a re-driven run can repeat it safely.
 
+use std::sync::Arc;
+
 use crate::BoxFuture;
 use crate::ids::{RunId, SessionId};
 use crate::journal::JournalEntry;
@@ -79,10 +81,13 @@ pub enum StoreError {
 /// Persistence for sessions, runs and journals.
 pub trait Store: Send + Sync {
     /// The session's whole transcript, in order (empty for a new session).
+    ///
+    /// Messages are immutable once stored, so they are shared (`Arc`): a backend that keeps them
+    /// in memory hands out references instead of copies.
     fn load_messages<'a>(
         &'a self,
         session: &'a SessionId,
-    ) -> BoxFuture<'a, Result<Vec<Message>, StoreError>>;
+    ) -> BoxFuture<'a, Result<Vec<Arc<Message>>, StoreError>>;
 
     /// Appends `messages` at session positions `first_position..`. Idempotent: a position that
     /// already holds a message written by the same run is skipped; one written by another run is
@@ -92,7 +97,7 @@ pub trait Store: Send + Sync {
         session: &'a SessionId,
         run: &'a RunId,
         first_position: u64,
-        messages: &'a [Message],
+        messages: &'a [Arc<Message>],
     ) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// Records a new run.

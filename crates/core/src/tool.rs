@@ -176,7 +176,11 @@ impl ToolSet {
         let Some(&i) = self.index.get(name) else {
             return Err(format!("unknown tool `{name}`"));
         };
-        let problems: Vec<String> = self.validators[i]
+        let validator = &self.validators[i];
+        if validator.is_valid(input) {
+            return Ok(());
+        }
+        let problems: Vec<String> = validator
             .iter_errors(input)
             .take(5)
             .map(|error| {

@@ -1,1 +1,185 @@
-fn main() {}
+//! The "tool-loop" benchmark: keel's own overhead per run, with a model that costs nothing.
+//!
+//! Workload: the mock model calls `add(a=2, b=3)` (a Rust function tool), then answers "5"; no
+//! delays; in-memory store. Each run is a new session (the mock picks its reply by the session's
+//! model-call count).
+//!
+//! Reports:
+//! - microseconds per run, sequential, after warm-up: the median of several batches, on a
+//!   current-thread and on a multi-thread Tokio runtime;
+//! - 1000 concurrent runs: wall time, and peak heap (counted by a tracking allocator) and peak
+//!   RSS growth during the burst.
+//!
+//! The allocator is mimalloc, as in the `keel` binary, wrapped to count heap bytes.
+//!
+//! Run with `cargo bench -p keel --bench tool_loop` (`-- --quick` for a smoke run; `-- --profile`
+//! runs only the current-thread loop, `KEEL_BENCH_RUNS` times, for callgrind or perf).
+#![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
+#![allow(missing_docs)]
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use keel::{Agent, MockEntry, MockScript, MockToolCall};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::json;
+
+/// mimalloc, counting live heap bytes and their peak.
+struct Tracking;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+#[allow(unsafe_code, reason = "a global allocator wrapper is unsafe by definition")]
+unsafe impl GlobalAlloc for Tracking {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwards to mimalloc with the caller's layout.
+        let ptr = unsafe { mimalloc::MiMalloc.alloc(layout) };
+        if !ptr.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(live, Ordering::Relaxed);
+        }
+        ptr
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` was allocated by `alloc` above with this layout.
+        unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Tracking = Tracking;
+
+#[derive(Deserialize, JsonSchema)]
+struct AddInput {
+    a: i64,
+    b: i64,
+}
+
+fn agent() -> Agent {
+    let add = keel::function_tool("add", "Adds two integers", |input: AddInput| async move {
+        Ok::<_, std::convert::Infallible>(input.a + input.b)
+    });
+    let script = MockScript {
+        entries: vec![
+            MockEntry {
+                tool_calls: vec![MockToolCall { name: "add".into(), input: json!({"a": 2, "b": 3}) }],
+                ..MockEntry::default()
+            },
+            MockEntry { text: Some("{{last_tool_output}}".into()), ..MockEntry::default() },
+        ],
+    };
+    Agent::builder().name("bench").model("mock").mock_script(script).tool(add).build().expect("the agent builds")
+}
+
+async fn one_run(agent: &Agent, session: &str) {
+    let result = agent.run(session, "What is 2 + 3?").expect("starts").result().await.expect("runs");
+    assert_eq!(result.text, "5");
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn sequential(runtime: &tokio::runtime::Runtime, warmup: usize, batches: usize, per_batch: usize) -> f64 {
+    // The loop runs as a task, as a server's request handler would: on a multi-thread runtime,
+    // awaiting from `block_on`'s thread would measure cross-thread wake-ups instead of keel.
+    let task = runtime.spawn(async move {
+        let agent = agent();
+        for i in 0..warmup {
+            one_run(&agent, &format!("w{i}")).await;
+        }
+        let mut per_run = Vec::with_capacity(batches);
+        for batch in 0..batches {
+            // A fresh agent per batch keeps the in-memory store from growing across batches.
+            let agent = self::agent();
+            let sessions: Vec<String> = (0..per_batch).map(|i| format!("b{batch}-{i}")).collect();
+            let start = Instant::now();
+            for session in &sessions {
+                one_run(&agent, session).await;
+            }
+            per_run.push(start.elapsed().as_secs_f64() * 1e6 / per_batch as f64);
+        }
+        median(per_run)
+    });
+    runtime.block_on(task).expect("the benchmark task panicked")
+}
+
+fn rss_hwm_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+struct Burst {
+    wall: Duration,
+    peak_heap_bytes: usize,
+}
+
+fn concurrent(runtime: &tokio::runtime::Runtime, runs: usize, round: usize) -> Burst {
+    let task = runtime.spawn(async move {
+        let agent = agent();
+        let base = LIVE.load(Ordering::Relaxed);
+        PEAK.store(base, Ordering::Relaxed);
+        let start = Instant::now();
+        let handles: Vec<_> = (0..runs)
+            .map(|i| agent.run(&format!("c{round}-{i}"), "What is 2 + 3?").expect("starts"))
+            .collect();
+        for handle in handles {
+            assert_eq!(handle.result().await.expect("runs").text, "5");
+        }
+        let wall = start.elapsed();
+        Burst { wall, peak_heap_bytes: PEAK.load(Ordering::Relaxed) - base }
+    });
+    runtime.block_on(task).expect("the benchmark task panicked")
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    if std::env::args().any(|a| a == "--profile") {
+        // Just the sequential current-thread loop, for a profiler (callgrind, perf).
+        let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let runs = std::env::var("KEEL_BENCH_RUNS").ok().and_then(|n| n.parse().ok()).unwrap_or(2_000);
+        println!("{:.2} µs/run", sequential(&current, 100, 1, runs));
+        return;
+    }
+    let (warmup, batches, per_batch, rounds) = if quick { (200, 3, 500, 2) } else { (5_000, 9, 10_000, 7) };
+    let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let multi = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+
+    println!("tool-loop benchmark (add(2, 3) then \"5\"; mock model; memory store)");
+    println!("machine: {} cores", std::thread::available_parallelism().map_or(0, |n| n.get()));
+    let seq_current = sequential(&current, warmup, batches, per_batch);
+    println!("sequential, current-thread runtime: {seq_current:.2} µs/run (median of {batches} batches of {per_batch})");
+    let seq_multi = sequential(&multi, warmup, batches, per_batch);
+    println!("sequential, multi-thread runtime:   {seq_multi:.2} µs/run (median of {batches} batches of {per_batch})");
+
+    let rss_before = rss_kib().unwrap_or(0);
+    let mut walls = Vec::new();
+    let mut heaps = Vec::new();
+    for round in 0..rounds {
+        let burst = concurrent(&multi, 1000, round);
+        walls.push(burst.wall.as_secs_f64() * 1e3);
+        heaps.push(burst.peak_heap_bytes as f64);
+    }
+    let hwm = rss_hwm_kib().unwrap_or(0);
+    println!(
+        "1000 concurrent runs, multi-thread runtime: {:.2} ms wall (median of {rounds}), peak heap {:.2} MiB ({:.1} KiB/run), process peak RSS {:.1} MiB (RSS before the bursts {:.1} MiB)",
+        median(walls),
+        median(heaps.clone()) / (1024.0 * 1024.0),
+        median(heaps) / 1024.0 / 1000.0,
+        hwm as f64 / 1024.0,
+        rss_before as f64 / 1024.0,
+    );
+}

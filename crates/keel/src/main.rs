@@ -7,6 +7,10 @@
 
 mod cli;
 
+/// mimalloc: markedly cheaper than glibc's malloc for the many small allocations of a run.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::process::ExitCode;
 
 fn main() -> ExitCode {

@@ -57,24 +57,36 @@ fn play(
             return Err(ProviderError::from_status(failure.status, failure.message.clone()));
         }
     }
-    let text = entry
-        .text
-        .as_deref()
-        .map(|template| template.replace("{{last_tool_output}}", &last_tool_output(request)))
-        .unwrap_or_default();
+    let text = match entry.text.as_deref() {
+        Some(template) if template.contains('{') => {
+            template.replace("{{last_tool_output}}", &last_tool_output(request))
+        }
+        Some(text) => text.to_owned(),
+        None => String::new(),
+    };
     let calls = entry
         .tool_calls
         .iter()
         .enumerate()
         .map(|(index, call)| {
             Part::ToolCall(ToolCall {
-                call_id: format!("call_{}_{index}", request.call_index),
+                call_id: call_id(request.call_index, index),
                 name: call.name.clone(),
                 input: call.input.clone(),
             })
         })
         .collect();
     Ok(reply_with_text(request, &text, calls, sink))
+}
+
+/// `call_<call_index>_<index>`, unique in the session.
+fn call_id(call_index: u64, index: usize) -> String {
+    let (call_index, index) = (call_index.to_string(), index.to_string());
+    let mut id = String::with_capacity(6 + call_index.len() + index.len());
+    for piece in ["call_", &call_index, "_", &index] {
+        id.push_str(piece);
+    }
+    id
 }
 
 /// Streams `text` in word-sized deltas and builds the reply.
@@ -92,12 +104,9 @@ fn reply_with_text(
     if start < text.len() {
         sink.text_delta(&text[start..]);
     }
-    let mut output_chars = text.chars().count();
-    for call in &calls {
-        if let Part::ToolCall(call) = call {
-            output_chars += call.name.len() + call.input.to_string().len();
-        }
-    }
+    // A rough, deterministic estimate: serializing inputs just to count them costs more than
+    // the estimate is worth.
+    let output_chars = text.len() + 24 * calls.len();
     let mut parts = Vec::with_capacity(calls.len() + 1);
     if !text.is_empty() {
         parts.push(Part::Text(text.to_owned()));
@@ -143,6 +152,8 @@ fn last_tool_output(request: &ModelRequest<'_>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
     use keel_core::{Message, MockFailure, MockToolCall, ProviderErrorKind};
     use serde_json::json;
 
@@ -153,7 +164,7 @@ mod tests {
         }
     }
 
-    fn request<'a>(messages: &'a [Message], call_index: u64, attempt: u32) -> ModelRequest<'a> {
+    fn request<'a>(messages: &'a [Arc<Message>], call_index: u64, attempt: u32) -> ModelRequest<'a> {
         ModelRequest {
             model: "mock",
             instructions: "",
@@ -191,7 +202,8 @@ mod tests {
 
     async fn call(provider: &MockProvider, messages: &[Message], index: u64, attempt: u32) -> (Result<ModelReply, ProviderError>, Vec<String>) {
         let mut sink = Collect(Vec::new());
-        let result = provider.complete(request(messages, index, attempt), &mut sink).await;
+        let messages: Vec<Arc<Message>> = messages.iter().cloned().map(Arc::new).collect();
+        let result = provider.complete(request(&messages, index, attempt), &mut sink).await;
         (result, sink.0)
     }
 

@@ -4,7 +4,9 @@
 //! The loop has a closed set of inputs (see [`Input`]): it takes the next queued input or, when
 //! none is queued, waits for the first of "a tool call finished" and "the run was cancelled".
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -267,7 +269,7 @@ impl Driver {
             run_id: self.run_id.clone(),
             session_id: self.session.clone(),
             call_id: call_id.clone(),
-            idempotency_key: format!("{}:{step}", self.run_id),
+            idempotency_key: step.idempotency_key(&self.run_id),
         };
         let timeout = self.shared.agent.limits.tool_timeout;
         let mut task = AbortOnDrop(tokio::spawn(async move { tool.call(input, &ctx).await }));
@@ -340,6 +342,9 @@ struct EventSink<'a>(&'a UnboundedSender<Event>);
 
 impl DeltaSink for EventSink<'_> {
     fn text_delta(&mut self, delta: &str) {
+        if self.0.is_closed() {
+            return;
+        }
         let _ = self.0.send(Event::TextDelta { delta: delta.to_owned() });
     }
 }

@@ -1,6 +1,6 @@
 //! [`Engine`]: an agent bound to a provider and a store, able to start and re-drive runs.
 
-use std::collections::HashSet;
+use foldhash::HashSet;
 use std::sync::{Arc, Mutex};
 
 use keel_core::{AgentDef, ErrorCode, Message, Provider, RunFailure, RunId, SessionId, Store};
@@ -46,6 +46,27 @@ impl Drop for SessionClaim {
     }
 }
 
+/// A new run id: a UUIDv7 (time-ordered), whose 74 "random" bits are a per-process random
+/// seed plus a counter. Unique across processes like a random UUIDv7, but without drawing
+/// random numbers for every run.
+fn new_run_id() -> RunId {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEED: OnceLock<u128> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let seed = *SEED.get_or_init(|| uuid::Uuid::new_v4().as_u128());
+    let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let random = seed.wrapping_add(u128::from(count)).to_le_bytes();
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let mut random_bytes = [0u8; 10];
+    random_bytes.copy_from_slice(&random[..10]);
+    let id = uuid::Builder::from_unix_timestamp_millis(millis, &random_bytes).into_uuid();
+    let mut buffer = uuid::Uuid::encode_buffer();
+    RunId::from_suffix(id.simple().encode_lower(&mut buffer))
+}
+
 /// An agent bound to a model provider and a store.
 ///
 /// Cheap to clone; clones share the same "session busy" bookkeeping.
@@ -77,7 +98,7 @@ impl Engine {
     /// `KEEL_INTERNAL` when called outside a Tokio runtime.
     pub fn start(&self, session: SessionId, input: Message) -> Result<RunHandle, RunFailure> {
         let claim = self.shared.claim(&session)?;
-        let run_id = RunId::from_suffix(&uuid::Uuid::now_v7().simple().to_string());
+        let run_id = new_run_id();
         Ok(self.spawn(run_id.clone(), Plan::Fresh { run_id, session, input, claim }))
     }
 

@@ -63,9 +63,10 @@ impl RunHandle {
     ///
     /// # Cancel safety
     /// Dropping this future does not stop the run.
-    pub async fn result(mut self) -> Result<RunResult, RunFailure> {
-        // Drain so the channel does not hold every event of a long run in memory.
-        while self.events.recv().await.is_some() {}
+    pub async fn result(self) -> Result<RunResult, RunFailure> {
+        // Closing the event channel discards what is buffered and makes further sends fail at
+        // once: a caller that only wants the result pays for no event delivery.
+        drop(self.events);
         match self.result.await {
             Ok(result) => result,
             Err(_) => Err(RunFailure::new(

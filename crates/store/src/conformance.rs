@@ -3,6 +3,8 @@
 //! A backend's tests call [`run_all`] with a fresh, empty store. Each check panics with a
 //! message naming the broken rule.
 
+use std::sync::Arc;
+
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::{
     Message, ModelReply, RunId, RunRecord, RunState, SessionId, StepName, Store, StoreError, Usage,
@@ -32,7 +34,7 @@ fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
 pub async fn messages_append_idempotently(store: &dyn Store) {
     let session = SessionId::new("conformance-append").unwrap();
     let run = RunId::from_suffix("append");
-    let messages = [Message::user("one"), Message::assistant("two")];
+    let messages = [Arc::new(Message::user("one")), Arc::new(Message::assistant("two"))];
     store.append_messages(&session, &run, 0, &messages).await.unwrap();
     store.append_messages(&session, &run, 0, &messages).await.unwrap();
     store.append_messages(&session, &run, 1, &messages[1..]).await.unwrap();
@@ -46,12 +48,12 @@ pub async fn messages_of_another_run_conflict(store: &dyn Store) {
     let session = SessionId::new("conformance-conflict").unwrap();
     let first = RunId::from_suffix("first");
     let second = RunId::from_suffix("second");
-    store.append_messages(&session, &first, 0, &[Message::user("a")]).await.unwrap();
-    let err = store.append_messages(&session, &second, 0, &[Message::user("b")]).await.unwrap_err();
+    store.append_messages(&session, &first, 0, &[Arc::new(Message::user("a"))]).await.unwrap();
+    let err = store.append_messages(&session, &second, 0, &[Arc::new(Message::user("b"))]).await.unwrap_err();
     assert!(matches!(err, StoreError::Conflict(_)), "overwrite by another run: {err:?}");
-    let err = store.append_messages(&session, &second, 5, &[Message::user("b")]).await.unwrap_err();
+    let err = store.append_messages(&session, &second, 5, &[Arc::new(Message::user("b"))]).await.unwrap_err();
     assert!(matches!(err, StoreError::Conflict(_)), "gap: {err:?}");
-    assert_eq!(store.load_messages(&session).await.unwrap(), [Message::user("a")]);
+    assert_eq!(store.load_messages(&session).await.unwrap(), [Arc::new(Message::user("a"))]);
 }
 
 /// Runs are stored whole and change state.

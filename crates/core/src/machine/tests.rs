@@ -66,7 +66,7 @@ fn machine(agent: Arc<AgentDef>) -> Machine {
         agent,
         RunId::from_suffix("1"),
         SessionId::new("s1").unwrap(),
-        vec![Message::user("earlier"), Message::assistant("ok")],
+        vec![Arc::new(Message::user("earlier")), Arc::new(Message::assistant("ok"))],
         Message::user("What is 2+3?"),
         1,
     )
