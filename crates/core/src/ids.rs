@@ -22,9 +22,7 @@ impl SessionId {
         if id.is_empty() || id.len() > 128 || !valid_chars {
             return Err(RunFailure::new(
                 ErrorCode::SessionIdInvalid,
-                format!(
-                    "invalid session id {id:?}: use 1 to 128 characters of A-Z, a-z, 0-9, `_` and `-`"
-                ),
+                format!("invalid session id {id:?}: use 1 to 128 characters of A-Z, a-z, 0-9, `_` and `-`"),
             ));
         }
         Ok(SessionId(id.into()))

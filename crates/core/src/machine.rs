@@ -321,12 +321,12 @@ impl Machine {
 
     fn on_tool_done(&mut self, call_id: &str, outcome: ToolOutcome, actions: &mut Vec<Action>) {
         let max_chars = self.agent.limits.max_tool_output_chars;
-        let Some(pending) =
-            self.calls.iter_mut().find(|p| p.call_id == call_id && p.result.is_none())
-        else {
+        let Some(pending) = self.calls.iter_mut().find(|p| p.call_id == call_id && p.result.is_none()) else {
             let failure = RunFailure::new(
                 ErrorCode::Internal,
-                format!("the run loop got a result for unknown or finished call `{call_id}`; please report this bug"),
+                format!(
+                    "the run loop got a result for unknown or finished call `{call_id}`; please report this bug"
+                ),
             );
             return self.fail(failure, actions);
         };

@@ -42,11 +42,31 @@ pub struct DecodeError {
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum PartV1 {
-    Text { text: String },
-    Image { media_type: String, data: String },
-    File { media_type: String, #[serde(default, skip_serializing_if = "Option::is_none")] name: Option<String>, data: String },
-    ToolCall { call_id: String, name: String, input: Value },
-    ToolResult { call_id: String, name: String, output: Value, #[serde(default)] is_error: bool },
+    Text {
+        text: String,
+    },
+    Image {
+        media_type: String,
+        data: String,
+    },
+    File {
+        media_type: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
+        data: String,
+    },
+    ToolCall {
+        call_id: String,
+        name: String,
+        input: Value,
+    },
+    ToolResult {
+        call_id: String,
+        name: String,
+        output: Value,
+        #[serde(default)]
+        is_error: bool,
+    },
 }
 
 #[derive(Serialize, Deserialize)]
@@ -73,7 +93,10 @@ struct ToolErrorV1 {
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 enum RecordBodyV1 {
-    ModelReply { parts: Vec<PartV1>, usage: UsageV1 },
+    ModelReply {
+        parts: Vec<PartV1>,
+        usage: UsageV1,
+    },
     ToolResult {
         ok: bool,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -96,11 +119,9 @@ fn part_to_v1(part: &Part) -> PartV1 {
         Part::Image { media_type, data } => {
             PartV1::Image { media_type: media_type.clone(), data: BASE64.encode(data) }
         }
-        Part::File { media_type, name, data } => PartV1::File {
-            media_type: media_type.clone(),
-            name: name.clone(),
-            data: BASE64.encode(data),
-        },
+        Part::File { media_type, name, data } => {
+            PartV1::File { media_type: media_type.clone(), name: name.clone(), data: BASE64.encode(data) }
+        }
         Part::ToolCall(call) => PartV1::ToolCall {
             call_id: call.call_id.clone(),
             name: call.name.clone(),
@@ -125,9 +146,7 @@ fn part_from_v1(part: PartV1, what: &'static str) -> Result<Part, DecodeError> {
     Ok(match part {
         PartV1::Text { text } => Part::Text(text),
         PartV1::Image { media_type, data } => Part::Image { data: bytes(&data)?, media_type },
-        PartV1::File { media_type, name, data } => {
-            Part::File { data: bytes(&data)?, media_type, name }
-        }
+        PartV1::File { media_type, name, data } => Part::File { data: bytes(&data)?, media_type, name },
         PartV1::ToolCall { call_id, name, input } => Part::ToolCall(ToolCall { call_id, name, input }),
         PartV1::ToolResult { call_id, name, output, is_error } => {
             Part::ToolResult(ToolResult { call_id, name, output, is_error })
@@ -202,8 +221,7 @@ pub fn encode_record(record: &JournalRecord) -> String {
 /// Decodes a journal record written by [`encode_record`] (of this or an older version).
 pub fn decode_record(json: &str) -> Result<JournalRecord, DecodeError> {
     let what = "journal record";
-    let raw: Value =
-        serde_json::from_str(json).map_err(|e| DecodeError { what, reason: e.to_string() })?;
+    let raw: Value = serde_json::from_str(json).map_err(|e| DecodeError { what, reason: e.to_string() })?;
     let version = raw.get("v").and_then(Value::as_u64).unwrap_or(0);
     check_version(u32::try_from(version).unwrap_or(u32::MAX), what)?;
     let v1: RecordV1 =
@@ -217,7 +235,8 @@ pub fn decode_record(json: &str) -> Result<JournalRecord, DecodeError> {
             JournalRecord::ToolResult(Ok(output.unwrap_or(Value::Null)))
         }
         RecordBodyV1::ToolResult { ok: false, error, .. } => {
-            let error = error.ok_or_else(|| DecodeError { what, reason: "failed tool result without `error`".into() })?;
+            let error = error
+                .ok_or_else(|| DecodeError { what, reason: "failed tool result without `error`".into() })?;
             JournalRecord::ToolResult(Err(ToolError {
                 code: ErrorCode::parse(&error.code).unwrap_or(ErrorCode::ToolFailed),
                 message: error.message,
@@ -238,9 +257,18 @@ mod tests {
             parts: vec![
                 Part::Text("Hi".into()),
                 Part::Image { media_type: "image/png".into(), data: vec![0u8, 159, 255].into() },
-                Part::File { media_type: "text/csv".into(), name: Some("a.csv".into()), data: b"a,b".to_vec().into() },
+                Part::File {
+                    media_type: "text/csv".into(),
+                    name: Some("a.csv".into()),
+                    data: b"a,b".to_vec().into(),
+                },
                 Part::ToolCall(ToolCall { call_id: "c1".into(), name: "add".into(), input: json!({"a": 2}) }),
-                Part::ToolResult(ToolResult { call_id: "c1".into(), name: "add".into(), output: json!(5), is_error: false }),
+                Part::ToolResult(ToolResult {
+                    call_id: "c1".into(),
+                    name: "add".into(),
+                    output: json!(5),
+                    is_error: false,
+                }),
             ],
         }
     }
@@ -256,7 +284,8 @@ mod tests {
         // A golden record: if this changes, stored data written by earlier builds breaks.
         expect_test::expect![[r#"{"v":1,"role":"assistant","parts":[{"type":"text","text":"Hi"},{"type":"image","media_type":"image/png","data":"AJ//"},{"type":"file","media_type":"text/csv","name":"a.csv","data":"YSxi"},{"type":"tool_call","call_id":"c1","name":"add","input":{"a":2}},{"type":"tool_result","call_id":"c1","name":"add","output":5,"is_error":false}]}"#]]
             .assert_eq(&encode_message(&sample_message()));
-        let failed = JournalRecord::ToolResult(Err(ToolError::with_code(ErrorCode::ToolTimeout, "timed out", true)));
+        let failed =
+            JournalRecord::ToolResult(Err(ToolError::with_code(ErrorCode::ToolTimeout, "timed out", true)));
         expect_test::expect![[r#"{"v":1,"kind":"tool_result","ok":false,"error":{"code":"KEEL_TOOL_TIMEOUT","message":"timed out","transient":true}}"#]]
             .assert_eq(&encode_record(&failed));
     }

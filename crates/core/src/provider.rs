@@ -112,9 +112,7 @@ impl ProviderError {
     pub fn is_transient(&self) -> bool {
         matches!(
             self.kind,
-            ProviderErrorKind::RateLimited { .. }
-                | ProviderErrorKind::Transient
-                | ProviderErrorKind::Timeout
+            ProviderErrorKind::RateLimited { .. } | ProviderErrorKind::Transient | ProviderErrorKind::Timeout
         )
     }
 

@@ -104,23 +104,13 @@ pub trait Store: Send + Sync {
     fn create_run<'a>(&'a self, run: &'a RunRecord) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// Reads a run.
-    fn load_run<'a>(
-        &'a self,
-        run: &'a RunId,
-    ) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>>;
+    fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>>;
 
     /// Moves a run to a new state.
-    fn set_run_state<'a>(
-        &'a self,
-        run: &'a RunId,
-        state: RunState,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn set_run_state<'a>(&'a self, run: &'a RunId, state: RunState) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// The run's journal, in the order it was written.
-    fn load_journal<'a>(
-        &'a self,
-        run: &'a RunId,
-    ) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>>;
+    fn load_journal<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>>;
 
     /// Records a completed step. Idempotent: the first record of a step wins.
     fn append_journal<'a>(

@@ -121,8 +121,18 @@ mod tests {
             Event::ToolDone { call_id: "c".into(), output: json!(5) },
             Event::ToolError { call_id: "c".into(), error: "boom".into() },
             Event::Usage(Usage { input_tokens: 1, output_tokens: 2 }),
-            Event::RunDone { text: "5".into(), output: None, stopped: StopReason::Final, usage: Usage::default() },
-            Event::RunDone { text: "{}".into(), output: Some(json!({})), stopped: StopReason::Budget, usage: Usage::default() },
+            Event::RunDone {
+                text: "5".into(),
+                output: None,
+                stopped: StopReason::Final,
+                usage: Usage::default(),
+            },
+            Event::RunDone {
+                text: "{}".into(),
+                output: Some(json!({})),
+                stopped: StopReason::Budget,
+                usage: Usage::default(),
+            },
             Event::RunError { code: ErrorCode::ProviderError, message: "down".into() },
         ];
         let lines: Vec<String> = events.iter().map(event_to_json).collect();

@@ -73,7 +73,13 @@ fn agent() -> Agent {
             MockEntry { text: Some("{{last_tool_output}}".into()), ..MockEntry::default() },
         ],
     };
-    Agent::builder().name("bench").model("mock").mock_script(script).tool(add).build().expect("the agent builds")
+    Agent::builder()
+        .name("bench")
+        .model("mock")
+        .mock_script(script)
+        .tool(add)
+        .build()
+        .expect("the agent builds")
 }
 
 async fn one_run(agent: &Agent, session: &str) {
@@ -160,11 +166,7 @@ fn main() {
 
     println!("tool-loop benchmark (add(2, 3) then \"5\"; mock model; memory store)");
     println!("machine: {} cores", std::thread::available_parallelism().map_or(0, |n| n.get()));
-    let seq_current = sequential(&current, warmup, batches, per_batch);
-    println!("sequential, current-thread runtime: {seq_current:.2} µs/run (median of {batches} batches of {per_batch})");
-    let seq_multi = sequential(&multi, warmup, batches, per_batch);
-    println!("sequential, multi-thread runtime:   {seq_multi:.2} µs/run (median of {batches} batches of {per_batch})");
-
+    // The bursts run first, so that the peak RSS is theirs and not the sequential batches'.
     let rss_before = rss_kib().unwrap_or(0);
     let mut walls = Vec::new();
     let mut heaps = Vec::new();
@@ -181,5 +183,13 @@ fn main() {
         median(heaps) / 1024.0 / 1000.0,
         hwm as f64 / 1024.0,
         rss_before as f64 / 1024.0,
+    );
+    let seq_current = sequential(&current, warmup, batches, per_batch);
+    println!(
+        "sequential, current-thread runtime: {seq_current:.2} µs/run (median of {batches} batches of {per_batch})"
+    );
+    let seq_multi = sequential(&multi, warmup, batches, per_batch);
+    println!(
+        "sequential, multi-thread runtime:   {seq_multi:.2} µs/run (median of {batches} batches of {per_batch})"
     );
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use keel_core::agent::OutputSchema;
 use keel_core::tool::ToolSetError;
 use keel_core::{
-    AgentDef, ErrorCode, Limits, Message, MockScript, Provider, RetryPolicy, RunFailure, RunId,
-    SessionId, Store, Tool, ToolSet,
+    AgentDef, ErrorCode, Limits, Message, MockScript, Provider, RetryPolicy, RunFailure, RunId, SessionId,
+    Store, Tool, ToolSet,
 };
 use keel_runtime::{Engine, RunHandle};
 use keel_spec::{AgentSpec, Diagnostic, LoadOptions};
@@ -89,7 +89,10 @@ impl Agent {
         let mut tools: Vec<Arc<dyn Tool>> = Vec::new();
         for name in &spec.builtin_tools {
             let tool = keel_tools::builtin(name).ok_or_else(|| {
-                LoadError::Setup(RunFailure::new(ErrorCode::SpecInvalid, format!("unknown built-in tool `{name}`")))
+                LoadError::Setup(RunFailure::new(
+                    ErrorCode::SpecInvalid,
+                    format!("unknown built-in tool `{name}`"),
+                ))
             })?;
             tools.push(tool);
         }
@@ -148,7 +151,8 @@ impl Agent {
 
 /// Loads and validates a spec with keel's built-in tool and provider names.
 pub fn load_spec(path: &Path) -> Result<AgentSpec, LoadError> {
-    let options = LoadOptions { builtin_tools: keel_tools::BUILTIN_NAMES, providers: keel_providers::PROVIDER_NAMES };
+    let options =
+        LoadOptions { builtin_tools: keel_tools::BUILTIN_NAMES, providers: keel_providers::PROVIDER_NAMES };
     let loaded = keel_spec::load(path, &options);
     loaded.spec.ok_or(LoadError::Spec { diagnostics: loaded.diagnostics })
 }
@@ -251,18 +255,25 @@ impl AgentBuilder {
         let model = match (self.model, &self.provider) {
             (Some(model), _) => model,
             (None, Some(_)) => "custom".to_owned(),
-            (None, None) => return Err(invalid("the agent has no model: call `.model(\"mock\")` or `.model(\"openai/gpt-4o-mini\")`".into())),
+            (None, None) => {
+                return Err(invalid(
+                    "the agent has no model: call `.model(\"mock\")` or `.model(\"openai/gpt-4o-mini\")`"
+                        .into(),
+                ));
+            }
         };
         let tools = ToolSet::new(self.tools).map_err(|error: ToolSetError| invalid(error.to_string()))?;
         for name in &self.stop_on_tools {
             if !tools.contains(name) {
-                return Err(invalid(format!("`stop_on_tool({name:?})` names a tool the agent does not have")));
+                return Err(invalid(format!(
+                    "`stop_on_tool({name:?})` names a tool the agent does not have"
+                )));
             }
         }
         let output_schema = match self.output_schema {
-            Some(schema) => Some(
-                OutputSchema::new(schema).map_err(|reason| invalid(format!("the output schema is not a valid JSON Schema: {reason}")))?,
-            ),
+            Some(schema) => Some(OutputSchema::new(schema).map_err(|reason| {
+                invalid(format!("the output schema is not a valid JSON Schema: {reason}"))
+            })?),
             None => None,
         };
         let provider = match self.provider {

@@ -26,11 +26,16 @@ pub fn from_model(model: &str, script: Option<&MockScript>) -> Result<Arc<dyn Pr
         "mock" => Ok(Arc::new(MockProvider::new(script.cloned().unwrap_or_default()))),
         known if PROVIDER_NAMES.contains(&known) => Err(ProviderError::new(
             ProviderErrorKind::Unavailable,
-            format!("the `{known}` provider is not available in this build of keel yet; use `mock` (with `mock.script`) to run offline"),
+            format!(
+                "the `{known}` provider is not available in this build of keel yet; use `mock` (with `mock.script`) to run offline"
+            ),
         )),
         other => Err(ProviderError::new(
             ProviderErrorKind::Unavailable,
-            format!("unknown provider `{other}` in model `{model}`; known providers: {}", PROVIDER_NAMES.join(", ")),
+            format!(
+                "unknown provider `{other}` in model `{model}`; known providers: {}",
+                PROVIDER_NAMES.join(", ")
+            ),
         )),
     }
 }

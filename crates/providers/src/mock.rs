@@ -7,8 +7,8 @@
 
 use keel_core::message::{ToolCall, output_to_text};
 use keel_core::{
-    BoxFuture, DeltaSink, MockEntry, MockScript, ModelReply, ModelRequest, Part, Provider,
-    ProviderError, Role, Usage,
+    BoxFuture, DeltaSink, MockEntry, MockScript, ModelReply, ModelRequest, Part, Provider, ProviderError,
+    Role, Usage,
 };
 
 /// Plays a [`MockScript`].
@@ -112,7 +112,10 @@ fn reply_with_text(
         parts.push(Part::Text(text.to_owned()));
     }
     parts.extend(calls);
-    ModelReply { parts, usage: Usage { input_tokens: estimate_input(request), output_tokens: tokens(output_chars) } }
+    ModelReply {
+        parts,
+        usage: Usage { input_tokens: estimate_input(request), output_tokens: tokens(output_chars) },
+    }
 }
 
 fn tokens(chars: usize) -> u64 {
@@ -200,7 +203,12 @@ mod tests {
         })
     }
 
-    async fn call(provider: &MockProvider, messages: &[Message], index: u64, attempt: u32) -> (Result<ModelReply, ProviderError>, Vec<String>) {
+    async fn call(
+        provider: &MockProvider,
+        messages: &[Message],
+        index: u64,
+        attempt: u32,
+    ) -> (Result<ModelReply, ProviderError>, Vec<String>) {
         let mut sink = Collect(Vec::new());
         let messages: Vec<Arc<Message>> = messages.iter().cloned().map(Arc::new).collect();
         let result = provider.complete(request(&messages, index, attempt), &mut sink).await;
@@ -214,10 +222,14 @@ mod tests {
         let (reply, deltas) = call(&provider, &history, 0, 1).await;
         let reply = reply.unwrap();
         assert!(deltas.is_empty());
-        let names: Vec<_> = reply.parts.iter().map(|p| match p {
-            Part::ToolCall(c) => format!("{} {}", c.call_id, c.name),
-            other => format!("{other:?}"),
-        }).collect();
+        let names: Vec<_> = reply
+            .parts
+            .iter()
+            .map(|p| match p {
+                Part::ToolCall(c) => format!("{} {}", c.call_id, c.name),
+                other => format!("{other:?}"),
+            })
+            .collect();
         assert_eq!(names, ["call_0_0 day-name", "call_0_1 add"]);
     }
 
@@ -229,8 +241,18 @@ mod tests {
             Message {
                 role: Role::Tool,
                 parts: vec![
-                    Part::ToolResult(keel_core::message::ToolResult { call_id: "a".into(), name: "x".into(), output: json!("Monday"), is_error: false }),
-                    Part::ToolResult(keel_core::message::ToolResult { call_id: "b".into(), name: "day-name".into(), output: json!("Sunday"), is_error: false }),
+                    Part::ToolResult(keel_core::message::ToolResult {
+                        call_id: "a".into(),
+                        name: "x".into(),
+                        output: json!("Monday"),
+                        is_error: false,
+                    }),
+                    Part::ToolResult(keel_core::message::ToolResult {
+                        call_id: "b".into(),
+                        name: "day-name".into(),
+                        output: json!("Sunday"),
+                        is_error: false,
+                    }),
                 ],
             },
         ];

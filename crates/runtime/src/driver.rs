@@ -16,9 +16,9 @@ use keel_core::machine::{Action, Input, Machine, RunOutcome};
 use keel_core::message::ToolCall;
 use keel_core::provider::ProviderErrorKind;
 use keel_core::{
-    BoxFuture, DeltaSink, ErrorCode, Event, Message, ModelReply, Part, ProviderError, Role,
-    RunFailure, RunId, RunRecord, RunState, SessionId, StepName, StopReason, StoreError,
-    ToolContext, ToolError, ToolOutcome,
+    BoxFuture, DeltaSink, ErrorCode, Event, Message, ModelReply, Part, ProviderError, Role, RunFailure,
+    RunId, RunRecord, RunState, SessionId, StepName, StopReason, StoreError, ToolContext, ToolError,
+    ToolOutcome,
 };
 use tokio::sync::mpsc::UnboundedSender;
 use tokio_util::sync::CancellationToken;
@@ -100,8 +100,14 @@ async fn prepare(shared: &Arc<Shared>, plan: Plan) -> Result<Prepared, RunFailur
                 state: RunState::Running,
             };
             store.create_run(&record).await.map_err(store_failure)?;
-            let machine =
-                Machine::new(Arc::clone(&shared.agent), run_id.clone(), session.clone(), history, input, call_base);
+            let machine = Machine::new(
+                Arc::clone(&shared.agent),
+                run_id.clone(),
+                session.clone(),
+                history,
+                input,
+                call_base,
+            );
             Ok(Prepared { run_id, session, machine, journal: HashMap::new(), claim })
         }
         Plan::Resume { run_id } => {
@@ -162,7 +168,10 @@ impl Driver {
             let input = match inputs.pop_front() {
                 Some(input) => input,
                 None if tools.is_empty() => {
-                    return Err(RunFailure::new(ErrorCode::Internal, "the run loop stalled; please report this bug"));
+                    return Err(RunFailure::new(
+                        ErrorCode::Internal,
+                        "the run loop stalled; please report this bug",
+                    ));
                 }
                 None => {
                     tokio::select! {
@@ -283,7 +292,9 @@ impl Driver {
                 )),
                 Err(_elapsed) => Err(ToolError::with_code(
                     ErrorCode::ToolTimeout,
-                    format!("tool `{name}` did not finish within {timeout:?} (`limits.tool_timeout`) and was stopped"),
+                    format!(
+                        "tool `{name}` did not finish within {timeout:?} (`limits.tool_timeout`) and was stopped"
+                    ),
                     true,
                 )),
             };
@@ -295,7 +306,8 @@ impl Driver {
         let store = &self.shared.store;
         match outcome {
             RunOutcome::Done { text, output, stopped, usage } => {
-                let state = if stopped == StopReason::Cancelled { RunState::Cancelled } else { RunState::Done };
+                let state =
+                    if stopped == StopReason::Cancelled { RunState::Cancelled } else { RunState::Done };
                 store.set_run_state(&self.run_id, state).await.map_err(store_failure)?;
                 Ok(RunResult {
                     run_id: self.run_id.clone(),

@@ -56,12 +56,14 @@ fn new_run_id() -> RunId {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let seed = *SEED.get_or_init(|| uuid::Uuid::new_v4().as_u128());
     let count = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let random = seed.wrapping_add(u128::from(count)).to_le_bytes();
+    // Big-endian, last 10 bytes: the counter's low bits land at the end, away from the bits the
+    // version and variant overwrite (the top 4 bits of the first byte, 2 of the third).
+    let random = seed.wrapping_add(u128::from(count)).to_be_bytes();
     let millis = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
     let mut random_bytes = [0u8; 10];
-    random_bytes.copy_from_slice(&random[..10]);
+    random_bytes.copy_from_slice(&random[6..]);
     let id = uuid::Builder::from_unix_timestamp_millis(millis, &random_bytes).into_uuid();
     let mut buffer = uuid::Uuid::encode_buffer();
     RunId::from_suffix(id.simple().encode_lower(&mut buffer))
@@ -130,5 +132,19 @@ impl Engine {
             }
         }
         handle
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_ids_are_unique_even_within_one_millisecond() {
+        let ids: HashSet<RunId> = (0..200_000).map(|_| new_run_id()).collect();
+        assert_eq!(ids.len(), 200_000);
+        let id = new_run_id();
+        assert_eq!(RunId::parse(id.as_str()), Some(id.clone()));
+        assert_eq!(id.as_str().len(), 4 + 32);
     }
 }

@@ -7,9 +7,9 @@ use std::time::Duration;
 use futures::StreamExt;
 use keel_core::agent::OutputSchema;
 use keel_core::{
-    AgentDef, BoxFuture, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry, MockFailure,
-    MockScript, MockToolCall, ModelReply, ModelRequest, Provider, ProviderError, RetryPolicy,
-    RunState, SessionId, StopReason, Store, Tool, ToolSet,
+    AgentDef, BoxFuture, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry, MockFailure, MockScript,
+    MockToolCall, ModelReply, ModelRequest, Provider, ProviderError, RetryPolicy, RunState, SessionId,
+    StopReason, Store, Tool, ToolSet,
 };
 use keel_providers::MockProvider;
 use keel_runtime::Engine;
@@ -42,7 +42,10 @@ fn counting(entries: Vec<MockEntry>) -> Arc<CountingProvider> {
 
 fn calls(list: &[(&str, Value)]) -> MockEntry {
     MockEntry {
-        tool_calls: list.iter().map(|(name, input)| MockToolCall { name: (*name).into(), input: input.clone() }).collect(),
+        tool_calls: list
+            .iter()
+            .map(|(name, input)| MockToolCall { name: (*name).into(), input: input.clone() })
+            .collect(),
         ..MockEntry::default()
     }
 }
@@ -93,7 +96,11 @@ fn agent(tools: Vec<Arc<dyn Tool>>, edit: impl FnOnce(&mut AgentDef)) -> Arc<Age
         model: "mock".into(),
         tools: ToolSet::new(tools).unwrap(),
         limits: Limits::default(),
-        retry: RetryPolicy { max_attempts: 3, initial_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(2) },
+        retry: RetryPolicy {
+            max_attempts: 3,
+            initial_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(2),
+        },
         output_schema: None,
         stop_on_tools: Vec::new(),
     };
@@ -195,7 +202,11 @@ async fn re_driving_a_finished_run_calls_nothing_and_appends_nothing() {
     assert_eq!(provider.calls.lock().unwrap().len(), 3, "a journaled model call was made again");
     assert_eq!(*log.lock().unwrap(), ["a", "b"], "a journaled tool ran again");
     assert_eq!(slow_runs.load(Ordering::SeqCst), 2, "slow ran again (it started at 1 and ran once)");
-    assert_eq!(store.load_messages(&session("s")).await.unwrap(), transcript, "the replay changed the transcript");
+    assert_eq!(
+        store.load_messages(&session("s")).await.unwrap(),
+        transcript,
+        "the replay changed the transcript"
+    );
     // The replay still tells its observers the whole story, text included.
     assert!(replay_events.contains(&Event::TextDelta { delta: "finished: recorded b".into() }));
 }
@@ -213,8 +224,17 @@ async fn events_come_in_order_and_text_streams() {
     assert_eq!(
         kinds,
         [
-            "run.start", "turn.start", "usage", "tool.start", "tool.done", "turn.start",
-            "text.delta", "text.delta", "text.delta", "usage", "run.done"
+            "run.start",
+            "turn.start",
+            "usage",
+            "tool.start",
+            "tool.done",
+            "turn.start",
+            "text.delta",
+            "text.delta",
+            "text.delta",
+            "usage",
+            "run.done"
         ]
     );
 }
@@ -281,13 +301,18 @@ async fn a_panicking_tool_and_a_hanging_tool_become_tool_errors() {
     let result = engine.start(session("e"), Message::user("go")).unwrap().result().await.unwrap();
     assert_eq!(result.text, "recovered");
     let transcript = store.load_messages(&session("e")).await.unwrap();
-    let errors: Vec<(bool, String)> =
-        transcript[2].tool_results().map(|r| (r.is_error, r.output.as_str().unwrap_or("").to_owned())).collect();
+    let errors: Vec<(bool, String)> = transcript[2]
+        .tool_results()
+        .map(|r| (r.is_error, r.output.as_str().unwrap_or("").to_owned()))
+        .collect();
     assert_eq!(
         errors,
         [
             (true, "tool `boom` crashed: it panicked: kaboom".to_owned()),
-            (true, "tool `hang` did not finish within 200ms (`limits.tool_timeout`) and was stopped".to_owned()),
+            (
+                true,
+                "tool `hang` did not finish within 200ms (`limits.tool_timeout`) and was stopped".to_owned()
+            ),
         ]
     );
 }
@@ -343,7 +368,8 @@ async fn cancel_stops_a_hanging_tool_and_leaves_no_dangling_call() {
         }
     });
     let store = Arc::new(MemoryStore::new());
-    let engine = Engine::new(agent(vec![hang], |_| {}), counting(vec![calls(&[("hang", json!({}))])]), store.clone());
+    let engine =
+        Engine::new(agent(vec![hang], |_| {}), counting(vec![calls(&[("hang", json!({}))])]), store.clone());
     let run = engine.start(session("c"), Message::user("go")).unwrap();
     started.notified().await;
     run.cancel();
@@ -391,7 +417,10 @@ async fn a_session_continues_across_runs_and_the_script_follows_the_session() {
 
 #[tokio::test]
 async fn structured_output_is_returned() {
-    let schema = OutputSchema::new(json!({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]})).unwrap();
+    let schema = OutputSchema::new(
+        json!({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}),
+    )
+    .unwrap();
     let engine = Engine::new(
         agent(vec![], |a| a.output_schema = Some(schema)),
         counting(vec![text("{\"answer\": \"5\"}")]),

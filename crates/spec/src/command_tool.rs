@@ -26,7 +26,11 @@ const KEYS: &[&str] = &["description", "command", "input_schema", "timeout", "wo
 
 /// Loads every `*.toml` of `tools_dir` (sorted by name). `base_dir` is where commands run by
 /// default and what relative paths are relative to.
-pub(crate) fn load_dir(tools_dir: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) -> Vec<CommandToolSpec> {
+pub(crate) fn load_dir(
+    tools_dir: &Path,
+    base_dir: &Path,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Vec<CommandToolSpec> {
     let mut files: Vec<PathBuf> = match std::fs::read_dir(tools_dir) {
         Ok(entries) => entries
             .filter_map(Result::ok)
@@ -43,15 +47,25 @@ fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) ->
     let name = file.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_owned();
     if !validate_tool_name(&name) {
         diagnostics.push(
-            Diagnostic::error(ErrorCode::SpecInvalid, file, Pos::default(), format!("invalid tool name {name:?} (from the file name)"))
-                .with_hint("name tool files with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`, then `.toml`"),
+            Diagnostic::error(
+                ErrorCode::SpecInvalid,
+                file,
+                Pos::default(),
+                format!("invalid tool name {name:?} (from the file name)"),
+            )
+            .with_hint("name tool files with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`, then `.toml`"),
         );
         return None;
     }
     let text = match std::fs::read_to_string(file) {
         Ok(text) => text,
         Err(error) => {
-            diagnostics.push(Diagnostic::error(ErrorCode::SpecNotFound, file, Pos::default(), format!("cannot read the tool: {error}")));
+            diagnostics.push(Diagnostic::error(
+                ErrorCode::SpecNotFound,
+                file,
+                Pos::default(),
+                format!("cannot read the tool: {error}"),
+            ));
             return None;
         }
     };
@@ -139,7 +153,8 @@ fn command(node: &tree::Node, d: &mut Decoder<'_>, working_dir: &Path) -> Option
             path.to_owned()
         } else {
             // `./bin/x` joins as `dir/bin/x`, not `dir/./bin/x`.
-            let relative: PathBuf = path.components().filter(|c| *c != std::path::Component::CurDir).collect();
+            let relative: PathBuf =
+                path.components().filter(|c| *c != std::path::Component::CurDir).collect();
             working_dir.join(relative)
         };
         if !resolved.is_file() {

@@ -38,7 +38,9 @@ impl Decoder<'_> {
     /// Opens a mapping for key-by-key reading.
     pub(crate) fn map<'n>(&mut self, node: &'n Node, what: &str) -> Option<MapReader<'n>> {
         match &node.kind {
-            Kind::Map(entries) => Some(MapReader { entries, used: vec![false; entries.len()], pos: node.pos }),
+            Kind::Map(entries) => {
+                Some(MapReader { entries, used: vec![false; entries.len()], pos: node.pos })
+            }
             _ => {
                 self.wrong_type(node, what, "a mapping");
                 None
@@ -71,7 +73,11 @@ impl Decoder<'_> {
         match node.kind {
             Kind::Int(n) if (min..=max).contains(&n) => Some(n),
             Kind::Int(n) => {
-                let range = if max >= i64::from(u32::MAX) { format!("at least {min}") } else { format!("between {min} and {max}") };
+                let range = if max >= i64::from(u32::MAX) {
+                    format!("at least {min}")
+                } else {
+                    format!("between {min} and {max}")
+                };
                 self.error(node.pos, format!("`{what}` must be {range}, not {n}"));
                 None
             }
@@ -93,8 +99,8 @@ impl Decoder<'_> {
                     return None;
                 }
                 Err(e) => {
-                    self.error(node.pos, format!("`{what}` is not a duration ({e}): {text:?}"))
-                        .hint = Some("write durations like `500ms`, `30s`, `5m`, `2h` or `3d`".into());
+                    self.error(node.pos, format!("`{what}` is not a duration ({e}): {text:?}")).hint =
+                        Some("write durations like `500ms`, `30s`, `5m`, `2h` or `3d`".into());
                     return None;
                 }
             },

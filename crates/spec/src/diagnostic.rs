@@ -43,7 +43,14 @@ pub struct Diagnostic {
 impl Diagnostic {
     /// An error.
     pub fn error(code: ErrorCode, file: &Path, pos: Pos, message: impl Into<String>) -> Diagnostic {
-        Diagnostic { severity: Severity::Error, code, file: file.to_owned(), pos, message: message.into(), hint: None }
+        Diagnostic {
+            severity: Severity::Error,
+            code,
+            file: file.to_owned(),
+            pos,
+            message: message.into(),
+            hint: None,
+        }
     }
 
     /// A warning.

@@ -16,7 +16,8 @@ use crate::{AgentSpec, CommandToolSpec, LoadOptions, SPEC_FILE_NAMES};
 /// Directories of the design this build does not read yet.
 const NOT_YET_DIRS: &[&str] = &["subagents", "schedules", "channels", "memory"];
 
-const SKILL_KEYS: &[&str] = &["name", "description", "license", "allowed-tools", "metadata", "compatibility", "version"];
+const SKILL_KEYS: &[&str] =
+    &["name", "description", "license", "allowed-tools", "metadata", "compatibility", "version"];
 
 /// A skill: instructions (and tools) the agent gains.
 struct Skill {
@@ -27,13 +28,22 @@ struct Skill {
 }
 
 /// Loads an agent directory, finding its spec file.
-pub(crate) fn load(dir: &Path, options: &LoadOptions<'_>, diagnostics: &mut Vec<Diagnostic>) -> Option<AgentSpec> {
+pub(crate) fn load(
+    dir: &Path,
+    options: &LoadOptions<'_>,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Option<AgentSpec> {
     let found: Vec<PathBuf> = SPEC_FILE_NAMES.iter().map(|n| dir.join(n)).filter(|p| p.is_file()).collect();
     match found.as_slice() {
         [] => {
             diagnostics.push(
-                Diagnostic::error(ErrorCode::SpecNotFound, dir, Pos::default(), "no agent.yaml, agent.toml or agent.json in this directory")
-                    .with_hint("create agent.yaml with at least `model: mock`"),
+                Diagnostic::error(
+                    ErrorCode::SpecNotFound,
+                    dir,
+                    Pos::default(),
+                    "no agent.yaml, agent.toml or agent.json in this directory",
+                )
+                .with_hint("create agent.yaml with at least `model: mock`"),
             );
             None
         }
@@ -43,7 +53,11 @@ pub(crate) fn load(dir: &Path, options: &LoadOptions<'_>, diagnostics: &mut Vec<
                 ErrorCode::SpecInvalid,
                 second,
                 Pos::default(),
-                format!("the directory has two spec files, {} and {}; keep one", file_name(first), file_name(second)),
+                format!(
+                    "the directory has two spec files, {} and {}; keep one",
+                    file_name(first),
+                    file_name(second)
+                ),
             ));
             None
         }
@@ -86,8 +100,13 @@ pub(crate) fn load_with_spec_file(
         && let Some((_, pos)) = &spec.instructions
     {
         diagnostics.push(
-            Diagnostic::error(ErrorCode::SpecInvalid, file, *pos, "the instructions are given twice: here and in instructions.md")
-                .with_hint("keep one of them"),
+            Diagnostic::error(
+                ErrorCode::SpecInvalid,
+                file,
+                *pos,
+                "the instructions are given twice: here and in instructions.md",
+            )
+            .with_hint("keep one of them"),
         );
     }
 
@@ -101,9 +120,12 @@ pub(crate) fn load_with_spec_file(
     for name in NOT_YET_DIRS {
         let path = dir.join(name);
         if path.is_dir() {
-            diagnostics.push(
-                Diagnostic::warning(ErrorCode::SpecUnsupported, &path, Pos::default(), format!("`{name}/` is not supported by this version of keel yet; it is ignored"))
-            );
+            diagnostics.push(Diagnostic::warning(
+                ErrorCode::SpecUnsupported,
+                &path,
+                Pos::default(),
+                format!("`{name}/` is not supported by this version of keel yet; it is ignored"),
+            ));
         }
     }
 
@@ -119,7 +141,12 @@ pub(crate) fn load_with_spec_file(
                         ErrorCode::SpecInvalid,
                         &tool.file,
                         Pos::default(),
-                        format!("tool `{}` of skill `{}` has the same name as the tool in {}", tool.name, skill.name, existing.file.display()),
+                        format!(
+                            "tool `{}` of skill `{}` has the same name as the tool in {}",
+                            tool.name,
+                            skill.name,
+                            existing.file.display()
+                        ),
                     )
                     .with_hint("tool names must be unique across the agent and its skills; rename one"),
                 );
@@ -181,12 +208,19 @@ fn load_skills(
                 }
                 let hint = match did_you_mean(name, &candidates) {
                     Some(close) => format!("did you mean `{close}`?"),
-                    None if candidates.is_empty() => "create skills/<name>/SKILL.md next to the spec".to_owned(),
+                    None if candidates.is_empty() => {
+                        "create skills/<name>/SKILL.md next to the spec".to_owned()
+                    }
                     None => format!("available skills: {}", candidates.join(", ")),
                 };
                 diagnostics.push(
-                    Diagnostic::error(ErrorCode::SpecInvalid, spec_file, *pos, format!("unknown skill `{name}`: there is no skills/{name}/SKILL.md"))
-                        .with_hint(hint),
+                    Diagnostic::error(
+                        ErrorCode::SpecInvalid,
+                        spec_file,
+                        *pos,
+                        format!("unknown skill `{name}`: there is no skills/{name}/SKILL.md"),
+                    )
+                    .with_hint(hint),
                 );
             }
             names
@@ -208,17 +242,31 @@ fn load_skills(
 }
 
 /// Reads a SKILL.md: YAML front matter between `---` lines, then the instructions.
-fn read_skill_file(file: &Path, dir_name: &str, diagnostics: &mut Vec<Diagnostic>) -> Option<(String, String)> {
+fn read_skill_file(
+    file: &Path,
+    dir_name: &str,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Option<(String, String)> {
     let text = match std::fs::read_to_string(file) {
         Ok(text) => text,
         Err(error) => {
-            diagnostics.push(Diagnostic::error(ErrorCode::SpecNotFound, file, Pos::default(), format!("cannot read the skill: {error}")));
+            diagnostics.push(Diagnostic::error(
+                ErrorCode::SpecNotFound,
+                file,
+                Pos::default(),
+                format!("cannot read the skill: {error}"),
+            ));
             return None;
         }
     };
     let missing_front_matter = || {
-        Diagnostic::error(ErrorCode::SpecInvalid, file, Pos { line: 1, col: 1 }, "SKILL.md must start with YAML front matter")
-            .with_hint("begin the file with `---`, then `name:` and `description:` lines, then `---`")
+        Diagnostic::error(
+            ErrorCode::SpecInvalid,
+            file,
+            Pos { line: 1, col: 1 },
+            "SKILL.md must start with YAML front matter",
+        )
+        .with_hint("begin the file with `---`, then `name:` and `description:` lines, then `---`")
     };
     let Some(rest) = text.strip_prefix("---\n").or_else(|| text.strip_prefix("---\r\n")) else {
         diagnostics.push(missing_front_matter());
@@ -298,8 +346,13 @@ pub(crate) fn finish(
     for tool in &command_tools {
         if options.builtin_tools.contains(&tool.name.as_str()) {
             diagnostics.push(
-                Diagnostic::error(ErrorCode::SpecInvalid, &tool.file, Pos::default(), format!("tool `{}` has the name of a built-in tool", tool.name))
-                    .with_hint("rename the file: built-in tool names are reserved"),
+                Diagnostic::error(
+                    ErrorCode::SpecInvalid,
+                    &tool.file,
+                    Pos::default(),
+                    format!("tool `{}` has the name of a built-in tool", tool.name),
+                )
+                .with_hint("rename the file: built-in tool names are reserved"),
             );
         }
     }
@@ -318,13 +371,15 @@ pub(crate) fn finish(
         if options.builtin_tools.contains(&name.as_str()) {
             builtin_tools.push(name.clone());
         } else if !command_names.contains(&name.as_str()) {
-            let candidates: Vec<&str> = options.builtin_tools.iter().copied().chain(command_names.iter().copied()).collect();
+            let candidates: Vec<&str> =
+                options.builtin_tools.iter().copied().chain(command_names.iter().copied()).collect();
             let hint = match did_you_mean(name, &candidates) {
                 Some(close) => format!("did you mean `{close}`?"),
                 None => format!("available tools: {}", candidates.join(", ")),
             };
             diagnostics.push(
-                Diagnostic::error(ErrorCode::SpecInvalid, file, *pos, format!("unknown tool `{name}`")).with_hint(hint),
+                Diagnostic::error(ErrorCode::SpecInvalid, file, *pos, format!("unknown tool `{name}`"))
+                    .with_hint(hint),
             );
         }
     }

@@ -117,8 +117,15 @@ fn load_into(path: &Path, options: &LoadOptions<'_>, diagnostics: &mut Vec<Diagn
         Ok(metadata) => metadata,
         Err(error) => {
             diagnostics.push(
-                Diagnostic::error(ErrorCode::SpecNotFound, path, Pos::default(), format!("cannot read the agent: {error}"))
-                    .with_hint("give an agent directory (with agent.yaml) or a spec file (.yaml, .toml or .json)"),
+                Diagnostic::error(
+                    ErrorCode::SpecNotFound,
+                    path,
+                    Pos::default(),
+                    format!("cannot read the agent: {error}"),
+                )
+                .with_hint(
+                    "give an agent directory (with agent.yaml) or a spec file (.yaml, .toml or .json)",
+                ),
             );
             return None;
         }
@@ -126,10 +133,8 @@ fn load_into(path: &Path, options: &LoadOptions<'_>, diagnostics: &mut Vec<Diagn
     if metadata.is_dir() {
         return directory::load(path, options, diagnostics);
     }
-    let is_directory_spec = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|name| SPEC_FILE_NAMES.contains(&name));
+    let is_directory_spec =
+        path.file_name().and_then(|n| n.to_str()).is_some_and(|name| SPEC_FILE_NAMES.contains(&name));
     match (is_directory_spec, path.parent()) {
         // `my-agent/agent.yaml` means the directory `my-agent`.
         (true, Some(parent)) => {

@@ -13,8 +13,24 @@ use crate::{AgentSpec, LoadOptions};
 
 /// Every top-level key a spec may have.
 pub(crate) const KEYS: &[&str] = &[
-    "name", "description", "instructions", "model", "tools", "http", "limits", "retry", "approvals",
-    "concurrency", "workspace", "output", "compaction", "mcp", "triggers", "memory", "skills", "mock",
+    "name",
+    "description",
+    "instructions",
+    "model",
+    "tools",
+    "http",
+    "limits",
+    "retry",
+    "approvals",
+    "concurrency",
+    "workspace",
+    "output",
+    "compaction",
+    "mcp",
+    "triggers",
+    "memory",
+    "skills",
+    "mock",
 ];
 
 /// Keys of the design this build does not implement yet: refusing them is safer than ignoring
@@ -22,7 +38,12 @@ pub(crate) const KEYS: &[&str] = &[
 const NOT_YET: &[&str] = &["http", "approvals", "workspace", "compaction", "mcp", "triggers", "memory"];
 
 const LIMIT_KEYS: &[&str] = &[
-    "max_turns", "max_total_tokens", "max_tool_calls", "tool_timeout", "max_tool_output_chars", "provider_timeout",
+    "max_turns",
+    "max_total_tokens",
+    "max_tool_calls",
+    "tool_timeout",
+    "max_tool_output_chars",
+    "provider_timeout",
 ];
 const RETRY_KEYS: &[&str] = &["max_attempts", "initial_backoff", "max_backoff"];
 const MOCK_ENTRY_KEYS: &[&str] = &["text", "tool_calls", "delay_ms", "error"];
@@ -42,7 +63,11 @@ pub(crate) struct FileSpec {
 }
 
 /// Reads and decodes a spec file.
-pub(crate) fn read(file: &Path, options: &LoadOptions<'_>, diagnostics: &mut Vec<Diagnostic>) -> Option<FileSpec> {
+pub(crate) fn read(
+    file: &Path,
+    options: &LoadOptions<'_>,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Option<FileSpec> {
     let Some(format) = Format::of(file) else {
         diagnostics.push(
             Diagnostic::error(ErrorCode::SpecNotFound, file, Pos::default(), "not a spec file")
@@ -53,7 +78,12 @@ pub(crate) fn read(file: &Path, options: &LoadOptions<'_>, diagnostics: &mut Vec
     let text = match std::fs::read_to_string(file) {
         Ok(text) => text,
         Err(error) => {
-            diagnostics.push(Diagnostic::error(ErrorCode::SpecNotFound, file, Pos::default(), format!("cannot read the spec: {error}")));
+            diagnostics.push(Diagnostic::error(
+                ErrorCode::SpecNotFound,
+                file,
+                Pos::default(),
+                format!("cannot read the spec: {error}"),
+            ));
             return None;
         }
     };
@@ -88,7 +118,10 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         if let Some(name) = &spec.name
             && !keel_core::tool::validate_tool_name(name)
         {
-            d.error(node.pos, format!("invalid agent name {name:?}: use 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`"));
+            d.error(
+                node.pos,
+                format!("invalid agent name {name:?}: use 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`"),
+            );
         }
     }
     if let Some(node) = map.take("description") {
@@ -100,8 +133,9 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     match map.take("model") {
         Some(node) => spec.model = model(node, d, options),
         None => {
-            d.error(map.pos, "missing `model`").hint =
-                Some("add `model: mock` to run offline, or `model: openai/gpt-4o-mini` (provider/model)".into());
+            d.error(map.pos, "missing `model`").hint = Some(
+                "add `model: mock` to run offline, or `model: openai/gpt-4o-mini` (provider/model)".into(),
+            );
         }
     }
     if let Some(node) = map.take("tools") {
@@ -131,7 +165,9 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
                 }
                 other => {
                     let hint = did_you_mean(other, &["reject", "replace", "queue"])
-                        .map_or("use reject, replace or queue".to_owned(), |c| format!("did you mean `{c}`?"));
+                        .map_or("use reject, replace or queue".to_owned(), |c| {
+                            format!("did you mean `{c}`?")
+                        });
                     d.error(node.pos, format!("unknown concurrency mode {other:?}")).hint = Some(hint);
                 }
             }
@@ -212,7 +248,9 @@ fn limits(node: &Node, d: &mut Decoder<'_>, limits: &mut Limits) {
     if let Some(n) = map.take("max_turns").and_then(|v| d.int(v, "limits.max_turns", 1, max)) {
         limits.max_turns = n as u32;
     }
-    if let Some(n) = map.take("max_total_tokens").and_then(|v| d.int(v, "limits.max_total_tokens", 1, i64::MAX)) {
+    if let Some(n) =
+        map.take("max_total_tokens").and_then(|v| d.int(v, "limits.max_total_tokens", 1, i64::MAX))
+    {
         limits.max_total_tokens = Some(n as u64);
     }
     if let Some(n) = map.take("max_tool_calls").and_then(|v| d.int(v, "limits.max_tool_calls", 0, max)) {
@@ -221,7 +259,9 @@ fn limits(node: &Node, d: &mut Decoder<'_>, limits: &mut Limits) {
     if let Some(t) = map.take("tool_timeout").and_then(|v| d.duration(v, "limits.tool_timeout")) {
         limits.tool_timeout = t;
     }
-    if let Some(n) = map.take("max_tool_output_chars").and_then(|v| d.int(v, "limits.max_tool_output_chars", 1, i64::MAX)) {
+    if let Some(n) =
+        map.take("max_tool_output_chars").and_then(|v| d.int(v, "limits.max_tool_output_chars", 1, i64::MAX))
+    {
         limits.max_tool_output_chars = n as usize;
     }
     if let Some(t) = map.take("provider_timeout").and_then(|v| d.duration(v, "limits.provider_timeout")) {
@@ -333,7 +373,11 @@ fn mock_error(node: &Node, d: &mut Decoder<'_>, what: &str) -> Option<MockFailur
     if let Kind::Int(_) = node.kind {
         // `error: 503`
         let status = d.int(node, &what, 400, 599)? as u16;
-        return Some(MockFailure { status, message: format!("mock provider error (status {status})"), times: None });
+        return Some(MockFailure {
+            status,
+            message: format!("mock provider error (status {status})"),
+            times: None,
+        });
     }
     let mut map = d.map(node, &what)?;
     let map_has_status = map.key_pos("status").is_some();
@@ -369,8 +413,19 @@ pub(crate) fn load_standalone(
     {
         diagnostics.push(
             Diagnostic::error(ErrorCode::SpecInvalid, file, *pos, "`skills` needs an agent directory")
-                .with_hint("put the spec in a directory as agent.yaml, with skills/<name>/SKILL.md beside it"),
+                .with_hint(
+                    "put the spec in a directory as agent.yaml, with skills/<name>/SKILL.md beside it",
+                ),
         );
     }
-    crate::directory::finish(spec, default_name, String::new(), Vec::new(), Vec::new(), file, options, diagnostics)
+    crate::directory::finish(
+        spec,
+        default_name,
+        String::new(),
+        Vec::new(),
+        Vec::new(),
+        file,
+        options,
+        diagnostics,
+    )
 }

@@ -43,10 +43,19 @@ fn check(files: &[(&str, &str)], target: &str, expected: Expect) {
 #[test]
 fn a_full_agent_directory_loads() {
     let dir = tree(&[
-        ("assistant/agent.yaml", "model: mock\ntools: [day-name]\nlimits: { max_turns: 4, tool_timeout: 5s }\nmock:\n  script:\n    - tool_calls: [{ name: day-name }]\n    - { text: 'It is {{last_tool_output}}.', delay_ms: 10 }\n    - error: { status: 503, times: 1 }\n      text: ok\n"),
+        (
+            "assistant/agent.yaml",
+            "model: mock\ntools: [day-name]\nlimits: { max_turns: 4, tool_timeout: 5s }\nmock:\n  script:\n    - tool_calls: [{ name: day-name }]\n    - { text: 'It is {{last_tool_output}}.', delay_ms: 10 }\n    - error: { status: 503, times: 1 }\n      text: ok\n",
+        ),
         ("assistant/instructions.md", "You are helpful.\n"),
-        ("assistant/tools/add.toml", "description = \"Adds\"\ncommand = [\"sh\", \"-c\", \"cat\"]\ntimeout = \"2s\"\n[input_schema]\ntype = \"object\"\nrequired = [\"a\"]\n"),
-        ("assistant/skills/billing/SKILL.md", "---\nname: billing\ndescription: Handles invoices.\n---\nAlways quote the invoice number.\n"),
+        (
+            "assistant/tools/add.toml",
+            "description = \"Adds\"\ncommand = [\"sh\", \"-c\", \"cat\"]\ntimeout = \"2s\"\n[input_schema]\ntype = \"object\"\nrequired = [\"a\"]\n",
+        ),
+        (
+            "assistant/skills/billing/SKILL.md",
+            "---\nname: billing\ndescription: Handles invoices.\n---\nAlways quote the invoice number.\n",
+        ),
         ("assistant/skills/billing/tools/refund.toml", "description = \"Refunds\"\ncommand = [\"true\"]\n"),
     ]);
     let loaded = load(&dir.path().join("assistant"), &OPTIONS);
@@ -55,7 +64,10 @@ fn a_full_agent_directory_loads() {
     assert_eq!(spec.name, "assistant");
     assert_eq!(spec.model, "mock");
     assert_eq!(spec.builtin_tools, ["day-name"]);
-    assert_eq!(spec.instructions, "You are helpful.\n\n## Skill: billing\nHandles invoices.\n\nAlways quote the invoice number.\n");
+    assert_eq!(
+        spec.instructions,
+        "You are helpful.\n\n## Skill: billing\nHandles invoices.\n\nAlways quote the invoice number.\n"
+    );
     let names: Vec<&str> = spec.command_tools.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["add", "refund"]);
     let add = &spec.command_tools[0];
@@ -73,12 +85,15 @@ fn a_full_agent_directory_loads() {
 
 #[test]
 fn the_same_spec_in_toml_and_json() {
-    let toml = "model = \"mock\"\ntools = [\"day-name\"]\n[limits]\nmax_turns = 3\n[[mock.script]]\ntext = \"hi\"\n";
+    let toml =
+        "model = \"mock\"\ntools = [\"day-name\"]\n[limits]\nmax_turns = 3\n[[mock.script]]\ntext = \"hi\"\n";
     let json = r#"{"model": "mock", "tools": ["day-name"], "limits": {"max_turns": 3}, "mock": {"script": [{"text": "hi"}]}}"#;
     let yaml = "model: mock\ntools: [day-name]\nlimits: {max_turns: 3}\nmock: {script: [{text: hi}]}\n";
     let dir = tree(&[("a.toml", toml), ("a.json", json), ("a.yaml", yaml)]);
-    let specs: Vec<AgentSpec> =
-        ["a.toml", "a.json", "a.yaml"].iter().map(|f| load(&dir.path().join(f), &OPTIONS).spec.unwrap()).collect();
+    let specs: Vec<AgentSpec> = ["a.toml", "a.json", "a.yaml"]
+        .iter()
+        .map(|f| load(&dir.path().join(f), &OPTIONS).spec.unwrap())
+        .collect();
     for spec in &specs {
         assert_eq!(spec.name, "a");
         assert_eq!(spec.limits.max_turns, 3);
@@ -151,20 +166,32 @@ fn unknown_tools_and_providers_get_suggestions() {
 
 #[test]
 fn syntax_errors_and_missing_files() {
-    check(&[("agent.json", "{\"model\": \"mock\",\n  \"tools\": [}\n")], "agent.json", expect![[r#"
+    check(
+        &[("agent.json", "{\"model\": \"mock\",\n  \"tools\": [}\n")],
+        "agent.json",
+        expect![[r#"
         error[KEEL_SPEC_SYNTAX]: invalid JSON: expected value at line 2 column 13
           --> agent.json:2:13
-    "#]]);
-    check(&[], "nothing.yaml", expect![[r#"
+    "#]],
+    );
+    check(
+        &[],
+        "nothing.yaml",
+        expect![[r#"
         error[KEEL_SPEC_NOT_FOUND]: cannot read the agent: No such file or directory (os error 2)
           --> nothing.yaml
           hint: give an agent directory (with agent.yaml) or a spec file (.yaml, .toml or .json)
-    "#]]);
-    check(&[("a/readme.md", "")], "a", expect![[r#"
+    "#]],
+    );
+    check(
+        &[("a/readme.md", "")],
+        "a",
+        expect![[r#"
         error[KEEL_SPEC_NOT_FOUND]: no agent.yaml, agent.toml or agent.json in this directory
           --> a
           hint: create agent.yaml with at least `model: mock`
-    "#]]);
+    "#]],
+    );
     check(
         &[("a.yaml", "model: mock\ninstructions: { file: prompt.md }\n")],
         "a.yaml",
@@ -178,7 +205,10 @@ fn syntax_errors_and_missing_files() {
 
 #[test]
 fn instructions_from_a_file() {
-    let dir = tree(&[("a.yaml", "model: mock\ninstructions: { file: prompts/main.md }\n"), ("prompts/main.md", "Be kind.")]);
+    let dir = tree(&[
+        ("a.yaml", "model: mock\ninstructions: { file: prompts/main.md }\n"),
+        ("prompts/main.md", "Be kind."),
+    ]);
     assert_eq!(load(&dir.path().join("a.yaml"), &OPTIONS).spec.unwrap().instructions, "Be kind.");
 }
 
@@ -190,7 +220,10 @@ fn bad_command_tools() {
             ("a/tools/no_command.toml", "description = \"x\"\n"),
             ("a/tools/string_command.toml", "description = \"x\"\ncommand = \"python3 tool.py\"\n"),
             ("a/tools/missing_program.toml", "description = \"x\"\ncommand = [\"./bin/tool.sh\"]\n"),
-            ("a/tools/bad_schema.toml", "description = \"x\"\ncommand = [\"true\"]\n[input_schema]\ntype = 12\n"),
+            (
+                "a/tools/bad_schema.toml",
+                "description = \"x\"\ncommand = [\"true\"]\n[input_schema]\ntype = 12\n",
+            ),
             ("a/tools/typo.toml", "descripton = \"x\"\ncommand = [\"true\"]\n"),
             ("a/tools/day-name.toml", "description = \"x\"\ncommand = [\"true\"]\n"),
         ],
@@ -281,7 +314,10 @@ fn features_of_later_versions_are_refused_not_ignored() {
 #[test]
 fn mock_script_problems() {
     check(
-        &[("a.yaml", "model: mock\nmock:\n  script:\n    - { delay_ms: 5 }\n    - tool_calls: [{ name: weather, input: 3 }]\n    - tool_calls: [{ name: weather }]\n    - error: { status: 200 }\n")],
+        &[(
+            "a.yaml",
+            "model: mock\nmock:\n  script:\n    - { delay_ms: 5 }\n    - tool_calls: [{ name: weather, input: 3 }]\n    - tool_calls: [{ name: weather }]\n    - error: { status: 200 }\n",
+        )],
         "a.yaml",
         expect![[r#"
             error[KEEL_SPEC_INVALID]: `mock.script[0]` has no `text`, `tool_calls` or `error`
@@ -299,8 +335,15 @@ fn mock_script_problems() {
 #[test]
 fn hostile_input_never_panics() {
     let inputs = [
-        "", "---\n---\n", "[1, 2]", "model: [", "\u{0}\u{1}", "model: !!binary aGVsbG8=", "a: &x 1\nb: *x\n",
-        "model: mock\nlimits: { max_turns: 99999999999999999999 }\n", "model: mock\ntools: [[[]]]\n",
+        "",
+        "---\n---\n",
+        "[1, 2]",
+        "model: [",
+        "\u{0}\u{1}",
+        "model: !!binary aGVsbG8=",
+        "a: &x 1\nb: *x\n",
+        "model: mock\nlimits: { max_turns: 99999999999999999999 }\n",
+        "model: mock\ntools: [[[]]]\n",
         "model: mock\nmock: { script: [ { tool_calls: [ 1, { name: [] } ] } ] }\n",
     ];
     for (index, input) in inputs.iter().enumerate() {
@@ -308,7 +351,10 @@ fn hostile_input_never_panics() {
             let dir = tree(&[(&format!("x{index}.{ext}"), input)]);
             let loaded = load(&dir.path().join(format!("x{index}.{ext}")), &OPTIONS);
             if loaded.spec.is_none() {
-                assert!(loaded.diagnostics.iter().any(Diagnostic::is_error), "{input:?} ({ext}): no error reported");
+                assert!(
+                    loaded.diagnostics.iter().any(Diagnostic::is_error),
+                    "{input:?} ({ext}): no error reported"
+                );
             }
         }
     }

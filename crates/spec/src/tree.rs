@@ -107,7 +107,11 @@ fn syntax(file: &Path, pos: Pos, message: String) -> Diagnostic {
 pub(crate) fn parse_yaml(text: &str, file: &Path) -> Result<Node, Diagnostic> {
     let docs = MarkedYaml::load_from_str(text).map_err(|error| {
         let mark = error.marker();
-        syntax(file, Pos { line: mark.line(), col: mark.col() + 1 }, format!("invalid YAML: {}", error.info()))
+        syntax(
+            file,
+            Pos { line: mark.line(), col: mark.col() + 1 },
+            format!("invalid YAML: {}", error.info()),
+        )
     })?;
     match docs.len() {
         0 => Ok(Node { kind: Kind::Map(Vec::new()), pos: Pos { line: 1, col: 1 } }),
@@ -144,7 +148,9 @@ fn from_yaml(node: &MarkedYaml<'_>, file: &Path) -> Result<Node, Diagnostic> {
                     YamlData::Value(Scalar::String(s)) => s.to_string(),
                     YamlData::Value(Scalar::Integer(i)) => i.to_string(),
                     YamlData::Value(Scalar::Boolean(b)) => b.to_string(),
-                    _ => return Err(syntax(file, yaml_pos(key), "mapping keys must be plain strings".into())),
+                    _ => {
+                        return Err(syntax(file, yaml_pos(key), "mapping keys must be plain strings".into()));
+                    }
                 };
                 entries.push((name, yaml_pos(key), from_yaml(value, file)?));
             }
@@ -153,7 +159,11 @@ fn from_yaml(node: &MarkedYaml<'_>, file: &Path) -> Result<Node, Diagnostic> {
         YamlData::Tagged(_, inner) => return from_yaml(inner, file),
         YamlData::Representation(text, _, _) => Kind::Str(text.to_string()),
         YamlData::Alias(_) | YamlData::BadValue => {
-            return Err(syntax(file, pos, "YAML aliases and unresolvable values are not supported in specs".into()));
+            return Err(syntax(
+                file,
+                pos,
+                "YAML aliases and unresolvable values are not supported in specs".into(),
+            ));
         }
     };
     Ok(Node { kind, pos })
@@ -194,7 +204,9 @@ fn toml_table(table: &toml::de::DeTable<'_>, index: &LineIndex<'_>) -> Kind {
     Kind::Map(
         table
             .iter()
-            .map(|(key, value)| (key.get_ref().to_string(), index.pos(key.span().start), toml_value(value, index)))
+            .map(|(key, value)| {
+                (key.get_ref().to_string(), index.pos(key.span().start), toml_value(value, index))
+            })
             .collect(),
     )
 }
@@ -226,7 +238,10 @@ mod tests {
 
     fn positions(node: &Node) -> Vec<(String, Pos)> {
         let Kind::Map(entries) = &node.kind else { panic!("{node:?}") };
-        entries.iter().map(|(k, p, v)| (k.clone(), if matches!(v.kind, Kind::Map(_)) { *p } else { v.pos })).collect()
+        entries
+            .iter()
+            .map(|(k, p, v)| (k.clone(), if matches!(v.kind, Kind::Map(_)) { *p } else { v.pos }))
+            .collect()
     }
 
     #[test]
@@ -234,13 +249,23 @@ mod tests {
         let file = Path::new("x");
         let yaml = parse("name: a\nlimits:\n  max_turns: 3\n", Format::Yaml, file).unwrap();
         let toml = parse("name = \"a\"\n[limits]\nmax_turns = 3\n", Format::Toml, file).unwrap();
-        let json = parse("{\n  \"name\": \"a\",\n  \"limits\": {\"max_turns\": 3}\n}\n", Format::Json, file).unwrap();
+        let json = parse("{\n  \"name\": \"a\",\n  \"limits\": {\"max_turns\": 3}\n}\n", Format::Json, file)
+            .unwrap();
         for node in [&yaml, &toml, &json] {
             assert_eq!(node.to_json(), serde_json::json!({"name": "a", "limits": {"max_turns": 3}}));
         }
-        assert_eq!(positions(&yaml), [("name".into(), Pos { line: 1, col: 7 }), ("limits".into(), Pos { line: 2, col: 1 })]);
-        assert_eq!(positions(&toml), [("name".into(), Pos { line: 1, col: 8 }), ("limits".into(), Pos { line: 2, col: 2 })]);
-        assert_eq!(positions(&json), [("name".into(), Pos { line: 2, col: 11 }), ("limits".into(), Pos { line: 3, col: 3 })]);
+        assert_eq!(
+            positions(&yaml),
+            [("name".into(), Pos { line: 1, col: 7 }), ("limits".into(), Pos { line: 2, col: 1 })]
+        );
+        assert_eq!(
+            positions(&toml),
+            [("name".into(), Pos { line: 1, col: 8 }), ("limits".into(), Pos { line: 2, col: 2 })]
+        );
+        assert_eq!(
+            positions(&json),
+            [("name".into(), Pos { line: 2, col: 11 }), ("limits".into(), Pos { line: 3, col: 3 })]
+        );
     }
 
     #[test]

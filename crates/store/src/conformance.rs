@@ -38,7 +38,11 @@ pub async fn messages_append_idempotently(store: &dyn Store) {
     store.append_messages(&session, &run, 0, &messages).await.unwrap();
     store.append_messages(&session, &run, 0, &messages).await.unwrap();
     store.append_messages(&session, &run, 1, &messages[1..]).await.unwrap();
-    assert_eq!(store.load_messages(&session).await.unwrap(), messages, "a replayed append duplicated messages");
+    assert_eq!(
+        store.load_messages(&session).await.unwrap(),
+        messages,
+        "a replayed append duplicated messages"
+    );
     let unknown = SessionId::new("conformance-none").unwrap();
     assert!(store.load_messages(&unknown).await.unwrap().is_empty(), "an unknown session has messages");
 }
@@ -87,7 +91,8 @@ pub async fn journal_first_write_wins(store: &dyn Store) {
     for entry in &entries {
         store.append_journal(&run, entry).await.unwrap();
     }
-    let duplicate = JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply("second")) };
+    let duplicate =
+        JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply("second")) };
     store.append_journal(&run, &duplicate).await.unwrap();
     assert_eq!(store.load_journal(&run).await.unwrap(), entries, "a second record replaced the first");
     assert!(store.load_journal(&RunId::from_suffix("empty")).await.unwrap().is_empty());

@@ -100,18 +100,11 @@ impl Store for MemoryStore {
         ready(result)
     }
 
-    fn load_run<'a>(
-        &'a self,
-        run: &'a RunId,
-    ) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>> {
+    fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>> {
         ready(Ok(self.lock().runs.get(run).cloned()))
     }
 
-    fn set_run_state<'a>(
-        &'a self,
-        run: &'a RunId,
-        state: RunState,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
+    fn set_run_state<'a>(&'a self, run: &'a RunId, state: RunState) -> BoxFuture<'a, Result<(), StoreError>> {
         let result = match self.lock().runs.get_mut(run) {
             Some(record) => {
                 record.state = state;
@@ -122,10 +115,7 @@ impl Store for MemoryStore {
         ready(result)
     }
 
-    fn load_journal<'a>(
-        &'a self,
-        run: &'a RunId,
-    ) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>> {
+    fn load_journal<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>> {
         ready(Ok(self.lock().journals.get(run).cloned().unwrap_or_default()))
     }
 

@@ -45,7 +45,9 @@ impl CurrentDate {
         CurrentDate {
             spec: ToolSpec {
                 name: "current-date".into(),
-                description: "Returns the current date, weekday and time (ISO 8601), optionally in a given time zone.".into(),
+                description:
+                    "Returns the current date, weekday and time (ISO 8601), optionally in a given time zone."
+                        .into(),
                 input_schema: zone_input_schema(),
             },
         }

@@ -139,8 +139,12 @@ impl CommandTool {
             drop(stdin);
         };
         let work = async {
-            let ((), out, err, status) =
-                tokio::join!(write_input, read_capped(stdout, MAX_STDOUT_BYTES), read_tail(stderr, STDERR_TAIL_BYTES), child.wait());
+            let ((), out, err, status) = tokio::join!(
+                write_input,
+                read_capped(stdout, MAX_STDOUT_BYTES),
+                read_tail(stderr, STDERR_TAIL_BYTES),
+                child.wait()
+            );
             (out, err, status)
         };
         let (out, err, status) = match self.config.timeout {
@@ -150,7 +154,9 @@ impl CommandTool {
                     // `killer` kills the group on drop.
                     return Err(ToolError::with_code(
                         ErrorCode::ToolTimeout,
-                        format!("command tool `{name}` did not finish within {limit:?} (its `timeout`) and was killed"),
+                        format!(
+                            "command tool `{name}` did not finish within {limit:?} (its `timeout`) and was killed"
+                        ),
                         true,
                     ));
                 }
@@ -168,10 +174,15 @@ impl CommandTool {
                 Some(code) => format!("exited with status {code}"),
                 None => "was killed by a signal".to_owned(),
             };
-            let detail = if stderr_tail.is_empty() { "(no stderr)".to_owned() } else { tail_chars(&stderr_tail, STDERR_TAIL_BYTES) };
+            let detail = if stderr_tail.is_empty() {
+                "(no stderr)".to_owned()
+            } else {
+                tail_chars(&stderr_tail, STDERR_TAIL_BYTES)
+            };
             return Err(ToolError::failed(format!("command tool `{name}` {how}: {detail}")));
         }
-        let (stdout, truncated) = out.map_err(|e| ToolError::failed(format!("reading the output of `{program}` failed: {e}")))?;
+        let (stdout, truncated) =
+            out.map_err(|e| ToolError::failed(format!("reading the output of `{program}` failed: {e}")))?;
         let text = String::from_utf8_lossy(&stdout);
         let text = text.trim_end_matches(['\n', '\r']);
         if !truncated && let Ok(json) = serde_json::from_str::<Value>(text) {
@@ -179,7 +190,9 @@ impl CommandTool {
         }
         let mut text = text.to_owned();
         if truncated {
-            text.push_str(&format!("\n[output truncated: the command wrote more than {MAX_STDOUT_BYTES} bytes]"));
+            text.push_str(&format!(
+                "\n[output truncated: the command wrote more than {MAX_STDOUT_BYTES} bytes]"
+            ));
         }
         Ok(Value::String(text))
     }
@@ -235,10 +248,14 @@ mod tests {
     #[tokio::test]
     async fn json_in_json_out() {
         let dir = tempfile::tempdir().unwrap();
-        let out = tool(r#"read line; printf '{"got": %s, "key": "%s"}\n' "$line" "$KEEL_IDEMPOTENCY_KEY""#, None, dir.path())
-            .call(json!({"n": 1}), &ctx())
-            .await
-            .unwrap();
+        let out = tool(
+            r#"read line; printf '{"got": %s, "key": "%s"}\n' "$line" "$KEEL_IDEMPOTENCY_KEY""#,
+            None,
+            dir.path(),
+        )
+        .call(json!({"n": 1}), &ctx())
+        .await
+        .unwrap();
         assert_eq!(out, json!({"got": {"n": 1}, "key": "run_r1:tool:t:c1"}));
     }
 
@@ -285,7 +302,8 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(err.code, ErrorCode::ToolTimeout);
-        let pid: i32 = std::fs::read_to_string(dir.path().join("grandchild.pid")).unwrap().trim().parse().unwrap();
+        let pid: i32 =
+            std::fs::read_to_string(dir.path().join("grandchild.pid")).unwrap().trim().parse().unwrap();
         for _ in 0..100 {
             if !alive(pid) {
                 return;

@@ -61,7 +61,11 @@ where
     F: Fn(I, ToolContext) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<O, E>> + Send + 'static,
 {
-    Arc::new(FunctionTool { spec: spec_for::<I>(name, description), function: WithContext(function), input: PhantomData })
+    Arc::new(FunctionTool {
+        spec: spec_for::<I>(name, description),
+        function: WithContext(function),
+        input: PhantomData,
+    })
 }
 
 fn spec_for<I: JsonSchema>(name: &str, description: &str) -> ToolSpec {

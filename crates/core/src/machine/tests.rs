@@ -111,14 +111,21 @@ fn check(mut machine: Machine, inputs: Vec<Input>, expected: Expect) {
             match action {
                 Action::Emit(event) => writeln!(out, "  emit {}", event_to_json(&event)),
                 Action::Persist { first_position, count } => {
-                    for (i, m) in machine.transcript()[first_position..first_position + count].iter().enumerate() {
+                    for (i, m) in
+                        machine.transcript()[first_position..first_position + count].iter().enumerate()
+                    {
                         writeln!(out, "  persist #{} {}", first_position + i, encode_message(m)).unwrap();
                     }
                     Ok(())
                 }
                 Action::CallModel { step } => {
                     let request = machine.model_request(1);
-                    writeln!(out, "  call model {step} (call_index {}, {} messages)", request.call_index, request.messages.len())
+                    writeln!(
+                        out,
+                        "  call model {step} (call_index {}, {} messages)",
+                        request.call_index,
+                        request.messages.len()
+                    )
                 }
                 Action::CallTool { step, call } => writeln!(out, "  call tool {step} {}", call.input),
                 Action::Finish(outcome) => writeln!(out, "  finish {outcome:?}"),
@@ -299,7 +306,10 @@ fn long_outputs_are_cut_with_a_marker() {
     assert_eq!(output, &json!("héllo\n[output truncated: showing the first 5 of 11 characters]"));
     // Short outputs, and JSON values that fit, are untouched.
     assert_eq!(cap_output(json!({"a": 1}), 7), json!({"a": 1}));
-    assert_eq!(cap_output(json!({"a": 1}), 6), json!("{\"a\":1\n[output truncated: showing the first 6 of 7 characters]"));
+    assert_eq!(
+        cap_output(json!({"a": 1}), 6),
+        json!("{\"a\":1\n[output truncated: showing the first 6 of 7 characters]")
+    );
 }
 
 #[test]

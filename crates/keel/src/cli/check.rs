@@ -21,9 +21,14 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
         Some(spec) => {
             let mut tools: Vec<&str> = spec.builtin_tools.iter().map(String::as_str).collect();
             tools.extend(spec.command_tools.iter().map(|t| t.name.as_str()));
-            let tools = if tools.is_empty() { "no tools".to_owned() } else { format!("tools: {}", tools.join(", ")) };
+            let tools =
+                if tools.is_empty() { "no tools".to_owned() } else { format!("tools: {}", tools.join(", ")) };
             let mut stdout = std::io::stdout().lock();
-            let warned = if warnings > 0 { format!(" ({warnings} warning{})", plural(warnings)) } else { String::new() };
+            let warned = if warnings > 0 {
+                format!(" ({warnings} warning{})", plural(warnings))
+            } else {
+                String::new()
+            };
             writeln!(stdout, "ok: agent `{}` (model {}; {tools}){warned}", spec.name, spec.model)?;
             Ok(exit::OK)
         }

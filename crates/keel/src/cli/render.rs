@@ -73,7 +73,10 @@ impl HumanRenderer {
             return;
         }
         let spinner = ProgressBar::new_spinner();
-        spinner.set_style(ProgressStyle::with_template("{spinner} {msg}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+        spinner.set_style(
+            ProgressStyle::with_template("{spinner} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
         spinner.set_message("thinking");
         spinner.enable_steady_tick(Duration::from_millis(90));
         self.spinner = Some(spinner);
@@ -140,7 +143,9 @@ impl Render for HumanRenderer {
                 self.tool_line("→", call_id, &compact(input))?;
             }
             Event::ToolDone { call_id, output } => self.tool_line("✓", call_id, &compact(output))?,
-            Event::ToolError { call_id, error } => self.tool_line("✗", call_id, &format!("failed: {error}"))?,
+            Event::ToolError { call_id, error } => {
+                self.tool_line("✗", call_id, &format!("failed: {error}"))?
+            }
             Event::RunDone { text, stopped, .. } => {
                 self.stop_spinner();
                 if *stopped == StopReason::StopCondition || (!self.streamed && !text.is_empty()) {
@@ -153,7 +158,9 @@ impl Render for HumanRenderer {
                 let note = match stopped {
                     StopReason::Final | StopReason::StopCondition => None,
                     StopReason::MaxTurns => Some("stopped: the run used all its turns (`limits.max_turns`)"),
-                    StopReason::Budget => Some("stopped: the run spent its budget (`limits.max_total_tokens` or `limits.max_tool_calls`)"),
+                    StopReason::Budget => Some(
+                        "stopped: the run spent its budget (`limits.max_total_tokens` or `limits.max_tool_calls`)",
+                    ),
                     StopReason::Cancelled => Some("stopped: cancelled"),
                 };
                 if let Some(note) = note {

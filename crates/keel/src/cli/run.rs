@@ -6,9 +6,9 @@ use std::sync::Arc;
 use futures::StreamExt;
 use keel::{Agent, ErrorCode, MemoryStore, StopReason};
 
+use super::RunArgs;
 use super::exit;
 use super::render::{HumanRenderer, JsonRenderer, Render};
-use super::RunArgs;
 
 pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
     let mut stderr = std::io::stderr().lock();

@@ -40,7 +40,10 @@ async fn a_builder_agent_calls_a_function_tool_and_streams_events() {
     let agent = Agent::builder()
         .name("calc")
         .model("mock")
-        .mock_script(script(vec![call("add", json!({"a": 2, "b": 3})), say("The sum is {{last_tool_output}}.")]))
+        .mock_script(script(vec![
+            call("add", json!({"a": 2, "b": 3})),
+            say("The sum is {{last_tool_output}}."),
+        ]))
         .tool(add_tool())
         .build()
         .unwrap();
@@ -102,14 +105,20 @@ async fn tools_get_an_idempotency_key() {
     struct Empty {}
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = Arc::clone(&seen);
-    let tool = keel::function_tool_with_context("charge", "Charges a card", move |_: Empty, ctx: ToolContext| {
-        let log = Arc::clone(&log);
-        async move {
-            log.lock().unwrap().push(ctx.idempotency_key.clone());
-            Ok::<_, String>("charged")
-        }
-    });
-    let agent = Agent::builder().model("mock").mock_script(script(vec![call("charge", json!({})), say("ok")])).tool(tool).build().unwrap();
+    let tool =
+        keel::function_tool_with_context("charge", "Charges a card", move |_: Empty, ctx: ToolContext| {
+            let log = Arc::clone(&log);
+            async move {
+                log.lock().unwrap().push(ctx.idempotency_key.clone());
+                Ok::<_, String>("charged")
+            }
+        });
+    let agent = Agent::builder()
+        .model("mock")
+        .mock_script(script(vec![call("charge", json!({})), say("ok")]))
+        .tool(tool)
+        .build()
+        .unwrap();
     let result = agent.run("pay", "charge me").unwrap().result().await.unwrap();
     let keys = seen.lock().unwrap().clone();
     assert_eq!(keys, [format!("{}:tool:charge:call_0_0", result.run_id)]);
@@ -125,12 +134,25 @@ async fn stop_on_tool_and_structured_output() {
         .build()
         .unwrap();
     let result = agent.run("s", "1+1").unwrap().result().await.unwrap();
-    assert_eq!((result.stopped, result.output, result.text.as_str()), (StopReason::StopCondition, Some(json!(2)), "2"));
+    assert_eq!(
+        (result.stopped, result.output, result.text.as_str()),
+        (StopReason::StopCondition, Some(json!(2)), "2")
+    );
 
     let schema = json!({"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]});
-    let agent = Agent::builder().model("mock").mock_script(script(vec![say("{\"sum\": 4}")])).output_schema(schema.clone()).build().unwrap();
+    let agent = Agent::builder()
+        .model("mock")
+        .mock_script(script(vec![say("{\"sum\": 4}")]))
+        .output_schema(schema.clone())
+        .build()
+        .unwrap();
     assert_eq!(agent.run("s", "2+2").unwrap().result().await.unwrap().output, Some(json!({"sum": 4})));
-    let agent = Agent::builder().model("mock").mock_script(script(vec![say("four")])).output_schema(schema).build().unwrap();
+    let agent = Agent::builder()
+        .model("mock")
+        .mock_script(script(vec![say("four")]))
+        .output_schema(schema)
+        .build()
+        .unwrap();
     assert_eq!(agent.run("s", "2+2").unwrap().result().await.unwrap_err().code, ErrorCode::OutputInvalid);
 }
 
@@ -170,7 +192,12 @@ async fn a_dropped_handle_does_not_stop_the_run() {
         let counter = Arc::clone(&counter);
         async move { Ok::<_, String>(counter.fetch_add(1, Ordering::SeqCst)) }
     });
-    let agent = Agent::builder().model("mock").mock_script(script(vec![call("tick", json!({})), say("ok")])).tool(tool).build().unwrap();
+    let agent = Agent::builder()
+        .model("mock")
+        .mock_script(script(vec![call("tick", json!({})), say("ok")]))
+        .tool(tool)
+        .build()
+        .unwrap();
     drop(agent.run("bg", "go").unwrap());
     for _ in 0..200 {
         if agent.store().load_messages(&keel::SessionId::new("bg").unwrap()).await.unwrap().len() == 4 {

@@ -26,19 +26,38 @@ fn the_quick_start_example_answers_with_today() {
     assert_eq!(lines.len(), 2, "{stderr:?}");
     assert_eq!(lines[0], "→ day-name {}");
     assert!(lines[1].starts_with("✓ day-name "), "{stderr:?}");
-    assert!(!stderr.contains('\r') && !stderr.contains('\u{1b}'), "terminal control codes when piped: {stderr:?}");
+    assert!(
+        !stderr.contains('\r') && !stderr.contains('\u{1b}'),
+        "terminal control codes when piped: {stderr:?}"
+    );
 }
 
 #[test]
 fn json_prints_every_event_as_a_json_line() {
-    let output = keel().current_dir(repo_root()).args(["run", "examples/assistant", "What day is it?", "--json"]).output().unwrap();
+    let output = keel()
+        .current_dir(repo_root())
+        .args(["run", "examples/assistant", "What day is it?", "--json"])
+        .output()
+        .unwrap();
     assert!(output.status.success(), "{output:?}");
     let events: Vec<Value> =
         String::from_utf8(output.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
     assert_eq!(
         types,
-        ["run.start", "turn.start", "usage", "tool.start", "tool.done", "turn.start", "text.delta", "text.delta", "text.delta", "usage", "run.done"]
+        [
+            "run.start",
+            "turn.start",
+            "usage",
+            "tool.start",
+            "tool.done",
+            "turn.start",
+            "text.delta",
+            "text.delta",
+            "text.delta",
+            "usage",
+            "run.done"
+        ]
     );
     assert_eq!(events[0]["sessionId"], "default");
     assert!(events[0]["runId"].as_str().unwrap().starts_with("run_"));
@@ -48,25 +67,52 @@ fn json_prints_every_event_as_a_json_line() {
     let text = done["text"].as_str().unwrap();
     assert!(weekdays_now().iter().any(|d| text == format!("Today is {d}.")), "{text}");
     assert!(done["usage"]["inputTokens"].as_u64().unwrap() > 0);
-    assert!(output.stderr.is_empty(), "--json keeps stderr quiet: {:?}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.stderr.is_empty(),
+        "--json keeps stderr quiet: {:?}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 #[test]
 fn a_spec_file_in_toml_runs_too() {
-    let dir = agent_dir(&[(
-        "echo.toml",
-        "model = \"mock\"\ninstructions = \"Echo.\"\n",
-    )]);
-    keel().args(["run"]).arg(dir.path().join("echo.toml")).arg("echo me").assert().success().stdout("echo me\n");
+    let dir = agent_dir(&[("echo.toml", "model = \"mock\"\ninstructions = \"Echo.\"\n")]);
+    keel()
+        .args(["run"])
+        .arg(dir.path().join("echo.toml"))
+        .arg("echo me")
+        .assert()
+        .success()
+        .stdout("echo me\n");
 }
 
 #[test]
 fn model_can_be_overridden() {
     let dir = agent_dir(&[("agent.yaml", "model: openai/gpt-4o-mini\n")]);
     // The spec names a provider this build cannot reach; --model mock runs it offline.
-    keel().arg("run").arg(dir.path()).arg("hello").assert().code(1).stderr(predicate::str::contains("KEEL_PROVIDER_UNAVAILABLE"));
-    keel().arg("run").arg(dir.path()).arg("hello").args(["--model", "mock"]).assert().success().stdout("hello\n");
-    keel().arg("run").arg(dir.path()).arg("hello").args(["--model", "nope/x"]).assert().code(1).stderr(predicate::str::contains("unknown provider `nope`"));
+    keel()
+        .arg("run")
+        .arg(dir.path())
+        .arg("hello")
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("KEEL_PROVIDER_UNAVAILABLE"));
+    keel()
+        .arg("run")
+        .arg(dir.path())
+        .arg("hello")
+        .args(["--model", "mock"])
+        .assert()
+        .success()
+        .stdout("hello\n");
+    keel()
+        .arg("run")
+        .arg(dir.path())
+        .arg("hello")
+        .args(["--model", "nope/x"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("unknown provider `nope`"));
 }
 
 #[test]
@@ -90,17 +136,28 @@ fn check_prints_every_problem_with_its_place() {
     }
     assert!(!stderr.contains("panicked"));
     // `run` refuses the same agent, with the same diagnostics.
-    keel().current_dir(dir.path()).args(["run", "bad", "hi"]).assert().code(1).stderr(predicate::str::contains("unknown key `modle`"));
+    keel()
+        .current_dir(dir.path())
+        .args(["run", "bad", "hi"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("unknown key `modle`"));
     // A good agent checks clean.
-    keel().current_dir(repo_root()).args(["check", "examples/assistant"]).assert().success().stdout(predicate::str::starts_with("ok: agent `assistant`"));
+    keel()
+        .current_dir(repo_root())
+        .args(["check", "examples/assistant"])
+        .assert()
+        .success()
+        .stdout(predicate::str::starts_with("ok: agent `assistant`"));
 }
 
 #[test]
 fn a_missing_instructions_file_is_an_error() {
     let dir = agent_dir(&[("a.yaml", "model: mock\ninstructions: { file: missing.md }\n")]);
-    keel().current_dir(dir.path()).args(["check", "a.yaml"]).assert().code(1).stderr(predicate::str::contains(
-        "cannot read the instructions file missing.md",
-    ).and(predicate::str::contains("--> a.yaml:2:23")));
+    keel().current_dir(dir.path()).args(["check", "a.yaml"]).assert().code(1).stderr(
+        predicate::str::contains("cannot read the instructions file missing.md")
+            .and(predicate::str::contains("--> a.yaml:2:23")),
+    );
 }
 
 #[test]
@@ -114,7 +171,8 @@ fn a_provider_error_fails_the_run_with_its_code() {
     ));
     let output = keel().arg("run").arg(dir.path()).arg("hi").arg("--json").output().unwrap();
     assert_eq!(output.status.code(), Some(3));
-    let last: Value = serde_json::from_str(String::from_utf8(output.stdout).unwrap().lines().last().unwrap()).unwrap();
+    let last: Value =
+        serde_json::from_str(String::from_utf8(output.stdout).unwrap().lines().last().unwrap()).unwrap();
     assert_eq!(last["type"], "run.error");
     assert_eq!(last["code"], "KEEL_PROVIDER_ERROR");
 }
@@ -139,16 +197,29 @@ fn command_tools_run_with_json_on_stdin_and_errors_go_back_to_the_model() {
             "tools/append.toml",
             "description = \"Appends a line to log.txt\"\ncommand = [\"python3\", \"-c\", \"import json,sys; d=json.load(sys.stdin); open('log.txt','a').write(d['line']+'\\\\n'); print(json.dumps({'ok': True, 'line': d['line']}))\"]\n[input_schema]\ntype = \"object\"\nrequired = [\"line\"]\nproperties = { line = { type = \"string\" } }\n",
         ),
-        ("tools/fail.toml", "description = \"Always fails\"\ncommand = [\"sh\", \"-c\", \"echo 'no such invoice' >&2; exit 7\"]\n"),
-        ("tools/nap.toml", "description = \"Sleeps too long\"\ncommand = [\"sleep\", \"30\"]\ntimeout = \"300ms\"\n"),
+        (
+            "tools/fail.toml",
+            "description = \"Always fails\"\ncommand = [\"sh\", \"-c\", \"echo 'no such invoice' >&2; exit 7\"]\n",
+        ),
+        (
+            "tools/nap.toml",
+            "description = \"Sleeps too long\"\ncommand = [\"sleep\", \"30\"]\ntimeout = \"300ms\"\n",
+        ),
     ]);
     let output = keel().arg("run").arg(dir.path()).arg("go").arg("--json").output().unwrap();
     assert!(output.status.success(), "{output:?}");
-    let events: Vec<Value> = String::from_utf8(output.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let events: Vec<Value> =
+        String::from_utf8(output.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let outcomes: Vec<String> = events
         .iter()
         .filter(|e| e["type"] == "tool.done" || e["type"] == "tool.error")
-        .map(|e| format!("{} {}", e["callId"], if e["type"] == "tool.done" { e["output"].to_string() } else { e["error"].to_string() }))
+        .map(|e| {
+            format!(
+                "{} {}",
+                e["callId"],
+                if e["type"] == "tool.done" { e["output"].to_string() } else { e["error"].to_string() }
+            )
+        })
         .collect();
     let mut sorted = outcomes.clone();
     sorted.sort();
@@ -173,7 +244,13 @@ fn max_turns_stops_with_exit_code_4() {
         "agent.yaml",
         "model: mock\ntools: [day-name]\nlimits: { max_turns: 1 }\nmock: { script: [ { tool_calls: [ { name: day-name } ] } ] }\n",
     )]);
-    keel().arg("run").arg(dir.path()).arg("hi").assert().code(4).stderr(predicate::str::contains("stopped: the run used all its turns"));
+    keel()
+        .arg("run")
+        .arg(dir.path())
+        .arg("hi")
+        .assert()
+        .code(4)
+        .stderr(predicate::str::contains("stopped: the run used all its turns"));
 }
 
 #[test]
@@ -198,7 +275,10 @@ fn an_invalid_session_id_is_refused() {
 fn ctrl_c_cancels_the_run_and_kills_the_tool() {
     let dir = agent_dir(&[
         ("agent.yaml", "model: mock\nmock: { script: [ { tool_calls: [ { name: nap } ] } ] }\n"),
-        ("tools/nap.toml", "description = \"Sleeps\"\ncommand = [\"sh\", \"-c\", \"sleep 60 & echo $! > nap.pid; wait\"]\n"),
+        (
+            "tools/nap.toml",
+            "description = \"Sleeps\"\ncommand = [\"sh\", \"-c\", \"sleep 60 & echo $! > nap.pid; wait\"]\n",
+        ),
     ]);
     let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
         .arg("run")
@@ -221,7 +301,8 @@ fn ctrl_c_cancels_the_run_and_kills_the_tool() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let grandchild: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGINT)
+        .unwrap();
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130));
     let mut rest = String::new();

@@ -31,6 +31,10 @@ pub fn repo_root() -> &'static Path {
 pub fn weekdays_now() -> Vec<String> {
     let now = jiff::ZonedDateTime::now();
     let before = now.strftime("%A").to_string();
-    let after = jiff::ZonedDateTime::now().checked_add(jiff::Span::new().seconds(5)).unwrap().strftime("%A").to_string();
+    let after = jiff::ZonedDateTime::now()
+        .checked_add(jiff::Span::new().seconds(5))
+        .unwrap()
+        .strftime("%A")
+        .to_string();
     vec![before, after]
 }
