@@ -1,6 +1,8 @@
 //! A calculator agent defined in Rust: a typed tool from a plain async function, run offline
 //! with the mock model. Run it with `cargo run -p keel --example calculator`.
 
+#![allow(clippy::print_stdout, clippy::print_stderr, reason = "an example program prints")]
+
 use futures::StreamExt;
 use keel::{Agent, Event, MockEntry, MockScript, MockToolCall};
 use schemars::JsonSchema;

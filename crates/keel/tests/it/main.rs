@@ -3,3 +3,4 @@
 mod api;
 mod cli;
 mod support;
+mod tidy;
