@@ -318,3 +318,19 @@ fn ctrl_c_cancels_the_run_and_kills_the_tool() {
     }
     panic!("the tool's process {grandchild} outlived the cancelled run");
 }
+
+#[test]
+fn a_spinner_shows_on_a_terminal_while_the_model_thinks() {
+    let dir = agent_dir(&[(
+        "agent.yaml",
+        "model: mock\nmock: { script: [ { delay_ms: 600, text: 'Done thinking.' } ] }\n",
+    )]);
+    let keel = assert_cmd::cargo::cargo_bin("keel");
+    // `script` runs the command under a pseudo-terminal, as a person's shell would.
+    let command = format!("{} run {} hello", keel.display(), dir.path().display());
+    let output = std::process::Command::new("script").args(["-qec", &command, "/dev/null"]).output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let screen = String::from_utf8_lossy(&output.stdout);
+    assert!(screen.contains("thinking"), "no spinner on a terminal: {screen:?}");
+    assert!(screen.contains("Done thinking."), "{screen:?}");
+}
