@@ -3,6 +3,7 @@
 //! [`AgentDef`] is plain data plus the agent's tools. It is immutable once built and shared
 //! (`Arc`) by every run of the agent.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -133,6 +134,25 @@ impl OutputSchema {
             }
         }
     }
+}
+
+/// A command tool: a program run with the tool input as JSON on stdin (`tools/<name>.toml` in an
+/// agent directory; `keel_tools::CommandTool` runs it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommandToolDef {
+    /// The tool's name.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: String,
+    /// The JSON Schema of its input.
+    pub input_schema: Value,
+    /// The program and its arguments (no shell is involved). A relative program path has been
+    /// resolved against `working_dir` by the loader.
+    pub command: Vec<String>,
+    /// The working directory.
+    pub working_dir: PathBuf,
+    /// Its own time limit; the agent's `limits.tool_timeout` applies too.
+    pub timeout: Option<Duration>,
 }
 
 /// The script of the `mock` provider (spec key `mock.script`): one entry per model call of the

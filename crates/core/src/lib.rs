@@ -26,7 +26,9 @@ pub mod store;
 pub mod tool;
 pub mod wire;
 
-pub use agent::{AgentDef, Limits, MockEntry, MockFailure, MockScript, MockToolCall, RetryPolicy};
+pub use agent::{
+    AgentDef, CommandToolDef, Limits, MockEntry, MockFailure, MockScript, MockToolCall, RetryPolicy,
+};
 pub use error::{ErrorCode, RunFailure};
 pub use event::{Event, StopReason, Usage};
 pub use ids::{RunId, SessionId, StepName};

@@ -13,7 +13,7 @@ use keel_core::{
 use keel_runtime::{Engine, RunHandle};
 use keel_spec::{AgentSpec, Diagnostic, LoadOptions};
 use keel_store::MemoryStore;
-use keel_tools::{CommandConfig, CommandTool};
+use keel_tools::CommandTool;
 use serde_json::Value;
 
 /// An agent bound to its model provider and store, ready to run.
@@ -97,14 +97,7 @@ impl Agent {
             tools.push(tool);
         }
         for tool in spec.command_tools {
-            tools.push(Arc::new(CommandTool::new(CommandConfig {
-                name: tool.name,
-                description: tool.description,
-                input_schema: tool.input_schema,
-                command: tool.command,
-                working_dir: tool.working_dir,
-                timeout: tool.timeout,
-            })));
+            tools.push(Arc::new(CommandTool::new(tool.def)));
         }
         let mut builder = Agent::builder()
             .name(spec.name)

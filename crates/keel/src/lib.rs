@@ -51,13 +51,13 @@ pub use agent::{Agent, AgentBuilder, LoadError, load_spec};
 pub use keel_core::machine::RunOutcome;
 pub use keel_core::wire::{event_to_json, event_type};
 pub use keel_core::{
-    AgentDef, BoxFuture, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry, MockFailure, MockScript,
-    MockToolCall, ModelReply, ModelRequest, Part, Provider, ProviderError, RetryPolicy, Role, RunFailure,
-    RunId, RunState, SessionId, StopReason, Store, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec,
-    Usage,
+    AgentDef, BoxFuture, CommandToolDef, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry,
+    MockFailure, MockScript, MockToolCall, ModelReply, ModelRequest, Part, Provider, ProviderError,
+    RetryPolicy, Role, RunFailure, RunId, RunState, SessionId, StopReason, Store, Tool, ToolContext,
+    ToolError, ToolOutcome, ToolSpec, Usage,
 };
 pub use keel_providers::MockProvider;
 pub use keel_runtime::{RunHandle, RunResult};
 pub use keel_spec::{AgentSpec, Diagnostic, Severity};
 pub use keel_store::MemoryStore;
-pub use keel_tools::{CommandConfig, CommandTool, function_tool, function_tool_with_context};
+pub use keel_tools::{CommandTool, function_tool, function_tool_with_context};

@@ -13,13 +13,13 @@
 
 use std::path::{Path, PathBuf};
 
-use keel_core::ErrorCode;
 use keel_core::tool::{compile_input_schema, validate_tool_name};
+use keel_core::{CommandToolDef, ErrorCode};
 use serde_json::json;
 
 use crate::CommandToolSpec;
 use crate::decode::Decoder;
-use crate::diagnostic::{Diagnostic, Pos};
+use crate::diagnostic::{Diagnostic, Pos, read_text};
 use crate::tree::{self, Format, Kind};
 
 const KEYS: &[&str] = &["description", "command", "input_schema", "timeout", "working_dir"];
@@ -57,18 +57,7 @@ fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) ->
         );
         return None;
     }
-    let text = match std::fs::read_to_string(file) {
-        Ok(text) => text,
-        Err(error) => {
-            diagnostics.push(Diagnostic::error(
-                ErrorCode::SpecNotFound,
-                file,
-                Pos::default(),
-                format!("cannot read the tool: {error}"),
-            ));
-            return None;
-        }
-    };
+    let text = read_text(file, "tool", diagnostics)?;
     let root = match tree::parse(&text, Format::Toml, file) {
         Ok(root) => root,
         Err(diagnostic) => {
@@ -120,12 +109,14 @@ fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) ->
         }
     };
     Some(CommandToolSpec {
-        name,
-        description: description?,
-        input_schema,
-        command: command?,
-        working_dir,
-        timeout,
+        def: CommandToolDef {
+            name,
+            description: description?,
+            input_schema,
+            command: command?,
+            working_dir,
+            timeout,
+        },
         file: file.to_owned(),
     })
 }

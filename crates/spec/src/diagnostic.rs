@@ -70,6 +70,22 @@ impl Diagnostic {
     }
 }
 
+/// Reads a file the loader needs, or records why it cannot (`what` names it in the message).
+pub(crate) fn read_text(file: &Path, what: &str, diagnostics: &mut Vec<Diagnostic>) -> Option<String> {
+    match std::fs::read_to_string(file) {
+        Ok(text) => Some(text),
+        Err(error) => {
+            diagnostics.push(Diagnostic::error(
+                ErrorCode::SpecNotFound,
+                file,
+                Pos::default(),
+                format!("cannot read the {what}: {error}"),
+            ));
+            None
+        }
+    }
+}
+
 /// Renders as
 /// ```text
 /// error[KEEL_SPEC_INVALID]: unknown key `modle`

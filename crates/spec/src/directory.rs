@@ -8,7 +8,7 @@ use keel_core::ErrorCode;
 
 use crate::command_tool;
 use crate::decode::{Decoder, did_you_mean};
-use crate::diagnostic::{Diagnostic, Pos};
+use crate::diagnostic::{Diagnostic, Pos, read_text};
 use crate::spec_file::{self, FileSpec};
 use crate::tree::{self, Kind};
 use crate::{AgentSpec, CommandToolSpec, LoadOptions, SPEC_FILE_NAMES};
@@ -81,18 +81,7 @@ pub(crate) fn load_with_spec_file(
 
     let instructions_file = dir.join("instructions.md");
     let dir_instructions = if instructions_file.is_file() {
-        match std::fs::read_to_string(&instructions_file) {
-            Ok(text) => Some(text),
-            Err(error) => {
-                diagnostics.push(Diagnostic::error(
-                    ErrorCode::SpecNotFound,
-                    &instructions_file,
-                    Pos::default(),
-                    format!("cannot read the instructions: {error}"),
-                ));
-                None
-            }
-        }
+        read_text(&instructions_file, "instructions", diagnostics)
     } else {
         None
     };
@@ -112,7 +101,7 @@ pub(crate) fn load_with_spec_file(
 
     let mut command_tools = command_tool::load_dir(&dir.join("tools"), &absolute, diagnostics);
     for tool in &mut command_tools {
-        tool.working_dir = rebase(&tool.working_dir, dir, &absolute);
+        tool.def.working_dir = rebase(&tool.def.working_dir, dir, &absolute);
     }
     let requested = spec.as_ref().and_then(|s| s.skills.clone());
     let skills = load_skills(dir, &absolute, requested.as_deref(), file, diagnostics);
@@ -135,7 +124,7 @@ pub(crate) fn load_with_spec_file(
     let mut skill_names = Vec::new();
     for skill in skills {
         for tool in skill.tools {
-            if let Some(existing) = command_tools.iter().find(|t| t.name == tool.name) {
+            if let Some(existing) = command_tools.iter().find(|t| t.def.name == tool.def.name) {
                 diagnostics.push(
                     Diagnostic::error(
                         ErrorCode::SpecInvalid,
@@ -143,7 +132,7 @@ pub(crate) fn load_with_spec_file(
                         Pos::default(),
                         format!(
                             "tool `{}` of skill `{}` has the same name as the tool in {}",
-                            tool.name,
+                            tool.def.name,
                             skill.name,
                             existing.file.display()
                         ),
@@ -234,7 +223,7 @@ fn load_skills(
             let skill_absolute = absolute.join("skills").join(&name);
             let mut tools = command_tool::load_dir(&skill_dir.join("tools"), &skill_absolute, diagnostics);
             for tool in &mut tools {
-                tool.working_dir = rebase(&tool.working_dir, &skill_dir, &skill_absolute);
+                tool.def.working_dir = rebase(&tool.def.working_dir, &skill_dir, &skill_absolute);
             }
             Some(Skill { name, description, body, tools })
         })
@@ -247,18 +236,7 @@ fn read_skill_file(
     dir_name: &str,
     diagnostics: &mut Vec<Diagnostic>,
 ) -> Option<(String, String)> {
-    let text = match std::fs::read_to_string(file) {
-        Ok(text) => text,
-        Err(error) => {
-            diagnostics.push(Diagnostic::error(
-                ErrorCode::SpecNotFound,
-                file,
-                Pos::default(),
-                format!("cannot read the skill: {error}"),
-            ));
-            return None;
-        }
-    };
+    let text = read_text(file, "skill", diagnostics)?;
     let missing_front_matter = || {
         Diagnostic::error(
             ErrorCode::SpecInvalid,
@@ -342,15 +320,15 @@ pub(crate) fn finish(
     options: &LoadOptions<'_>,
     diagnostics: &mut Vec<Diagnostic>,
 ) -> Option<AgentSpec> {
-    let command_names: Vec<&str> = command_tools.iter().map(|t| t.name.as_str()).collect();
+    let command_names: Vec<&str> = command_tools.iter().map(|t| t.def.name.as_str()).collect();
     for tool in &command_tools {
-        if options.builtin_tools.contains(&tool.name.as_str()) {
+        if options.builtin_tools.contains(&tool.def.name.as_str()) {
             diagnostics.push(
                 Diagnostic::error(
                     ErrorCode::SpecInvalid,
                     &tool.file,
                     Pos::default(),
-                    format!("tool `{}` has the name of a built-in tool", tool.name),
+                    format!("tool `{}` has the name of a built-in tool", tool.def.name),
                 )
                 .with_hint("rename the file: built-in tool names are reserved"),
             );

@@ -22,11 +22,9 @@ mod directory;
 mod spec_file;
 mod tree;
 
-use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-use keel_core::{ErrorCode, Limits, MockScript, RetryPolicy};
+use keel_core::{CommandToolDef, ErrorCode, Limits, MockScript, RetryPolicy};
 use serde_json::Value;
+use std::path::{Path, PathBuf};
 
 pub use decode::did_you_mean;
 pub use diagnostic::{Diagnostic, Pos, Severity};
@@ -63,19 +61,8 @@ pub struct AgentSpec {
 /// A command tool, from `tools/<name>.toml`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CommandToolSpec {
-    /// The tool name (the file name without `.toml`).
-    pub name: String,
-    /// What it does.
-    pub description: String,
-    /// The JSON Schema of its input.
-    pub input_schema: Value,
-    /// The program and its arguments; a relative program path is resolved against
-    /// `working_dir`.
-    pub command: Vec<String>,
-    /// Where it runs.
-    pub working_dir: PathBuf,
-    /// Its own time limit.
-    pub timeout: Option<Duration>,
+    /// The tool, ready to run (its working directory is absolute).
+    pub def: CommandToolDef,
     /// The file it was defined in.
     pub file: PathBuf,
 }

@@ -7,7 +7,7 @@ use keel_core::{ErrorCode, Limits, MockEntry, MockFailure, MockScript, MockToolC
 use serde_json::Value;
 
 use crate::decode::{Decoder, did_you_mean};
-use crate::diagnostic::{Diagnostic, Pos};
+use crate::diagnostic::{Diagnostic, Pos, read_text};
 use crate::tree::{self, Format, Kind, Node};
 use crate::{AgentSpec, LoadOptions};
 
@@ -75,18 +75,7 @@ pub(crate) fn read(
         );
         return None;
     };
-    let text = match std::fs::read_to_string(file) {
-        Ok(text) => text,
-        Err(error) => {
-            diagnostics.push(Diagnostic::error(
-                ErrorCode::SpecNotFound,
-                file,
-                Pos::default(),
-                format!("cannot read the spec: {error}"),
-            ));
-            return None;
-        }
-    };
+    let text = read_text(file, "spec", diagnostics)?;
     let root = match tree::parse(&text, format, file) {
         Ok(root) => root,
         Err(diagnostic) => {

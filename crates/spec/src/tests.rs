@@ -68,13 +68,13 @@ fn a_full_agent_directory_loads() {
         spec.instructions,
         "You are helpful.\n\n## Skill: billing\nHandles invoices.\n\nAlways quote the invoice number.\n"
     );
-    let names: Vec<&str> = spec.command_tools.iter().map(|t| t.name.as_str()).collect();
+    let names: Vec<&str> = spec.command_tools.iter().map(|t| t.def.name.as_str()).collect();
     assert_eq!(names, ["add", "refund"]);
-    let add = &spec.command_tools[0];
+    let add = &spec.command_tools[0].def;
     assert_eq!(add.input_schema, json!({"type": "object", "required": ["a"]}));
     assert_eq!(add.timeout, Some(std::time::Duration::from_secs(2)));
     assert!(add.working_dir.is_absolute() && add.working_dir.ends_with("assistant"), "{:?}", add.working_dir);
-    assert!(spec.command_tools[1].working_dir.ends_with("skills/billing"));
+    assert!(spec.command_tools[1].def.working_dir.ends_with("skills/billing"));
     assert_eq!(spec.limits.max_turns, 4);
     assert_eq!(spec.skills, ["billing"]);
     let script = spec.mock.unwrap();

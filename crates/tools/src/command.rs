@@ -8,11 +8,9 @@
 //! The program gets `KEEL_IDEMPOTENCY_KEY`, `KEEL_RUN_ID`, `KEEL_SESSION_ID` and `KEEL_CALL_ID`
 //! in its environment, so that it can dedupe side effects when a crash makes a call run again.
 
-use std::path::PathBuf;
 use std::process::Stdio;
-use std::time::Duration;
 
-use keel_core::{BoxFuture, ErrorCode, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec};
+use keel_core::{BoxFuture, CommandToolDef, ErrorCode, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use serde_json::Value;
@@ -24,32 +22,15 @@ const MAX_STDOUT_BYTES: usize = 8 * 1024 * 1024;
 /// How much of stderr's end a failure shows.
 const STDERR_TAIL_BYTES: usize = 2048;
 
-/// What a command tool runs.
-#[derive(Clone, Debug, PartialEq)]
-pub struct CommandConfig {
-    /// The tool's name.
-    pub name: String,
-    /// What it does, for the model.
-    pub description: String,
-    /// The JSON Schema of its input.
-    pub input_schema: Value,
-    /// The program and its arguments (no shell is involved).
-    pub command: Vec<String>,
-    /// The working directory.
-    pub working_dir: PathBuf,
-    /// Its own time limit; the agent's `limits.tool_timeout` applies too.
-    pub timeout: Option<Duration>,
-}
-
 /// A tool that runs a program. See the module docs.
 pub struct CommandTool {
     spec: ToolSpec,
-    config: CommandConfig,
+    config: CommandToolDef,
 }
 
 impl CommandTool {
-    /// A command tool. `config.command` must not be empty.
-    pub fn new(config: CommandConfig) -> CommandTool {
+    /// A command tool. `config.command` must not be empty (an empty one fails every call).
+    pub fn new(config: CommandToolDef) -> CommandTool {
         let spec = ToolSpec {
             name: config.name.clone(),
             description: config.description.clone(),
@@ -221,6 +202,8 @@ impl Tool for CommandTool {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
     use keel_core::{RunId, SessionId};
     use serde_json::json;
@@ -235,7 +218,7 @@ mod tests {
     }
 
     fn tool(script: &str, timeout: Option<Duration>, dir: &std::path::Path) -> CommandTool {
-        CommandTool::new(CommandConfig {
+        CommandTool::new(CommandToolDef {
             name: "t".into(),
             description: "test".into(),
             input_schema: json!({"type": "object"}),

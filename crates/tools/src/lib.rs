@@ -14,7 +14,7 @@ use std::sync::Arc;
 use keel_core::Tool;
 
 pub use clock::{CurrentDate, DayName};
-pub use command::{CommandConfig, CommandTool};
+pub use command::CommandTool;
 pub use function::{function_tool, function_tool_with_context};
 
 /// The names of the built-in tools, for specs to refer to.

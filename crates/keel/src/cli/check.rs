@@ -20,7 +20,7 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
     match loaded.spec {
         Some(spec) => {
             let mut tools: Vec<&str> = spec.builtin_tools.iter().map(String::as_str).collect();
-            tools.extend(spec.command_tools.iter().map(|t| t.name.as_str()));
+            tools.extend(spec.command_tools.iter().map(|t| t.def.name.as_str()));
             let tools =
                 if tools.is_empty() { "no tools".to_owned() } else { format!("tools: {}", tools.join(", ")) };
             let mut stdout = std::io::stdout().lock();
