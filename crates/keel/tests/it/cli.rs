@@ -334,3 +334,50 @@ fn a_spinner_shows_on_a_terminal_while_the_model_thinks() {
     assert!(screen.contains("thinking"), "no spinner on a terminal: {screen:?}");
     assert!(screen.contains("Done thinking."), "{screen:?}");
 }
+
+#[test]
+fn a_skill_brings_its_tools_and_budgets_stop_the_run() {
+    let dir = agent_dir(&[
+        (
+            "agent.yaml",
+            "model: mock\nlimits: { max_tool_calls: 2 }\nmock:\n  script:\n    - tool_calls: [{ name: lookup, input: { id: 7 } }]\n    - tool_calls: [{ name: lookup, input: { id: 8 } }, { name: lookup, input: { id: 9 } }]\n    - text: never reached\n",
+        ),
+        (
+            "skills/billing/SKILL.md",
+            "---\nname: billing\ndescription: Invoices.\n---\nQuote invoice numbers.\n",
+        ),
+        (
+            "skills/billing/tools/lookup.toml",
+            "description = \"Looks up an invoice\"\ncommand = [\"sh\", \"-c\", \"cat; echo\"]\n[input_schema]\ntype = \"object\"\nrequired = [\"id\"]\n",
+        ),
+    ]);
+    keel().arg("check").arg(dir.path()).assert().success().stdout(predicate::str::contains("tools: lookup"));
+    let output = keel().arg("run").arg(dir.path()).arg("invoice?").arg("--json").output().unwrap();
+    assert_eq!(output.status.code(), Some(4), "{output:?}");
+    let events: Vec<Value> =
+        String::from_utf8(output.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mut results: Vec<String> = events
+        .iter()
+        .filter(|e| e["type"] == "tool.done" || e["type"] == "tool.error")
+        .map(|e| e["type"].as_str().unwrap().to_owned())
+        .collect();
+    // Two calls fit the budget; the third is refused (at once, so its event may come first),
+    // and the run stops after the turn.
+    results.sort();
+    assert_eq!(results, ["tool.done", "tool.done", "tool.error"]);
+    assert_eq!(events[4]["output"], serde_json::json!({"id": 7}), "the skill's tool got its input on stdin");
+    assert_eq!(events.last().unwrap()["stopped"], "budget");
+}
+
+#[test]
+fn structured_output_comes_out_in_run_done() {
+    let dir = agent_dir(&[(
+        "agent.yaml",
+        "model: mock\noutput:\n  schema: { type: object, properties: { answer: { type: string } }, required: [answer] }\nmock: { script: [ { text: '{\"answer\": \"5\"}' } ] }\n",
+    )]);
+    let output = keel().arg("run").arg(dir.path()).arg("2+3").arg("--json").output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let last: Value =
+        serde_json::from_str(String::from_utf8(output.stdout).unwrap().lines().last().unwrap()).unwrap();
+    assert_eq!(last["output"], serde_json::json!({"answer": "5"}));
+}
