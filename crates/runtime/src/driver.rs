@@ -43,6 +43,7 @@ pub(crate) async fn run(
     events: UnboundedSender<Event>,
     cancel: CancellationToken,
 ) -> Result<RunResult, RunFailure> {
+    let mut reported = false;
     let result = match prepare(&shared, plan).await {
         Ok(prepared) => {
             let mut driver = Driver {
@@ -52,22 +53,20 @@ pub(crate) async fn run(
                 journal: prepared.journal,
                 events: events.clone(),
                 cancel,
+                reported: false,
                 _claim: prepared.claim,
             };
-            driver.drive(prepared.machine).await
+            let result = driver.drive(prepared.machine).await;
+            reported = driver.reported;
+            result
         }
         Err(failure) => Err(failure),
     };
-    if let Err(failure) = &result {
-        // The machine already emitted `run.error` for failures it decided; these are the
-        // driver's own (store, journal), which it could not have seen.
-        if failure.code == ErrorCode::Store
-            || failure.code == ErrorCode::JournalCorrupt
-            || failure.code == ErrorCode::RunNotFound
-            || failure.code == ErrorCode::SessionBusy
-        {
-            let _ = events.send(Event::RunError { code: failure.code, message: failure.message.clone() });
-        }
+    if let Err(failure) = &result
+        && !reported
+    {
+        // A failure of the driver itself (the store, the journal): the machine never saw it.
+        let _ = events.send(Event::RunError { code: failure.code, message: failure.message.clone() });
     }
     result
 }
@@ -157,6 +156,8 @@ struct Driver {
     journal: HashMap<StepName, JournalRecord>,
     events: UnboundedSender<Event>,
     cancel: CancellationToken,
+    /// Whether the machine already emitted `run.error` for the run's failure.
+    reported: bool,
     _claim: SessionClaim,
 }
 
@@ -319,6 +320,7 @@ impl Driver {
                 })
             }
             RunOutcome::Failed(failure) => {
+                self.reported = true;
                 store.set_run_state(&self.run_id, RunState::Failed).await.map_err(store_failure)?;
                 Err(failure)
             }

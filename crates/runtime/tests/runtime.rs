@@ -337,9 +337,12 @@ async fn transient_provider_errors_are_retried_and_permanent_ones_fail_the_run()
     let mut run = engine.start(session("r"), Message::user("go")).unwrap();
     let run_id = run.run_id().clone();
     let mut last = None;
+    let mut errors = 0;
     while let Some(event) = run.next().await {
+        errors += usize::from(matches!(event, Event::RunError { .. }));
         last = Some(event);
     }
+    assert_eq!(errors, 1, "run.error must be sent exactly once");
     let failure = run.result().await.unwrap_err();
     assert_eq!(failure.code, ErrorCode::ProviderError);
     assert!(failure.message.contains("down (after 3 attempts)"), "{}", failure.message);
@@ -433,6 +436,15 @@ async fn structured_output_is_returned() {
 #[tokio::test]
 async fn resuming_an_unknown_run_fails_clearly() {
     let engine = Engine::new(agent(vec![], |_| {}), counting(vec![]), Arc::new(MemoryStore::new()));
-    let failure = engine.resume(keel_core::RunId::from_suffix("nope")).result().await.unwrap_err();
+    let mut run = engine.resume(keel_core::RunId::from_suffix("nope"));
+    let mut events = Vec::new();
+    while let Some(event) = run.next().await {
+        events.push(event);
+    }
+    assert!(
+        matches!(events.as_slice(), [Event::RunError { code: ErrorCode::RunNotFound, .. }]),
+        "{events:?}"
+    );
+    let failure = run.result().await.unwrap_err();
     assert_eq!(failure.code, ErrorCode::RunNotFound);
 }
