@@ -123,6 +123,11 @@ pub struct Machine {
     run_id: RunId,
     session_id: SessionId,
     transcript: Vec<Arc<Message>>,
+    /// Where this run's messages start in the transcript.
+    run_start: usize,
+    /// Every call id of this run: a step name must identify one call, even when a model reuses
+    /// an id from an earlier turn.
+    call_ids: std::collections::HashSet<String>,
     call_base: u64,
     turns: u32,
     usage: Usage,
@@ -146,12 +151,15 @@ impl Machine {
         call_base: u64,
     ) -> Machine {
         let mut transcript = history;
+        let run_start = transcript.len();
         transcript.push(Arc::new(input));
         Machine {
             agent,
             run_id,
             session_id,
             transcript,
+            run_start,
+            call_ids: std::collections::HashSet::new(),
             call_base,
             turns: 0,
             usage: Usage::default(),
@@ -249,7 +257,7 @@ impl Machine {
         actions.push(Action::Emit(Event::Usage(reply.usage)));
 
         let mut parts = reply.parts;
-        normalize_call_ids(&mut parts, self.call_base + u64::from(turn));
+        normalize_call_ids(&mut parts, self.call_base + u64::from(turn), &mut self.call_ids);
         self.transcript.push(Arc::new(Message { role: Role::Assistant, parts }));
         self.persist_last(actions, 1);
 
@@ -404,10 +412,9 @@ impl Machine {
         }
     }
 
-    /// Finishes with the text of the run's last assistant message.
+    /// Finishes with the text of the run's last assistant message (empty when it has none).
     fn finish(&mut self, stopped: StopReason, output: Option<Value>, actions: &mut Vec<Action>) {
-        let text = self
-            .transcript
+        let text = self.transcript[self.run_start..]
             .iter()
             .rev()
             .find(|m| m.role == Role::Assistant)
@@ -461,17 +468,21 @@ impl Machine {
     }
 }
 
-/// Gives every tool call of a reply a usable id: the model's own when it is present and unique
-/// within the reply, else `call_<N>_<index>` where N is the session's model call number (unique
-/// in the session). Deterministic, so replays agree.
-fn normalize_call_ids(parts: &mut [Part], call_number: u64) {
-    let mut seen = std::collections::HashSet::new();
+/// Gives every tool call of a reply a usable id: the model's own when it is present and not
+/// used before in the run, else `call_<N>_<index>` where N is the session's model call number.
+/// Deterministic, so replays agree; `seen` collects the run's ids.
+fn normalize_call_ids(parts: &mut [Part], call_number: u64, seen: &mut std::collections::HashSet<String>) {
     for (index, part) in parts.iter_mut().filter(|p| matches!(p, Part::ToolCall(_))).enumerate() {
         let Part::ToolCall(call) = part else { continue };
-        if call.call_id.is_empty() || !seen.insert(call.call_id.clone()) {
-            call.call_id = format!("call_{call_number}_{index}");
-            seen.insert(call.call_id.clone());
+        if call.call_id.is_empty() || seen.contains(&call.call_id) {
+            let mut id = format!("call_{call_number}_{index}");
+            // A model could have used that very id; keep looking until it is unique.
+            while seen.contains(&id) {
+                id.push('_');
+            }
+            call.call_id = id;
         }
+        seen.insert(call.call_id.clone());
     }
 }
 

@@ -444,3 +444,36 @@ fn replaying_the_same_inputs_gives_the_same_actions() {
     };
     assert_eq!(run(), run());
 }
+
+#[test]
+fn call_ids_reused_across_turns_are_made_unique() {
+    let mut m = machine(agent(|_| {}));
+    m.step(Input::Start);
+    let first = m.step(calls(&[("call_1", "echo", json!({}))]));
+    assert!(
+        first
+            .iter()
+            .any(|a| matches!(a, Action::CallTool { step, .. } if step.to_string() == "tool:echo:call_1"))
+    );
+    m.step(done("call_1", Ok(json!(1))));
+    // The model reuses `call_1`: the step must not collide with the journaled one.
+    // And the second call's fallback id (`call_2_1`) is taken by the first: it gets a suffix.
+    let second = m.step(calls(&[("call_2_1", "echo", json!({})), ("call_1", "echo", json!({}))]));
+    let steps: Vec<String> = second
+        .iter()
+        .filter_map(|a| if let Action::CallTool { step, .. } = a { Some(step.to_string()) } else { None })
+        .collect();
+    assert_eq!(steps, ["tool:echo:call_2_1", "tool:echo:call_2_1_"]);
+}
+
+#[test]
+fn a_run_cancelled_before_any_reply_has_no_text_from_earlier_runs() {
+    let mut m = machine(agent(|_| {}));
+    m.step(Input::Start);
+    let actions = m.step(Input::Cancel);
+    let Some(Action::Finish(RunOutcome::Done { text, stopped, .. })) = actions.last() else {
+        panic!("{actions:?}")
+    };
+    // The history's last assistant message ("ok") belongs to an earlier run.
+    assert_eq!((text.as_str(), *stopped), ("", StopReason::Cancelled));
+}
