@@ -53,6 +53,14 @@ pub enum ErrorCode {
     OutputInvalid,
     /// The store failed.
     Store,
+    /// The store's database is locked by another process for longer than the busy timeout.
+    StoreLocked,
+    /// The store's database cannot be written (read-only file or directory).
+    StoreReadOnly,
+    /// The store's database was written by a newer keel (a newer schema version).
+    StoreSchemaNewer,
+    /// The store's database is damaged or not a keel database.
+    StoreCorrupt,
     /// A journal record could not be decoded (corrupt, or written by a newer keel).
     JournalCorrupt,
     /// A bug in keel: please report it.
@@ -84,6 +92,10 @@ impl ErrorCode {
         ErrorCode::ToolCancelled,
         ErrorCode::OutputInvalid,
         ErrorCode::Store,
+        ErrorCode::StoreLocked,
+        ErrorCode::StoreReadOnly,
+        ErrorCode::StoreSchemaNewer,
+        ErrorCode::StoreCorrupt,
         ErrorCode::JournalCorrupt,
         ErrorCode::Internal,
     ];
@@ -113,6 +125,10 @@ impl ErrorCode {
             ErrorCode::ToolCancelled => "KEEL_TOOL_CANCELLED",
             ErrorCode::OutputInvalid => "KEEL_OUTPUT_INVALID",
             ErrorCode::Store => "KEEL_STORE",
+            ErrorCode::StoreLocked => "KEEL_STORE_LOCKED",
+            ErrorCode::StoreReadOnly => "KEEL_STORE_READ_ONLY",
+            ErrorCode::StoreSchemaNewer => "KEEL_STORE_SCHEMA_NEWER",
+            ErrorCode::StoreCorrupt => "KEEL_STORE_CORRUPT",
             ErrorCode::JournalCorrupt => "KEEL_JOURNAL_CORRUPT",
             ErrorCode::Internal => "KEEL_INTERNAL",
         }

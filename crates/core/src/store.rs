@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use crate::BoxFuture;
+use crate::error::ErrorCode;
 use crate::ids::{RunId, SessionId};
 use crate::journal::JournalEntry;
 use crate::message::Message;
@@ -76,6 +77,50 @@ pub enum StoreError {
     /// The backend failed (I/O, connection).
     #[error("store unavailable: {0}")]
     Unavailable(String),
+    /// Another process holds the database's lock for longer than the busy timeout.
+    #[error("the store is locked by another process: {0}")]
+    Locked(String),
+    /// The database cannot be written.
+    #[error("the store is read-only: {0}")]
+    ReadOnly(String),
+    /// The database was written by a newer keel.
+    #[error(
+        "the store's schema version {found} is newer than this keel supports ({supported}); upgrade keel"
+    )]
+    NewerSchema {
+        /// The version in the database.
+        found: i64,
+        /// The newest version this build knows.
+        supported: i64,
+    },
+}
+
+impl StoreError {
+    /// The stable code of this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            StoreError::Corrupt(_) => ErrorCode::StoreCorrupt,
+            StoreError::Locked(_) => ErrorCode::StoreLocked,
+            StoreError::ReadOnly(_) => ErrorCode::StoreReadOnly,
+            StoreError::NewerSchema { .. } => ErrorCode::StoreSchemaNewer,
+            StoreError::Conflict(_) | StoreError::NotFound(_) | StoreError::Unavailable(_) => {
+                ErrorCode::Store
+            }
+        }
+    }
+}
+
+/// A session, as listed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionSummary {
+    /// The session.
+    pub id: SessionId,
+    /// How many messages its transcript has.
+    pub messages: u64,
+    /// How many runs it had.
+    pub runs: u64,
+    /// When it was last written, in milliseconds since the Unix epoch.
+    pub updated_at_ms: u64,
 }
 
 /// Persistence for sessions, runs and journals.
@@ -118,4 +163,10 @@ pub trait Store: Send + Sync {
         run: &'a RunId,
         entry: &'a JournalEntry,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Every session, most recently written first.
+    fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>>;
+
+    /// Deletes a session with its messages, runs and journals. Returns whether it existed.
+    fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>>;
 }

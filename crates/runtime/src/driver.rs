@@ -80,7 +80,7 @@ struct Prepared {
 }
 
 fn store_failure(error: StoreError) -> RunFailure {
-    RunFailure::new(ErrorCode::Store, format!("the store failed: {error}"))
+    RunFailure::new(error.code(), format!("the store failed: {error}"))
 }
 
 async fn prepare(shared: &Arc<Shared>, plan: Plan) -> Result<Prepared, RunFailure> {

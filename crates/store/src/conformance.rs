@@ -17,6 +17,7 @@ pub async fn run_all(store: &dyn Store) {
     messages_of_another_run_conflict(store).await;
     runs_round_trip(store).await;
     journal_first_write_wins(store).await;
+    sessions_are_listed_and_deleted(store).await;
 }
 
 fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
@@ -96,4 +97,41 @@ pub async fn journal_first_write_wins(store: &dyn Store) {
     store.append_journal(&run, &duplicate).await.unwrap();
     assert_eq!(store.load_journal(&run).await.unwrap(), entries, "a second record replaced the first");
     assert!(store.load_journal(&RunId::from_suffix("empty")).await.unwrap().is_empty());
+}
+
+/// Sessions are listed (most recent first) with their counts, and deleted with everything in them.
+pub async fn sessions_are_listed_and_deleted(store: &dyn Store) {
+    let older = SessionId::new("conformance-list-a").unwrap();
+    let newer = SessionId::new("conformance-list-b").unwrap();
+    let run = RunId::from_suffix("list-a");
+    store.create_run(&run_record("list-a", &older, 0)).await.unwrap();
+    store.append_messages(&older, &run, 0, &[Arc::new(Message::user("a"))]).await.unwrap();
+    let entry =
+        JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!(1))) };
+    store.append_journal(&run, &entry).await.unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let other = RunId::from_suffix("list-b");
+    store
+        .append_messages(
+            &newer,
+            &other,
+            0,
+            &[Arc::new(Message::user("b")), Arc::new(Message::assistant("c"))],
+        )
+        .await
+        .unwrap();
+
+    let listed = store.list_sessions().await.unwrap();
+    let position = |id: &SessionId| listed.iter().position(|s| &s.id == id).expect("listed");
+    assert!(position(&newer) < position(&older), "not most recent first: {listed:?}");
+    let a = &listed[position(&older)];
+    assert_eq!((a.messages, a.runs), (1, 1));
+    assert_eq!(listed[position(&newer)].messages, 2);
+
+    assert!(store.delete_session(&older).await.unwrap());
+    assert!(!store.delete_session(&older).await.unwrap(), "deleting twice found something");
+    assert!(store.load_messages(&older).await.unwrap().is_empty());
+    assert_eq!(store.load_run(&run).await.unwrap(), None, "the session's runs survived");
+    assert!(store.load_journal(&run).await.unwrap().is_empty(), "the runs' journals survived");
+    assert_eq!(store.load_messages(&newer).await.unwrap().len(), 2, "another session was touched");
 }

@@ -9,12 +9,20 @@ use foldhash::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use keel_core::journal::JournalEntry;
-use keel_core::{BoxFuture, Message, RunId, RunRecord, RunState, SessionId, Store, StoreError};
+use keel_core::{
+    BoxFuture, Message, RunId, RunRecord, RunState, SessionId, SessionSummary, Store, StoreError,
+};
+
+#[derive(Default)]
+struct SessionData {
+    /// The transcript, with the run that wrote each message.
+    messages: Vec<(RunId, Arc<Message>)>,
+    updated_at_ms: u64,
+}
 
 #[derive(Default)]
 struct Inner {
-    /// Each session's transcript, with the run that wrote each message.
-    sessions: HashMap<SessionId, Vec<(RunId, Arc<Message>)>>,
+    sessions: HashMap<SessionId, SessionData>,
     runs: HashMap<RunId, RunRecord>,
     journals: HashMap<RunId, Vec<JournalEntry>>,
 }
@@ -51,7 +59,7 @@ impl Store for MemoryStore {
         let messages = inner
             .sessions
             .get(session)
-            .map(|list| list.iter().map(|(_, m)| Arc::clone(m)).collect())
+            .map(|data| data.messages.iter().map(|(_, m)| Arc::clone(m)).collect())
             .unwrap_or_default();
         ready(Ok(messages))
     }
@@ -64,7 +72,9 @@ impl Store for MemoryStore {
         messages: &'a [Arc<Message>],
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         let mut inner = self.lock();
-        let list = inner.sessions.entry(session.clone()).or_default();
+        let data = inner.sessions.entry(session.clone()).or_default();
+        data.updated_at_ms = crate::now_ms();
+        let list = &mut data.messages;
         let mut result = Ok(());
         for (offset, message) in messages.iter().enumerate() {
             let position = first_position as usize + offset;
@@ -130,6 +140,34 @@ impl Store for MemoryStore {
             journal.push(entry.clone());
         }
         ready(Ok(()))
+    }
+
+    fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
+        let inner = self.lock();
+        let mut sessions: Vec<SessionSummary> = inner
+            .sessions
+            .iter()
+            .map(|(id, data)| SessionSummary {
+                id: id.clone(),
+                messages: data.messages.len() as u64,
+                runs: inner.runs.values().filter(|r| &r.session_id == id).count() as u64,
+                updated_at_ms: data.updated_at_ms,
+            })
+            .collect();
+        sessions.sort_by(|a, b| b.updated_at_ms.cmp(&a.updated_at_ms).then_with(|| a.id.cmp(&b.id)));
+        ready(Ok(sessions))
+    }
+
+    fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let mut inner = self.lock();
+        let existed = inner.sessions.remove(session).is_some();
+        let runs: Vec<RunId> =
+            inner.runs.values().filter(|r| &r.session_id == session).map(|r| r.run_id.clone()).collect();
+        for run in &runs {
+            inner.runs.remove(run);
+            inner.journals.remove(run);
+        }
+        ready(Ok(existed || !runs.is_empty()))
     }
 }
 
