@@ -23,6 +23,8 @@ pub enum ErrorCode {
     SessionBusy,
     /// No run with this id exists in the store.
     RunNotFound,
+    /// No session with this id exists in the store.
+    SessionNotFound,
     /// The model provider failed (server error, bad reply); may be transient.
     ProviderError,
     /// The model provider rate-limited the request.
@@ -77,6 +79,7 @@ impl ErrorCode {
         ErrorCode::SessionIdInvalid,
         ErrorCode::SessionBusy,
         ErrorCode::RunNotFound,
+        ErrorCode::SessionNotFound,
         ErrorCode::ProviderError,
         ErrorCode::ProviderRateLimited,
         ErrorCode::ProviderTimeout,
@@ -110,6 +113,7 @@ impl ErrorCode {
             ErrorCode::SessionIdInvalid => "KEEL_SESSION_ID_INVALID",
             ErrorCode::SessionBusy => "KEEL_SESSION_BUSY",
             ErrorCode::RunNotFound => "KEEL_RUN_NOT_FOUND",
+            ErrorCode::SessionNotFound => "KEEL_SESSION_NOT_FOUND",
             ErrorCode::ProviderError => "KEEL_PROVIDER_ERROR",
             ErrorCode::ProviderRateLimited => "KEEL_PROVIDER_RATE_LIMITED",
             ErrorCode::ProviderTimeout => "KEEL_PROVIDER_TIMEOUT",

@@ -53,11 +53,11 @@ pub use keel_core::wire::{event_to_json, event_type};
 pub use keel_core::{
     AgentDef, BoxFuture, CommandToolDef, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry,
     MockFailure, MockScript, MockToolCall, ModelReply, ModelRequest, Part, Provider, ProviderError,
-    RetryPolicy, Role, RunFailure, RunId, RunState, SessionId, StopReason, Store, Tool, ToolContext,
-    ToolError, ToolOutcome, ToolSpec, Usage,
+    RetryPolicy, Role, RunFailure, RunId, RunState, SessionId, SessionSummary, StopReason, Store, StoreError,
+    Tool, ToolContext, ToolError, ToolOutcome, ToolSpec, Usage,
 };
 pub use keel_providers::MockProvider;
 pub use keel_runtime::{RunHandle, RunResult};
 pub use keel_spec::{AgentSpec, Diagnostic, Severity};
-pub use keel_store::MemoryStore;
+pub use keel_store::{MemoryStore, SqliteStore};
 pub use keel_tools::{CommandTool, function_tool, function_tool_with_context};

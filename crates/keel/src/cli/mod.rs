@@ -4,6 +4,7 @@
 mod check;
 mod render;
 mod run;
+mod sessions;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -44,6 +45,41 @@ enum Command {
     /// Check an agent (spec file or directory) and print every problem.
     #[command(after_help = "Exit codes:\n  0  no error (warnings may be printed)\n  1  the agent has errors")]
     Check(CheckArgs),
+    /// List, show and remove the sessions of a store.
+    #[command(subcommand)]
+    Sessions(SessionsCommand),
+}
+
+/// `keel sessions ...`
+#[derive(Subcommand)]
+pub(crate) enum SessionsCommand {
+    /// List the sessions, most recently used first.
+    List(StoreArgs),
+    /// Print a session's transcript.
+    Show {
+        /// The session id.
+        id: String,
+        /// Print the messages as JSON lines (keel's stored format) instead of text.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Remove a session with its runs and journals.
+    Rm {
+        /// The session id.
+        id: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
+/// Which store a command reads.
+#[derive(clap::Args)]
+pub(crate) struct StoreArgs {
+    /// The store: `sqlite:<path>` (or `memory`, which is always empty here).
+    #[arg(long, env = "KEEL_STORE", default_value = "sqlite:.keel/keel.db")]
+    pub(crate) store: String,
 }
 
 /// Arguments of `keel run`.
@@ -56,7 +92,8 @@ pub(crate) struct RunArgs {
     /// The session (conversation) id: 1-128 characters of A-Z, a-z, 0-9, `_`, `-`.
     #[arg(long, default_value = "default")]
     pub(crate) session: String,
-    /// Where sessions and journals live. Only `memory` is available in this version.
+    /// Where sessions and journals live: `memory` (gone when the command ends) or `sqlite:<path>`
+    /// (a conversation continues across runs of the command with the same --session).
     #[arg(long, env = "KEEL_STORE", default_value = "memory")]
     pub(crate) store: String,
     /// Use this model instead of the spec's (`mock`, `openai/gpt-4o-mini`, ...).
@@ -81,6 +118,7 @@ pub(crate) fn main() -> ExitCode {
     let code = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Check(args) => check::check(&args),
+        Command::Sessions(command) => sessions::sessions(command),
     };
     match code {
         Ok(code) => ExitCode::from(code),

@@ -1,10 +1,8 @@
 //! `keel run`: one turn of an agent, streamed to the terminal (or as JSON lines).
 
-use std::io::Write;
-use std::sync::Arc;
-
 use futures::StreamExt;
-use keel::{Agent, ErrorCode, MemoryStore, StopReason};
+use keel::{Agent, ErrorCode, StopReason};
+use std::io::Write;
 
 use super::RunArgs;
 use super::exit;
@@ -12,15 +10,6 @@ use super::render::{HumanRenderer, JsonRenderer, Render};
 
 pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
     let mut stderr = std::io::stderr().lock();
-    if args.store != "memory" {
-        writeln!(
-            stderr,
-            "error[{}]: the store {:?} is not available in this version of keel\n  hint: use `--store memory` (the default)",
-            ErrorCode::SpecUnsupported,
-            args.store
-        )?;
-        return Ok(exit::INVALID_AGENT);
-    }
     let options = keel_spec::LoadOptions {
         builtin_tools: keel_tools::BUILTIN_NAMES,
         providers: keel_providers::PROVIDER_NAMES,
@@ -36,7 +25,14 @@ pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
     if let Some(model) = &args.model {
         spec.model.clone_from(model);
     }
-    let agent = match Agent::from_spec(spec, Arc::new(MemoryStore::new())) {
+    let store = match keel_store::open(&args.store) {
+        Ok(store) => store,
+        Err(error) => {
+            writeln!(stderr, "error[{}]: {error}", error.code())?;
+            return Ok(exit::INVALID_AGENT);
+        }
+    };
+    let agent = match Agent::from_spec(spec, store) {
         Ok(agent) => agent,
         Err(error) => {
             writeln!(stderr, "error[{}]: {}", error.code(), error)?;

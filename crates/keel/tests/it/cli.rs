@@ -381,3 +381,91 @@ fn structured_output_comes_out_in_run_done() {
         serde_json::from_str(String::from_utf8(output.stdout).unwrap().lines().last().unwrap()).unwrap();
     assert_eq!(last["output"], serde_json::json!({"answer": "5"}));
 }
+
+#[test]
+fn a_sqlite_store_continues_a_conversation_across_processes() {
+    let dir = agent_dir(&[]);
+    let store = format!("sqlite:{}", dir.path().join("data/keel.db").display());
+    let run = |input: &str| {
+        keel()
+            .current_dir(repo_root())
+            .args(["run", "examples/assistant", input, "--session", "chat-1", "--store", &store])
+            .output()
+            .unwrap()
+    };
+    let first = run("What day is it?");
+    assert!(first.status.success(), "{first:?}");
+    // The second process sees the first's history: the mock's script (two model calls) is used
+    // up, so it echoes.
+    let second = run("thanks!");
+    assert!(second.status.success(), "{second:?}");
+    assert_eq!(String::from_utf8(second.stdout).unwrap(), "thanks!\n");
+
+    let list = keel().args(["sessions", "list", "--store", &store]).output().unwrap();
+    let listing = String::from_utf8(list.stdout).unwrap();
+    let row = listing.lines().find(|l| l.starts_with("chat-1")).unwrap_or_else(|| panic!("{listing}"));
+    let columns: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(&columns[..3], ["chat-1", "6", "2"], "{listing}");
+
+    let show = keel().args(["sessions", "show", "chat-1", "--store", &store]).output().unwrap();
+    let transcript = String::from_utf8(show.stdout).unwrap();
+    let lines: Vec<&str> = transcript.lines().collect();
+    assert_eq!(lines[0], "user: What day is it?");
+    assert!(lines[1].starts_with("assistant: → day-name {}"), "{transcript}");
+    assert_eq!(lines[4], "user: thanks!");
+    assert_eq!(lines.len(), 6, "{transcript}");
+    let json = keel().args(["sessions", "show", "chat-1", "--json", "--store", &store]).output().unwrap();
+    for line in String::from_utf8(json.stdout).unwrap().lines() {
+        let message: Value = serde_json::from_str(line).unwrap();
+        assert_eq!(message["v"], 1);
+    }
+
+    keel().args(["sessions", "rm", "chat-1", "--store", &store]).assert().success();
+    keel()
+        .args(["sessions", "rm", "chat-1", "--store", &store])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("KEEL_SESSION_NOT_FOUND"));
+    keel()
+        .args(["sessions", "show", "chat-1", "--store", &store])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("KEEL_SESSION_NOT_FOUND"));
+}
+
+#[test]
+fn bad_database_files_get_coded_errors_and_are_left_alone() {
+    let dir = agent_dir(&[("not-a-db.db", &"garbage ".repeat(1000))]);
+    let garbage = dir.path().join("not-a-db.db");
+    keel()
+        .current_dir(repo_root())
+        .args(["run", "examples/assistant", "hi", "--store"])
+        .arg(format!("sqlite:{}", garbage.display()))
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("error[KEEL_STORE_CORRUPT]"));
+    assert_eq!(std::fs::read_to_string(&garbage).unwrap(), "garbage ".repeat(1000), "the file was changed");
+
+    // A database written by a newer keel (schema version 999): refused, not touched.
+    let newer = dir.path().join("newer.db");
+    let status = std::process::Command::new("python3")
+        .args(["-c", "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); c.execute('PRAGMA user_version=999'); c.commit()"])
+        .arg(&newer)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    keel()
+        .args(["sessions", "list", "--store"])
+        .arg(format!("sqlite:{}", newer.display()))
+        .assert()
+        .code(1)
+        .stderr(
+            predicate::str::contains("error[KEEL_STORE_SCHEMA_NEWER]")
+                .and(predicate::str::contains("upgrade keel")),
+        );
+    keel()
+        .args(["sessions", "list", "--store", "postgres://x"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("unknown store"));
+}
