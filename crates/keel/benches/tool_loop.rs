@@ -8,7 +8,9 @@
 //! - microseconds per run, sequential, after warm-up: the median of several batches, on a
 //!   current-thread and on a multi-thread Tokio runtime;
 //! - 1000 concurrent runs: wall time, and peak heap (counted by a tracking allocator) and peak
-//!   RSS growth during the burst.
+//!   RSS growth during the burst;
+//! - runs per second with the SQLite store (every step committed), sequentially and 1000 at a
+//!   time, and the bytes stored per run.
 //!
 //! The allocator is mimalloc, as in the `keel` binary, wrapped to count heap bytes.
 //!
@@ -18,6 +20,7 @@
 #![allow(missing_docs)]
 
 use std::alloc::{GlobalAlloc, Layout};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -61,6 +64,10 @@ struct AddInput {
 }
 
 fn agent() -> Agent {
+    agent_with(Arc::new(keel::MemoryStore::new()))
+}
+
+fn agent_with(store: Arc<dyn keel::Store>) -> Agent {
     let add = keel::function_tool("add", "Adds two integers", |input: AddInput| async move {
         Ok::<_, std::convert::Infallible>(input.a + input.b)
     });
@@ -78,6 +85,7 @@ fn agent() -> Agent {
         .model("mock")
         .mock_script(script)
         .tool(add)
+        .store(store)
         .build()
         .expect("the agent builds")
 }
@@ -112,6 +120,47 @@ fn sequential(runtime: &tokio::runtime::Runtime, warmup: usize, batches: usize, 
             per_run.push(start.elapsed().as_secs_f64() * 1e6 / per_batch as f64);
         }
         median(per_run)
+    });
+    runtime.block_on(task).expect("the benchmark task panicked")
+}
+
+struct Durable {
+    sequential_per_second: f64,
+    concurrent_per_second: f64,
+    bytes_per_run: f64,
+}
+
+/// Runs against a fresh SQLite file (WAL, synchronous=NORMAL: every step committed before the
+/// loop moves on), sequentially and 1000 at a time.
+fn durable(runtime: &tokio::runtime::Runtime, runs: usize) -> Durable {
+    let task = runtime.spawn(async move {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let store =
+            Arc::new(keel::SqliteStore::open(&dir.path().join("bench.db")).expect("the database opens"));
+        let agent = agent_with(store.clone());
+        for i in 0..200 {
+            one_run(&agent, &format!("w{i}")).await;
+        }
+        let start = Instant::now();
+        for i in 0..runs {
+            one_run(&agent, &format!("s{i}")).await;
+        }
+        let sequential_per_second = runs as f64 / start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let mut done = 0;
+        for round in 0..runs.div_ceil(1000) {
+            let handles: Vec<_> = (0..1000)
+                .map(|i| agent.run(&format!("c{round}-{i}"), "What is 2 + 3?").expect("starts"))
+                .collect();
+            for handle in handles {
+                assert_eq!(handle.result().await.expect("runs").text, "5");
+                done += 1;
+            }
+        }
+        let concurrent_per_second = done as f64 / start.elapsed().as_secs_f64();
+        let total_runs = 200 + runs + done;
+        let bytes_per_run = store.size_bytes().expect("the size") as f64 / total_runs as f64;
+        Durable { sequential_per_second, concurrent_per_second, bytes_per_run }
     });
     runtime.block_on(task).expect("the benchmark task panicked")
 }
@@ -191,5 +240,20 @@ fn main() {
     let seq_multi = sequential(&multi, warmup, batches, per_batch);
     println!(
         "sequential, multi-thread runtime:   {seq_multi:.2} µs/run (median of {batches} batches of {per_batch})"
+    );
+    let durable_runs = if quick { 1_000 } else { 10_000 };
+    let memory_per_second = 1e6 / seq_current;
+    let sqlite = durable(&current, durable_runs);
+    let sqlite_multi = durable(&multi, durable_runs);
+    println!(
+        "sqlite store (WAL, synchronous=NORMAL), {durable_runs} runs: {:.0} runs/s sequential, {:.0} runs/s 1000 at a time (current-thread runtime); {:.0} and {:.0} runs/s (multi-thread); memory store: {memory_per_second:.0} runs/s sequential",
+        sqlite.sequential_per_second,
+        sqlite.concurrent_per_second,
+        sqlite_multi.sequential_per_second,
+        sqlite_multi.concurrent_per_second,
+    );
+    println!(
+        "sqlite bytes stored per run: {:.0} (database size after a checkpoint / runs)",
+        sqlite.bytes_per_run
     );
 }

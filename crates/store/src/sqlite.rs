@@ -148,6 +148,17 @@ impl SqliteStore {
         &self.path
     }
 
+    /// The database's size in bytes, after folding the write-ahead log into it.
+    pub fn size_bytes(&self) -> Result<u64, StoreError> {
+        let connection = self.lock();
+        connection.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").map_err(map_error)?;
+        let pages: i64 =
+            connection.query_row("PRAGMA page_count", [], |row| row.get(0)).map_err(map_error)?;
+        let page_size: i64 =
+            connection.query_row("PRAGMA page_size", [], |row| row.get(0)).map_err(map_error)?;
+        Ok((pages * page_size) as u64)
+    }
+
     fn migrate(&mut self) -> Result<(), StoreError> {
         let path = self.path.clone();
         let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
