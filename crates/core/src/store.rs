@@ -123,6 +123,25 @@ pub struct SessionSummary {
     pub updated_at_ms: u64,
 }
 
+/// What one step of a run writes: its journal entry (when the step produced a fresh result),
+/// the messages it appended, and the run's new state (when the run ended). Written atomically by
+/// [`Store::commit_step`].
+#[derive(Clone, Copy, Debug)]
+pub struct StepCommit<'a> {
+    /// The session.
+    pub session: &'a SessionId,
+    /// The run.
+    pub run: &'a RunId,
+    /// The step's journal entry, if it is new.
+    pub entry: Option<&'a JournalEntry>,
+    /// The session position of the first message.
+    pub first_position: u64,
+    /// The messages to append (idempotently, as [`Store::append_messages`]).
+    pub messages: &'a [Arc<Message>],
+    /// The run's new state, if it changes.
+    pub state: Option<RunState>,
+}
+
 /// Persistence for sessions, runs and journals.
 pub trait Store: Send + Sync {
     /// The session's whole transcript, in order (empty for a new session).
@@ -163,6 +182,27 @@ pub trait Store: Send + Sync {
         run: &'a RunId,
         entry: &'a JournalEntry,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Writes one step: the journal entry, the messages and the state change, with the semantics
+    /// of [`Store::append_journal`], [`Store::append_messages`] and [`Store::set_run_state`].
+    /// Backends with transactions override it to write all of it atomically, in one commit;
+    /// the default writes the parts in that order (a crash in between is still safe: a replay
+    /// finds the journal entry and repeats the idempotent appends).
+    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            if let Some(entry) = commit.entry {
+                self.append_journal(commit.run, entry).await?;
+            }
+            if !commit.messages.is_empty() {
+                self.append_messages(commit.session, commit.run, commit.first_position, commit.messages)
+                    .await?;
+            }
+            if let Some(state) = commit.state {
+                self.set_run_state(commit.run, state).await?;
+            }
+            Ok(())
+        })
+    }
 
     /// Every session, most recently written first.
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>>;

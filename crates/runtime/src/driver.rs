@@ -17,8 +17,8 @@ use keel_core::message::ToolCall;
 use keel_core::provider::ProviderErrorKind;
 use keel_core::{
     BoxFuture, DeltaSink, ErrorCode, Event, Message, ModelReply, Part, ProviderError, Role, RunFailure,
-    RunId, RunRecord, RunState, SessionId, StepName, StopReason, StoreError, ToolContext, ToolError,
-    ToolOutcome,
+    RunId, RunRecord, RunState, SessionId, StepCommit, StepName, StopReason, StoreError, ToolContext,
+    ToolError, ToolOutcome,
 };
 use tokio::sync::mpsc::UnboundedSender;
 use tokio_util::sync::CancellationToken;
@@ -163,11 +163,13 @@ struct Driver {
 
 impl Driver {
     async fn drive(&mut self, mut machine: Machine) -> Result<RunResult, RunFailure> {
-        let mut inputs = VecDeque::from([Input::Start]);
+        let mut inputs: VecDeque<(Input, Option<JournalEntry>)> = VecDeque::from([(Input::Start, None)]);
         let mut tools: FuturesUnordered<ToolFuture> = FuturesUnordered::new();
         loop {
-            let input = match inputs.pop_front() {
-                Some(input) => input,
+            // An input with a journal entry is a fresh result: the entry is committed with what
+            // the machine makes of it, before any new model call or tool call starts.
+            let (input, entry) = match inputs.pop_front() {
+                Some(next) => next,
                 None if tools.is_empty() => {
                     return Err(RunFailure::new(
                         ErrorCode::Internal,
@@ -180,40 +182,67 @@ impl Driver {
                         () = self.cancel.cancelled() => {
                             // Dropping the futures aborts the tool tasks.
                             tools.clear();
-                            Input::Cancel
+                            (Input::Cancel, None)
                         }
                         Some((step, call_id, outcome)) = tools.next() => {
-                            let entry = JournalEntry { step, record: JournalRecord::ToolResult(outcome) };
-                            self.record(&entry).await?;
-                            let JournalRecord::ToolResult(outcome) = entry.record else { unreachable!() };
-                            Input::ToolDone { call_id, outcome }
+                            let entry = JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) };
+                            (Input::ToolDone { call_id, outcome }, Some(entry))
                         }
                     }
                 }
             };
+            let mut pending = PendingCommit { entry, messages: None };
             for action in machine.step(input) {
                 match action {
                     Action::Emit(event) => self.emit(event),
                     Action::Persist { first_position, count } => {
-                        let messages = &machine.transcript()[first_position..first_position + count];
-                        self.shared
-                            .store
-                            .append_messages(&self.session, &self.run_id, first_position as u64, messages)
-                            .await
-                            .map_err(store_failure)?;
-                    }
-                    Action::CallModel { step } => inputs.push_back(self.model_step(&machine, step).await?),
-                    Action::CallTool { step, call } => match self.journal.remove(&step) {
-                        Some(JournalRecord::ToolResult(outcome)) => {
-                            inputs.push_back(Input::ToolDone { call_id: call.call_id, outcome });
+                        if !pending.continues_at(first_position) {
+                            self.commit(&machine, &mut pending, None).await?;
                         }
-                        Some(JournalRecord::ModelReply(_)) => return Err(self.corrupt(&step)),
-                        None => tools.push(self.spawn_tool(step, call)),
-                    },
-                    Action::Finish(outcome) => return self.finish(outcome).await,
+                        pending.add_messages(first_position, count);
+                    }
+                    Action::CallModel { step } => {
+                        self.commit(&machine, &mut pending, None).await?;
+                        inputs.push_back(self.model_step(&machine, step).await?);
+                    }
+                    Action::CallTool { step, call } => {
+                        self.commit(&machine, &mut pending, None).await?;
+                        match self.journal.remove(&step) {
+                            Some(JournalRecord::ToolResult(outcome)) => {
+                                inputs.push_back((Input::ToolDone { call_id: call.call_id, outcome }, None));
+                            }
+                            Some(JournalRecord::ModelReply(_)) => return Err(self.corrupt(&step)),
+                            None => tools.push(self.spawn_tool(step, call)),
+                        }
+                    }
+                    Action::Finish(outcome) => return self.finish(&machine, &mut pending, outcome).await,
                 }
             }
+            self.commit(&machine, &mut pending, None).await?;
         }
+    }
+
+    /// Writes what a step produced (journal entry, messages, new state) in one store commit.
+    async fn commit(
+        &self,
+        machine: &Machine,
+        pending: &mut PendingCommit,
+        state: Option<RunState>,
+    ) -> Result<(), RunFailure> {
+        let entry = pending.entry.take();
+        let (first_position, count) = pending.messages.take().unwrap_or((0, 0));
+        if entry.is_none() && count == 0 && state.is_none() {
+            return Ok(());
+        }
+        let commit = StepCommit {
+            session: &self.session,
+            run: &self.run_id,
+            entry: entry.as_ref(),
+            first_position: first_position as u64,
+            messages: &machine.transcript()[first_position..first_position + count],
+            state,
+        };
+        self.shared.store.commit_step(commit).await.map_err(store_failure)
     }
 
     fn emit(&self, event: Event) {
@@ -228,12 +257,13 @@ impl Driver {
         )
     }
 
-    async fn record(&self, entry: &JournalEntry) -> Result<(), RunFailure> {
-        self.shared.store.append_journal(&self.run_id, entry).await.map_err(store_failure)
-    }
-
-    /// One model call: from the journal when recorded, else from the provider (then recorded).
-    async fn model_step(&mut self, machine: &Machine, step: StepName) -> Result<Input, RunFailure> {
+    /// One model call: from the journal when recorded, else from the provider. A fresh reply
+    /// comes with its journal entry, for the caller to commit.
+    async fn model_step(
+        &mut self,
+        machine: &Machine,
+        step: StepName,
+    ) -> Result<(Input, Option<JournalEntry>), RunFailure> {
         match self.journal.remove(&step) {
             Some(JournalRecord::ModelReply(reply)) => {
                 tracing::debug!(run = %self.run_id, %step, "replayed from the journal");
@@ -245,25 +275,23 @@ impl Driver {
                 if !text.is_empty() {
                     self.emit(Event::TextDelta { delta: text });
                 }
-                return Ok(Input::ModelReply(reply));
+                return Ok((Input::ModelReply(reply), None));
             }
             Some(JournalRecord::ToolResult(_)) => return Err(self.corrupt(&step)),
             None => {}
         }
         let result = tokio::select! {
             biased;
-            () = self.cancel.cancelled() => return Ok(Input::Cancel),
+            () = self.cancel.cancelled() => return Ok((Input::Cancel, None)),
             result = call_model(&self.shared, machine, &self.events) => result,
         };
-        match result {
+        Ok(match result {
             Ok(reply) => {
-                let entry = JournalEntry { step, record: JournalRecord::ModelReply(reply) };
-                self.record(&entry).await?;
-                let JournalRecord::ModelReply(reply) = entry.record else { unreachable!() };
-                Ok(Input::ModelReply(reply))
+                let entry = JournalEntry { step, record: JournalRecord::ModelReply(reply.clone()) };
+                (Input::ModelReply(reply), Some(entry))
             }
-            Err(error) => Ok(Input::ModelFailed(error)),
-        }
+            Err(error) => (Input::ModelFailed(error), None),
+        })
     }
 
     /// Starts a tool call in its own task, so that a panic or a blocked thread in the tool cannot
@@ -303,13 +331,17 @@ impl Driver {
         })
     }
 
-    async fn finish(&mut self, outcome: RunOutcome) -> Result<RunResult, RunFailure> {
-        let store = &self.shared.store;
+    async fn finish(
+        &mut self,
+        machine: &Machine,
+        pending: &mut PendingCommit,
+        outcome: RunOutcome,
+    ) -> Result<RunResult, RunFailure> {
         match outcome {
             RunOutcome::Done { text, output, stopped, usage } => {
                 let state =
                     if stopped == StopReason::Cancelled { RunState::Cancelled } else { RunState::Done };
-                store.set_run_state(&self.run_id, state).await.map_err(store_failure)?;
+                self.commit(machine, pending, Some(state)).await?;
                 Ok(RunResult {
                     run_id: self.run_id.clone(),
                     session_id: self.session.clone(),
@@ -321,10 +353,32 @@ impl Driver {
             }
             RunOutcome::Failed(failure) => {
                 self.reported = true;
-                store.set_run_state(&self.run_id, RunState::Failed).await.map_err(store_failure)?;
+                self.commit(machine, pending, Some(RunState::Failed)).await?;
                 Err(failure)
             }
         }
+    }
+}
+
+/// What a step has produced and not yet committed.
+struct PendingCommit {
+    entry: Option<JournalEntry>,
+    /// A contiguous range of transcript positions (first, count).
+    messages: Option<(usize, usize)>,
+}
+
+impl PendingCommit {
+    /// Whether messages starting at `position` can join the pending ones in one commit.
+    fn continues_at(&self, position: usize) -> bool {
+        self.messages.is_none_or(|(first, count)| first + count == position)
+    }
+
+    /// Adds messages; the caller checked [`Self::continues_at`].
+    fn add_messages(&mut self, first_position: usize, count: usize) {
+        self.messages = Some(match self.messages {
+            Some((first, existing)) => (first, existing + count),
+            None => (first_position, count),
+        });
     }
 }
 

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::{
-    Message, ModelReply, RunId, RunRecord, RunState, SessionId, StepName, Store, StoreError, Usage,
+    Message, ModelReply, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, Store, StoreError,
+    Usage,
 };
 use serde_json::json;
 
@@ -18,6 +19,7 @@ pub async fn run_all(store: &dyn Store) {
     runs_round_trip(store).await;
     journal_first_write_wins(store).await;
     sessions_are_listed_and_deleted(store).await;
+    steps_commit_whole_and_replay_idempotently(store).await;
 }
 
 fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
@@ -134,4 +136,35 @@ pub async fn sessions_are_listed_and_deleted(store: &dyn Store) {
     assert_eq!(store.load_run(&run).await.unwrap(), None, "the session's runs survived");
     assert!(store.load_journal(&run).await.unwrap().is_empty(), "the runs' journals survived");
     assert_eq!(store.load_messages(&newer).await.unwrap().len(), 2, "another session was touched");
+}
+
+/// A step's journal entry, messages and state change land together, and committing the same
+/// step again (a replay) changes nothing.
+pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
+    let session = SessionId::new("conformance-commit").unwrap();
+    let record = run_record("commit", &session, 0);
+    store.create_run(&record).await.unwrap();
+    let entry =
+        JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!("x"))) };
+    let messages = [Arc::new(Message::user("q")), Arc::new(Message::assistant("a"))];
+    let commit = StepCommit {
+        session: &session,
+        run: &record.run_id,
+        entry: Some(&entry),
+        first_position: 0,
+        messages: &messages,
+        state: Some(RunState::Done),
+    };
+    store.commit_step(commit).await.unwrap();
+    store.commit_step(commit).await.unwrap();
+    assert_eq!(store.load_journal(&record.run_id).await.unwrap(), [entry.clone()]);
+    assert_eq!(store.load_messages(&session).await.unwrap(), messages);
+    assert_eq!(store.load_run(&record.run_id).await.unwrap().unwrap().state, RunState::Done);
+    // A commit that conflicts writes none of its parts.
+    let other = RunId::from_suffix("commit-other");
+    let late = JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ToolResult(Ok(json!(1))) };
+    let clash = StepCommit { run: &other, entry: Some(&late), state: None, ..commit };
+    assert!(store.commit_step(clash).await.is_err());
+    assert_eq!(store.load_messages(&session).await.unwrap(), messages);
+    assert!(store.load_journal(&other).await.unwrap().is_empty(), "a failed commit wrote its journal entry");
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use keel_core::journal::JournalEntry;
 use keel_core::{
-    BoxFuture, Message, RunId, RunRecord, RunState, SessionId, SessionSummary, Store, StoreError,
+    BoxFuture, Message, RunId, RunRecord, RunState, SessionId, SessionSummary, StepCommit, Store, StoreError,
 };
 
 #[derive(Default)]
@@ -25,6 +25,64 @@ struct Inner {
     sessions: HashMap<SessionId, SessionData>,
     runs: HashMap<RunId, RunRecord>,
     journals: HashMap<RunId, Vec<JournalEntry>>,
+}
+
+impl Inner {
+    /// Checks that appending `messages` at `first_position` is a valid (possibly repeated) append.
+    fn check_messages(
+        &self,
+        session: &SessionId,
+        run: &RunId,
+        first_position: u64,
+        messages: &[Arc<Message>],
+    ) -> Result<(), StoreError> {
+        let list = self.sessions.get(session).map_or(&[][..], |data| &data.messages[..]);
+        for offset in 0..messages.len() {
+            let position = first_position as usize + offset;
+            match list.get(position) {
+                Some((writer, _)) if writer == run => {}
+                Some((writer, _)) => {
+                    return Err(StoreError::Conflict(format!(
+                        "position {position} of session {session} was written by {writer}, not {run}"
+                    )));
+                }
+                None if position <= list.len() + offset => {}
+                None => {
+                    return Err(StoreError::Conflict(format!(
+                        "position {position} of session {session} is past its end ({})",
+                        list.len()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn append_messages(
+        &mut self,
+        session: &SessionId,
+        run: &RunId,
+        first_position: u64,
+        messages: &[Arc<Message>],
+    ) -> Result<(), StoreError> {
+        self.check_messages(session, run, first_position, messages)?;
+        let data = self.sessions.entry(session.clone()).or_default();
+        data.updated_at_ms = crate::now_ms();
+        for (offset, message) in messages.iter().enumerate() {
+            if first_position as usize + offset == data.messages.len() {
+                data.messages.push((run.clone(), Arc::clone(message)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a journal entry; the first record of a step wins.
+    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) {
+        let journal = self.journals.entry(run.clone()).or_default();
+        if !journal.iter().any(|existing| existing.step == entry.step) {
+            journal.push(entry.clone());
+        }
+    }
 }
 
 /// A store in process memory.
@@ -72,30 +130,32 @@ impl Store for MemoryStore {
         messages: &'a [Arc<Message>],
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         let mut inner = self.lock();
-        let data = inner.sessions.entry(session.clone()).or_default();
-        data.updated_at_ms = crate::now_ms();
-        let list = &mut data.messages;
-        let mut result = Ok(());
-        for (offset, message) in messages.iter().enumerate() {
-            let position = first_position as usize + offset;
-            match list.get(position) {
-                Some((writer, _)) if writer == run => {}
-                Some((writer, _)) => {
-                    result = Err(StoreError::Conflict(format!(
-                        "position {position} of session {session} was written by {writer}, not {run}"
-                    )));
-                    break;
+        ready(inner.append_messages(session, run, first_position, messages))
+    }
+
+    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
+        let mut inner = self.lock();
+        // Check everything first, so that a failed commit changes nothing.
+        let result = inner
+            .check_messages(commit.session, commit.run, commit.first_position, commit.messages)
+            .and_then(|()| match commit.state {
+                Some(_) if !inner.runs.contains_key(commit.run) => {
+                    Err(StoreError::NotFound(format!("run {}", commit.run)))
                 }
-                None if position == list.len() => list.push((run.clone(), Arc::clone(message))),
-                None => {
-                    result = Err(StoreError::Conflict(format!(
-                        "position {position} of session {session} is past its end ({})",
-                        list.len()
-                    )));
-                    break;
+                _ => Ok(()),
+            })
+            .and_then(|()| {
+                if let Some(entry) = commit.entry {
+                    inner.append_journal(commit.run, entry);
                 }
-            }
-        }
+                inner.append_messages(commit.session, commit.run, commit.first_position, commit.messages)?;
+                if let Some(state) = commit.state
+                    && let Some(record) = inner.runs.get_mut(commit.run)
+                {
+                    record.state = state;
+                }
+                Ok(())
+            });
         ready(result)
     }
 
@@ -134,11 +194,7 @@ impl Store for MemoryStore {
         run: &'a RunId,
         entry: &'a JournalEntry,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let mut inner = self.lock();
-        let journal = inner.journals.entry(run.clone()).or_default();
-        if !journal.iter().any(|existing| existing.step == entry.step) {
-            journal.push(entry.clone());
-        }
+        self.lock().append_journal(run, entry);
         ready(Ok(()))
     }
 

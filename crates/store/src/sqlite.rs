@@ -20,7 +20,8 @@ use std::time::Duration;
 use keel_core::journal::JournalEntry;
 use keel_core::persist::{decode_message, decode_record, encode_message, encode_record};
 use keel_core::{
-    BoxFuture, Message, RunId, RunRecord, RunState, SessionId, SessionSummary, StepName, Store, StoreError,
+    BoxFuture, Message, RunId, RunRecord, RunState, SessionId, SessionSummary, StepCommit, StepName, Store,
+    StoreError,
 };
 use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
 
@@ -227,55 +228,31 @@ impl Store for SqliteStore {
         let mut connection = self.lock();
         let result = (|| {
             let transaction = connection.transaction().map_err(map_error)?;
-            let next: i64 = transaction
-                .prepare_cached("SELECT COALESCE(MAX(position) + 1, 0) FROM messages WHERE session_id = ?1")
-                .and_then(|mut s| s.query_row([session.as_str()], |row| row.get(0)))
-                .map_err(map_error)?;
-            let mut next = next as u64;
-            for (offset, message) in messages.iter().enumerate() {
-                let position = first_position + offset as u64;
-                if position < next {
-                    let writer: String = transaction
-                        .prepare_cached("SELECT run_id FROM messages WHERE session_id = ?1 AND position = ?2")
-                        .and_then(|mut s| {
-                            s.query_row(params![session.as_str(), position as i64], |row| row.get(0))
-                        })
-                        .map_err(map_error)?;
-                    if writer != run.as_str() {
-                        return Err(StoreError::Conflict(format!(
-                            "position {position} of session {session} was written by {writer}, not {run}"
-                        )));
-                    }
-                    continue;
-                }
-                if position > next {
-                    return Err(StoreError::Conflict(format!(
-                        "position {position} of session {session} is past its end ({next})"
-                    )));
-                }
-                transaction
-                    .prepare_cached(
-                        "INSERT INTO messages (session_id, position, run_id, body) VALUES (?1, ?2, ?3, ?4)",
-                    )
-                    .and_then(|mut s| {
-                        s.execute(params![
-                            session.as_str(),
-                            position as i64,
-                            run.as_str(),
-                            encode_message(message)
-                        ])
-                    })
-                    .map_err(map_error)?;
-                next += 1;
+            insert_messages(&transaction, session, run, first_position, messages)?;
+            transaction.commit().map_err(map_error)
+        })();
+        ready(result)
+    }
+
+    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
+        let mut connection = self.lock();
+        let result = (|| {
+            let transaction = connection.transaction().map_err(map_error)?;
+            if let Some(entry) = commit.entry {
+                insert_journal(&transaction, commit.run, entry)?;
             }
-            let now = crate::now_ms() as i64;
-            transaction
-                .prepare_cached(
-                    "INSERT INTO sessions (id, created_at, updated_at) VALUES (?1, ?2, ?2)
-                     ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at",
-                )
-                .and_then(|mut s| s.execute(params![session.as_str(), now]))
-                .map_err(map_error)?;
+            if !commit.messages.is_empty() {
+                insert_messages(
+                    &transaction,
+                    commit.session,
+                    commit.run,
+                    commit.first_position,
+                    commit.messages,
+                )?;
+            }
+            if let Some(state) = commit.state {
+                update_state(&transaction, commit.run, state)?;
+            }
             transaction.commit().map_err(map_error)
         })();
         ready(result)
@@ -343,15 +320,7 @@ impl Store for SqliteStore {
 
     fn set_run_state<'a>(&'a self, run: &'a RunId, state: RunState) -> BoxFuture<'a, Result<(), StoreError>> {
         let connection = self.lock();
-        let result =
-            connection
-                .prepare_cached("UPDATE runs SET state = ?2, updated_at = ?3 WHERE id = ?1")
-                .and_then(|mut s| s.execute(params![run.as_str(), state_name(state), crate::now_ms() as i64]))
-                .map_err(map_error)
-                .and_then(|changed| {
-                    if changed == 0 { Err(StoreError::NotFound(format!("run {run}"))) } else { Ok(()) }
-                });
-        ready(result)
+        ready(update_state(&connection, run, state))
     }
 
     fn load_journal<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>> {
@@ -380,18 +349,7 @@ impl Store for SqliteStore {
         entry: &'a JournalEntry,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         let connection = self.lock();
-        let result = connection
-            .prepare_cached(
-                "INSERT INTO journal (run_id, step, seq, body)
-                 SELECT ?1, ?2, COALESCE(MAX(seq) + 1, 0), ?3 FROM journal WHERE run_id = ?1
-                 ON CONFLICT (run_id, step) DO NOTHING",
-            )
-            .and_then(|mut s| {
-                s.execute(params![run.as_str(), entry.step.to_string(), encode_record(&entry.record)])
-            })
-            .map(|_| ())
-            .map_err(map_error);
-        ready(result)
+        ready(insert_journal(&connection, run, entry))
     }
 
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
@@ -450,6 +408,81 @@ impl Store for SqliteStore {
         })();
         ready(result)
     }
+}
+
+/// Appends messages idempotently (see [`Store::append_messages`]) within a transaction.
+fn insert_messages(
+    connection: &Connection,
+    session: &SessionId,
+    run: &RunId,
+    first_position: u64,
+    messages: &[Arc<Message>],
+) -> Result<(), StoreError> {
+    let next: i64 = connection
+        .prepare_cached("SELECT COALESCE(MAX(position) + 1, 0) FROM messages WHERE session_id = ?1")
+        .and_then(|mut s| s.query_row([session.as_str()], |row| row.get(0)))
+        .map_err(map_error)?;
+    let mut next = next as u64;
+    for (offset, message) in messages.iter().enumerate() {
+        let position = first_position + offset as u64;
+        if position < next {
+            let writer: String = connection
+                .prepare_cached("SELECT run_id FROM messages WHERE session_id = ?1 AND position = ?2")
+                .and_then(|mut s| s.query_row(params![session.as_str(), position as i64], |row| row.get(0)))
+                .map_err(map_error)?;
+            if writer != run.as_str() {
+                return Err(StoreError::Conflict(format!(
+                    "position {position} of session {session} was written by {writer}, not {run}"
+                )));
+            }
+            continue;
+        }
+        if position > next {
+            return Err(StoreError::Conflict(format!(
+                "position {position} of session {session} is past its end ({next})"
+            )));
+        }
+        connection
+            .prepare_cached(
+                "INSERT INTO messages (session_id, position, run_id, body) VALUES (?1, ?2, ?3, ?4)",
+            )
+            .and_then(|mut s| {
+                s.execute(params![session.as_str(), position as i64, run.as_str(), encode_message(message)])
+            })
+            .map_err(map_error)?;
+        next += 1;
+    }
+    connection
+        .prepare_cached(
+            "INSERT INTO sessions (id, created_at, updated_at) VALUES (?1, ?2, ?2)
+             ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at",
+        )
+        .and_then(|mut s| s.execute(params![session.as_str(), crate::now_ms() as i64]))
+        .map_err(map_error)?;
+    Ok(())
+}
+
+/// Records a journal entry; the first record of a step wins.
+fn insert_journal(connection: &Connection, run: &RunId, entry: &JournalEntry) -> Result<(), StoreError> {
+    connection
+        .prepare_cached(
+            "INSERT INTO journal (run_id, step, seq, body)
+             SELECT ?1, ?2, COALESCE(MAX(seq) + 1, 0), ?3 FROM journal WHERE run_id = ?1
+             ON CONFLICT (run_id, step) DO NOTHING",
+        )
+        .and_then(|mut s| {
+            s.execute(params![run.as_str(), entry.step.to_string(), encode_record(&entry.record)])
+        })
+        .map(|_| ())
+        .map_err(map_error)
+}
+
+fn update_state(connection: &Connection, run: &RunId, state: RunState) -> Result<(), StoreError> {
+    let changed = connection
+        .prepare_cached("UPDATE runs SET state = ?2, updated_at = ?3 WHERE id = ?1")
+        .and_then(|mut s| s.execute(params![run.as_str(), state_name(state), crate::now_ms() as i64]))
+        .map_err(map_error)?;
+    if changed == 0 { Err(StoreError::NotFound(format!("run {run}"))) } else { Ok(()) }
 }
 
 #[cfg(test)]
