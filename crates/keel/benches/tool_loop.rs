@@ -202,6 +202,12 @@ fn concurrent(runtime: &tokio::runtime::Runtime, runs: usize, round: usize) -> B
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    if std::env::args().any(|a| a == "--profile-sqlite") {
+        let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let durable = durable(&current, 3_000);
+        println!("{:.0} runs/s", durable.sequential_per_second);
+        return;
+    }
     if std::env::args().any(|a| a == "--profile") {
         // Just the sequential current-thread loop, for a profiler (callgrind, perf).
         let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

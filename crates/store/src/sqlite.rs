@@ -8,6 +8,9 @@
 //!
 //! Calls run on the caller's task while holding the connection's mutex: each is a few indexed
 //! statements on a local file, microseconds in WAL mode, cheaper than handing it to a thread.
+//! Statements are prepared once and cached; they are shaped as primary-key lookups where they
+//! run per step (a session's message count lives in `sessions`), because SQLite re-prepares
+//! statements like `SELECT MAX(position) ... WHERE session_id = ?` on every execution.
 //!
 //! Records are stored in keel-core's versioned formats ([`keel_core::persist`]); the schema has
 //! its own version (`PRAGMA user_version`), moved forward by [`MIGRATIONS`]. A database from a
@@ -30,6 +33,7 @@ const MIGRATIONS: &[&str] = &[
     // Version 1: sessions, their messages, runs, journals.
     "CREATE TABLE sessions (
         id TEXT PRIMARY KEY,
+        message_count INTEGER NOT NULL,
         created_at INTEGER NOT NULL,
         updated_at INTEGER NOT NULL
     ) WITHOUT ROWID;
@@ -58,8 +62,7 @@ const MIGRATIONS: &[&str] = &[
         seq INTEGER NOT NULL,
         body TEXT NOT NULL,
         PRIMARY KEY (run_id, step)
-    ) WITHOUT ROWID;
-    CREATE UNIQUE INDEX journal_by_seq ON journal (run_id, seq);",
+    ) WITHOUT ROWID;",
 ];
 
 /// The schema version this build writes.
@@ -124,6 +127,7 @@ impl SqliteStore {
             other => other,
         })?;
         connection.busy_timeout(Duration::from_secs(5)).map_err(map_error)?;
+        connection.set_prepared_statement_cache_capacity(64);
         // The first statement that reads the file tells a non-database from a database.
         let mode: String = connection
             .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
@@ -186,6 +190,29 @@ impl SqliteStore {
     }
 }
 
+/// Runs `work` in a write transaction. `BEGIN IMMEDIATE` takes the write lock up front (waiting
+/// out other writers with the busy timeout) instead of failing mid-transaction; the statements
+/// are cached, unlike rusqlite's `Transaction`, which parses them on every use.
+fn write<T>(
+    connection: &Connection,
+    work: impl FnOnce(&Connection) -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    connection.prepare_cached("BEGIN IMMEDIATE").and_then(|mut s| s.execute([])).map_err(map_error)?;
+    match work(connection) {
+        Ok(value) => {
+            if let Err(error) = connection.prepare_cached("COMMIT").and_then(|mut s| s.execute([])) {
+                let _ = connection.prepare_cached("ROLLBACK").and_then(|mut s| s.execute([]));
+                return Err(map_error(error));
+            }
+            Ok(value)
+        }
+        Err(error) => {
+            let _ = connection.prepare_cached("ROLLBACK").and_then(|mut s| s.execute([]));
+            Err(error)
+        }
+    }
+}
+
 fn with_path(error: StoreError, path: &Path) -> StoreError {
     let at = path.display();
     match error {
@@ -225,13 +252,8 @@ impl Store for SqliteStore {
         first_position: u64,
         messages: &'a [Arc<Message>],
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let mut connection = self.lock();
-        let result = (|| {
-            let transaction = connection.transaction().map_err(map_error)?;
-            insert_messages(&transaction, session, run, first_position, messages)?;
-            transaction.commit().map_err(map_error)
-        })();
-        ready(result)
+        let connection = self.lock();
+        ready(write(&connection, |c| insert_messages(c, session, run, first_position, messages)))
     }
 
     fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
@@ -357,8 +379,7 @@ impl Store for SqliteStore {
         let result = (|| {
             let mut statement = connection
                 .prepare_cached(
-                    "SELECT s.id, s.updated_at,
-                        (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id),
+                    "SELECT s.id, s.updated_at, s.message_count,
                         (SELECT COUNT(*) FROM runs r WHERE r.session_id = s.id)
                      FROM sessions s ORDER BY s.updated_at DESC, s.id",
                 )
@@ -388,9 +409,8 @@ impl Store for SqliteStore {
     }
 
     fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>> {
-        let mut connection = self.lock();
-        let result = (|| {
-            let transaction = connection.transaction().map_err(map_error)?;
+        let connection = self.lock();
+        let result = write(&connection, |transaction| {
             let id = session.as_str();
             transaction
                 .execute(
@@ -403,9 +423,8 @@ impl Store for SqliteStore {
             transaction.execute("DELETE FROM messages WHERE session_id = ?1", [id]).map_err(map_error)?;
             let sessions =
                 transaction.execute("DELETE FROM sessions WHERE id = ?1", [id]).map_err(map_error)?;
-            transaction.commit().map_err(map_error)?;
             Ok(runs + sessions > 0)
-        })();
+        });
         ready(result)
     }
 }
@@ -419,10 +438,12 @@ fn insert_messages(
     messages: &[Arc<Message>],
 ) -> Result<(), StoreError> {
     let next: i64 = connection
-        .prepare_cached("SELECT COALESCE(MAX(position) + 1, 0) FROM messages WHERE session_id = ?1")
-        .and_then(|mut s| s.query_row([session.as_str()], |row| row.get(0)))
-        .map_err(map_error)?;
+        .prepare_cached("SELECT message_count FROM sessions WHERE id = ?1")
+        .and_then(|mut s| s.query_row([session.as_str()], |row| row.get(0)).optional())
+        .map_err(map_error)?
+        .unwrap_or(0);
     let mut next = next as u64;
+    let before = next;
     for (offset, message) in messages.iter().enumerate() {
         let position = first_position + offset as u64;
         if position < next {
@@ -452,12 +473,16 @@ fn insert_messages(
             .map_err(map_error)?;
         next += 1;
     }
+    if next == before {
+        // A replayed append: nothing new, nothing to write.
+        return Ok(());
+    }
     connection
         .prepare_cached(
-            "INSERT INTO sessions (id, created_at, updated_at) VALUES (?1, ?2, ?2)
-             ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at",
+            "INSERT INTO sessions (id, message_count, created_at, updated_at) VALUES (?1, ?2, ?3, ?3)
+             ON CONFLICT (id) DO UPDATE SET message_count = excluded.message_count, updated_at = excluded.updated_at",
         )
-        .and_then(|mut s| s.execute(params![session.as_str(), crate::now_ms() as i64]))
+        .and_then(|mut s| s.execute(params![session.as_str(), next as i64, crate::now_ms() as i64]))
         .map_err(map_error)?;
     Ok(())
 }
@@ -467,7 +492,7 @@ fn insert_journal(connection: &Connection, run: &RunId, entry: &JournalEntry) ->
     connection
         .prepare_cached(
             "INSERT INTO journal (run_id, step, seq, body)
-             SELECT ?1, ?2, COALESCE(MAX(seq) + 1, 0), ?3 FROM journal WHERE run_id = ?1
+             VALUES (?1, ?2, (SELECT COUNT(*) FROM journal WHERE run_id = ?1), ?3)
              ON CONFLICT (run_id, step) DO NOTHING",
         )
         .and_then(|mut s| {
