@@ -132,6 +132,9 @@ pub struct StepCommit<'a> {
     pub session: &'a SessionId,
     /// The run.
     pub run: &'a RunId,
+    /// The run's record, when this is its first step and the run is not stored yet (a new run is
+    /// created with its first messages, in the same commit).
+    pub new_run: Option<&'a RunRecord>,
     /// The step's journal entry, if it is new.
     pub entry: Option<&'a JournalEntry>,
     /// The session position of the first message.
@@ -190,6 +193,9 @@ pub trait Store: Send + Sync {
     /// finds the journal entry and repeats the idempotent appends).
     fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
+            if let Some(run) = commit.new_run {
+                self.create_run(run).await?;
+            }
             if let Some(entry) = commit.entry {
                 self.append_journal(commit.run, entry).await?;
             }

@@ -51,6 +51,7 @@ pub(crate) async fn run(
                 run_id: prepared.run_id,
                 session: prepared.session,
                 journal: prepared.journal,
+                new_run: prepared.new_run,
                 events: events.clone(),
                 cancel,
                 reported: false,
@@ -76,6 +77,7 @@ struct Prepared {
     session: SessionId,
     machine: Machine,
     journal: HashMap<StepName, JournalRecord>,
+    new_run: Option<RunRecord>,
     claim: SessionClaim,
 }
 
@@ -98,7 +100,7 @@ async fn prepare(shared: &Arc<Shared>, plan: Plan) -> Result<Prepared, RunFailur
                 call_base,
                 state: RunState::Running,
             };
-            store.create_run(&record).await.map_err(store_failure)?;
+            // The run is stored with its first step's commit (the user's message).
             let machine = Machine::new(
                 Arc::clone(&shared.agent),
                 run_id.clone(),
@@ -107,7 +109,7 @@ async fn prepare(shared: &Arc<Shared>, plan: Plan) -> Result<Prepared, RunFailur
                 input,
                 call_base,
             );
-            Ok(Prepared { run_id, session, machine, journal: HashMap::new(), claim })
+            Ok(Prepared { run_id, session, machine, journal: HashMap::new(), new_run: Some(record), claim })
         }
         Plan::Resume { run_id } => {
             let record = store.load_run(&run_id).await.map_err(store_failure)?.ok_or_else(|| {
@@ -143,7 +145,7 @@ async fn prepare(shared: &Arc<Shared>, plan: Plan) -> Result<Prepared, RunFailur
                 record.input,
                 record.call_base,
             );
-            Ok(Prepared { run_id, session: record.session_id, machine, journal, claim })
+            Ok(Prepared { run_id, session: record.session_id, machine, journal, new_run: None, claim })
         }
     }
 }
@@ -154,6 +156,8 @@ struct Driver {
     session: SessionId,
     /// Journaled steps not replayed yet.
     journal: HashMap<StepName, JournalRecord>,
+    /// The record of a new run, stored with its first commit.
+    new_run: Option<RunRecord>,
     events: UnboundedSender<Event>,
     cancel: CancellationToken,
     /// Whether the machine already emitted `run.error` for the run's failure.
@@ -224,19 +228,21 @@ impl Driver {
 
     /// Writes what a step produced (journal entry, messages, new state) in one store commit.
     async fn commit(
-        &self,
+        &mut self,
         machine: &Machine,
         pending: &mut PendingCommit,
         state: Option<RunState>,
     ) -> Result<(), RunFailure> {
         let entry = pending.entry.take();
         let (first_position, count) = pending.messages.take().unwrap_or((0, 0));
-        if entry.is_none() && count == 0 && state.is_none() {
+        let new_run = self.new_run.take();
+        if entry.is_none() && count == 0 && state.is_none() && new_run.is_none() {
             return Ok(());
         }
         let commit = StepCommit {
             session: &self.session,
             run: &self.run_id,
+            new_run: new_run.as_ref(),
             entry: entry.as_ref(),
             first_position: first_position as u64,
             messages: &machine.transcript()[first_position..first_position + count],

@@ -143,27 +143,29 @@ pub async fn sessions_are_listed_and_deleted(store: &dyn Store) {
 pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
     let session = SessionId::new("conformance-commit").unwrap();
     let record = run_record("commit", &session, 0);
-    store.create_run(&record).await.unwrap();
     let entry =
         JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!("x"))) };
     let messages = [Arc::new(Message::user("q")), Arc::new(Message::assistant("a"))];
     let commit = StepCommit {
         session: &session,
         run: &record.run_id,
+        new_run: Some(&record),
         entry: Some(&entry),
         first_position: 0,
         messages: &messages,
         state: Some(RunState::Done),
     };
     store.commit_step(commit).await.unwrap();
-    store.commit_step(commit).await.unwrap();
+    // The replay of a step: the run exists by now.
+    let replay = StepCommit { new_run: None, ..commit };
+    store.commit_step(replay).await.unwrap();
     assert_eq!(store.load_journal(&record.run_id).await.unwrap(), [entry.clone()]);
     assert_eq!(store.load_messages(&session).await.unwrap(), messages);
     assert_eq!(store.load_run(&record.run_id).await.unwrap().unwrap().state, RunState::Done);
     // A commit that conflicts writes none of its parts.
     let other = RunId::from_suffix("commit-other");
     let late = JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ToolResult(Ok(json!(1))) };
-    let clash = StepCommit { run: &other, entry: Some(&late), state: None, ..commit };
+    let clash = StepCommit { run: &other, new_run: None, entry: Some(&late), state: None, ..commit };
     assert!(store.commit_step(clash).await.is_err());
     assert_eq!(store.load_messages(&session).await.unwrap(), messages);
     assert!(store.load_journal(&other).await.unwrap().is_empty(), "a failed commit wrote its journal entry");

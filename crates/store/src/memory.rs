@@ -138,13 +138,20 @@ impl Store for MemoryStore {
         // Check everything first, so that a failed commit changes nothing.
         let result = inner
             .check_messages(commit.session, commit.run, commit.first_position, commit.messages)
-            .and_then(|()| match commit.state {
-                Some(_) if !inner.runs.contains_key(commit.run) => {
+            .and_then(|()| match commit.new_run {
+                Some(run) if inner.runs.contains_key(&run.run_id) => {
+                    Err(StoreError::Conflict(format!("run {} already exists", run.run_id)))
+                }
+                Some(_) => Ok(()),
+                None if commit.state.is_some() && !inner.runs.contains_key(commit.run) => {
                     Err(StoreError::NotFound(format!("run {}", commit.run)))
                 }
-                _ => Ok(()),
+                None => Ok(()),
             })
             .and_then(|()| {
+                if let Some(run) = commit.new_run {
+                    inner.runs.insert(run.run_id.clone(), run.clone());
+                }
                 if let Some(entry) = commit.entry {
                     inner.append_journal(commit.run, entry);
                 }

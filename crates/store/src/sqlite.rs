@@ -257,54 +257,28 @@ impl Store for SqliteStore {
     }
 
     fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
-        let mut connection = self.lock();
-        let result = (|| {
-            let transaction = connection.transaction().map_err(map_error)?;
+        let connection = self.lock();
+        let result = write(&connection, |c| {
+            if let Some(run) = commit.new_run {
+                insert_run(c, run)?;
+            }
             if let Some(entry) = commit.entry {
-                insert_journal(&transaction, commit.run, entry)?;
+                insert_journal(c, commit.run, entry)?;
             }
             if !commit.messages.is_empty() {
-                insert_messages(
-                    &transaction,
-                    commit.session,
-                    commit.run,
-                    commit.first_position,
-                    commit.messages,
-                )?;
+                insert_messages(c, commit.session, commit.run, commit.first_position, commit.messages)?;
             }
             if let Some(state) = commit.state {
-                update_state(&transaction, commit.run, state)?;
+                update_state(c, commit.run, state)?;
             }
-            transaction.commit().map_err(map_error)
-        })();
+            Ok(())
+        });
         ready(result)
     }
 
     fn create_run<'a>(&'a self, run: &'a RunRecord) -> BoxFuture<'a, Result<(), StoreError>> {
         let connection = self.lock();
-        let now = crate::now_ms() as i64;
-        let result = connection
-            .prepare_cached(
-                "INSERT INTO runs (id, session_id, input, history_len, call_base, state, created_at, updated_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
-            )
-            .and_then(|mut s| {
-                s.execute(params![
-                    run.run_id.as_str(),
-                    run.session_id.as_str(),
-                    encode_message(&run.input),
-                    run.history_len as i64,
-                    run.call_base as i64,
-                    state_name(run.state),
-                    now
-                ])
-            })
-            .map(|_| ())
-            .map_err(|e| match map_error(e) {
-                StoreError::Conflict(_) => StoreError::Conflict(format!("run {} already exists", run.run_id)),
-                other => other,
-            });
-        ready(result)
+        ready(insert_run(&connection, run))
     }
 
     fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>> {
@@ -485,6 +459,30 @@ fn insert_messages(
         .and_then(|mut s| s.execute(params![session.as_str(), next as i64, crate::now_ms() as i64]))
         .map_err(map_error)?;
     Ok(())
+}
+
+fn insert_run(connection: &Connection, run: &RunRecord) -> Result<(), StoreError> {
+    connection
+        .prepare_cached(
+            "INSERT INTO runs (id, session_id, input, history_len, call_base, state, created_at, updated_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
+        )
+        .and_then(|mut s| {
+            s.execute(params![
+                run.run_id.as_str(),
+                run.session_id.as_str(),
+                encode_message(&run.input),
+                run.history_len as i64,
+                run.call_base as i64,
+                state_name(run.state),
+                crate::now_ms() as i64
+            ])
+        })
+        .map(|_| ())
+        .map_err(|e| match map_error(e) {
+            StoreError::Conflict(_) => StoreError::Conflict(format!("run {} already exists", run.run_id)),
+            other => other,
+        })
 }
 
 /// Records a journal entry; the first record of a step wins.
