@@ -159,7 +159,7 @@ pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
     // The replay of a step: the run exists by now.
     let replay = StepCommit { new_run: None, ..commit };
     store.commit_step(replay).await.unwrap();
-    assert_eq!(store.load_journal(&record.run_id).await.unwrap(), [entry.clone()]);
+    assert_eq!(store.load_journal(&record.run_id).await.unwrap(), std::slice::from_ref(&entry));
     assert_eq!(store.load_messages(&session).await.unwrap(), messages);
     assert_eq!(store.load_run(&record.run_id).await.unwrap().unwrap().state, RunState::Done);
     // A commit that conflicts writes none of its parts.
