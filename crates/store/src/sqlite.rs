@@ -6,8 +6,11 @@
 //! Several processes may open the same file (a paused run decided from another process);
 //! writers wait up to 5 s for each other (`busy_timeout`), then fail with `KEEL_STORE_LOCKED`.
 //!
-//! Calls run on the caller's task while holding the connection's mutex: each is a few indexed
-//! statements on a local file, microseconds in WAL mode, cheaper than handing it to a thread.
+//! Writes go to one writer thread, which commits whatever has queued up since its last commit in
+//! one transaction (group commit), each write in its own savepoint so that one failing write
+//! fails alone. Under load many runs' steps share a commit; a lone write waits only for a thread
+//! hand-off. Reads use a second connection on the caller's task (WAL lets them run beside the
+//! writer) and see every write whose call has returned.
 //! Statements are prepared once and cached; they are shaped as primary-key lookups where they
 //! run per step (a session's message count lives in `sessions`), because SQLite re-prepares
 //! statements like `SELECT MAX(position) ... WHERE session_id = ?` on every execution.
@@ -70,8 +73,67 @@ pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
 /// A store in an SQLite file. See the module docs.
 pub struct SqliteStore {
+    /// The connection reads use.
     connection: Mutex<Connection>,
+    /// The writer thread's queue.
+    writer: std::sync::mpsc::Sender<WriteJob>,
     path: PathBuf,
+}
+
+/// One write, run by the writer thread inside its batch's transaction.
+type Work = Box<dyn FnOnce(&Connection) -> Result<u64, StoreError> + Send>;
+
+struct WriteJob {
+    work: Work,
+    reply: tokio::sync::oneshot::Sender<Result<u64, StoreError>>,
+}
+
+/// The most writes one commit takes.
+const MAX_BATCH: usize = 512;
+
+/// The writer thread: waits for a write, takes every other write queued by then, and commits
+/// them together. Ends when the store is dropped.
+fn writer_loop(connection: Connection, jobs: std::sync::mpsc::Receiver<WriteJob>) {
+    while let Ok(first) = jobs.recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match jobs.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        let results = run_batch(&connection, &mut batch);
+        for (job, result) in batch.into_iter().zip(results) {
+            // The caller may have stopped waiting; the write is done either way.
+            let _ = job.reply.send(result);
+        }
+    }
+}
+
+fn run_batch(connection: &Connection, batch: &mut [WriteJob]) -> Vec<Result<u64, StoreError>> {
+    let exec = |sql: &str| connection.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(map_error);
+    if let Err(error) = exec("BEGIN IMMEDIATE") {
+        return batch.iter().map(|_| Err(error.clone())).collect();
+    }
+    let mut results = Vec::with_capacity(batch.len());
+    for job in batch.iter_mut() {
+        let work = std::mem::replace(&mut job.work, Box::new(|_| Ok(0)));
+        let result = exec("SAVEPOINT write").and_then(|_| work(connection));
+        let undo = if result.is_ok() {
+            exec("RELEASE write")
+        } else {
+            exec("ROLLBACK TO write").and(exec("RELEASE write"))
+        };
+        results.push(match (result, undo) {
+            (Ok(value), Ok(_)) => Ok(value),
+            (Err(error), _) | (Ok(_), Err(error)) => Err(error),
+        });
+    }
+    if let Err(error) = exec("COMMIT") {
+        let _ = exec("ROLLBACK");
+        return results.into_iter().map(|r| r.and(Err(error.clone()))).collect();
+    }
+    results
 }
 
 fn map_error(error: rusqlite::Error) -> StoreError {
@@ -143,9 +205,17 @@ impl SqliteStore {
                 "PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA temp_store = MEMORY;",
             )
             .map_err(map_error)?;
-        let mut store = SqliteStore { connection: Mutex::new(connection), path: path.to_owned() };
-        store.migrate()?;
-        Ok(store)
+        migrate(&connection, path)?;
+        // The writer gets this connection; reads get a second one.
+        let reader = Connection::open(path).map_err(|e| with_path(map_error(e), path))?;
+        reader.busy_timeout(Duration::from_secs(5)).map_err(map_error)?;
+        reader.set_prepared_statement_cache_capacity(64);
+        let (writer, jobs) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("keel-sqlite-writer".into())
+            .spawn(move || writer_loop(connection, jobs))
+            .map_err(|e| StoreError::Unavailable(format!("cannot start the SQLite writer thread: {e}")))?;
+        Ok(SqliteStore { connection: Mutex::new(reader), writer, path: path.to_owned() })
     }
 
     /// The database file.
@@ -164,30 +234,42 @@ impl SqliteStore {
         Ok((pages * page_size) as u64)
     }
 
-    fn migrate(&mut self) -> Result<(), StoreError> {
-        let path = self.path.clone();
-        let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
-        let version: i64 =
-            connection.query_row("PRAGMA user_version", [], |row| row.get(0)).map_err(map_error)?;
-        if version > SCHEMA_VERSION {
-            return Err(StoreError::NewerSchema { found: version, supported: SCHEMA_VERSION });
-        }
-        if version == SCHEMA_VERSION {
-            return Ok(());
-        }
-        let transaction = connection.transaction().map_err(|e| with_path(map_error(e), &path))?;
-        for (index, migration) in MIGRATIONS.iter().enumerate().skip(version as usize) {
-            transaction.execute_batch(migration).map_err(|e| with_path(map_error(e), &path))?;
-            transaction
-                .pragma_update(None, "user_version", index as i64 + 1)
-                .map_err(|e| with_path(map_error(e), &path))?;
-        }
-        transaction.commit().map_err(|e| with_path(map_error(e), &path))
-    }
-
     fn lock(&self) -> MutexGuard<'_, Connection> {
         self.connection.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Queues a write for the writer thread and waits for its commit.
+    fn submit(&self, work: Work) -> BoxFuture<'static, Result<u64, StoreError>> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        if self.writer.send(WriteJob { work, reply }).is_err() {
+            return ready(Err(StoreError::Unavailable("the SQLite writer thread stopped".into())));
+        }
+        Box::pin(async move {
+            answer
+                .await
+                .unwrap_or_else(|_| Err(StoreError::Unavailable("the SQLite writer thread stopped".into())))
+        })
+    }
+}
+
+/// Brings the schema up to date, or refuses a newer one.
+fn migrate(connection: &Connection, path: &Path) -> Result<(), StoreError> {
+    let version: i64 =
+        connection.query_row("PRAGMA user_version", [], |row| row.get(0)).map_err(map_error)?;
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::NewerSchema { found: version, supported: SCHEMA_VERSION });
+    }
+    if version == SCHEMA_VERSION {
+        return Ok(());
+    }
+    write(connection, |c| {
+        for (index, migration) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+            c.execute_batch(migration).map_err(map_error)?;
+            c.pragma_update(None, "user_version", index as i64 + 1).map_err(map_error)?;
+        }
+        Ok(())
+    })
+    .map_err(|e| with_path(e, path))
 }
 
 /// Runs `work` in a write transaction. `BEGIN IMMEDIATE` takes the write lock up front (waiting
@@ -252,33 +334,42 @@ impl Store for SqliteStore {
         first_position: u64,
         messages: &'a [Arc<Message>],
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let connection = self.lock();
-        ready(write(&connection, |c| insert_messages(c, session, run, first_position, messages)))
+        let (session, run, messages) = (session.clone(), run.clone(), messages.to_vec());
+        let write = self.submit(Box::new(move |c| {
+            insert_messages(c, &session, &run, first_position, &messages).map(|()| 0)
+        }));
+        Box::pin(async move { write.await.map(drop) })
     }
 
     fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
-        let connection = self.lock();
-        let result = write(&connection, |c| {
-            if let Some(run) = commit.new_run {
-                insert_run(c, run)?;
+        let session = commit.session.clone();
+        let run = commit.run.clone();
+        let new_run = commit.new_run.cloned();
+        let entry = commit.entry.cloned();
+        let messages = commit.messages.to_vec();
+        let (first_position, state) = (commit.first_position, commit.state);
+        let write = self.submit(Box::new(move |c| {
+            if let Some(record) = &new_run {
+                insert_run(c, record)?;
             }
-            if let Some(entry) = commit.entry {
-                insert_journal(c, commit.run, entry)?;
+            if let Some(entry) = &entry {
+                insert_journal(c, &run, entry)?;
             }
-            if !commit.messages.is_empty() {
-                insert_messages(c, commit.session, commit.run, commit.first_position, commit.messages)?;
+            if !messages.is_empty() {
+                insert_messages(c, &session, &run, first_position, &messages)?;
             }
-            if let Some(state) = commit.state {
-                update_state(c, commit.run, state)?;
+            if let Some(state) = state {
+                update_state(c, &run, state)?;
             }
-            Ok(())
-        });
-        ready(result)
+            Ok(0)
+        }));
+        Box::pin(async move { write.await.map(drop) })
     }
 
     fn create_run<'a>(&'a self, run: &'a RunRecord) -> BoxFuture<'a, Result<(), StoreError>> {
-        let connection = self.lock();
-        ready(insert_run(&connection, run))
+        let record = run.clone();
+        let write = self.submit(Box::new(move |c| insert_run(c, &record).map(|()| 0)));
+        Box::pin(async move { write.await.map(drop) })
     }
 
     fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>> {
@@ -315,8 +406,9 @@ impl Store for SqliteStore {
     }
 
     fn set_run_state<'a>(&'a self, run: &'a RunId, state: RunState) -> BoxFuture<'a, Result<(), StoreError>> {
-        let connection = self.lock();
-        ready(update_state(&connection, run, state))
+        let run = run.clone();
+        let write = self.submit(Box::new(move |c| update_state(c, &run, state).map(|()| 0)));
+        Box::pin(async move { write.await.map(drop) })
     }
 
     fn load_journal<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>> {
@@ -344,8 +436,9 @@ impl Store for SqliteStore {
         run: &'a RunId,
         entry: &'a JournalEntry,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let connection = self.lock();
-        ready(insert_journal(&connection, run, entry))
+        let (run, entry) = (run.clone(), entry.clone());
+        let write = self.submit(Box::new(move |c| insert_journal(c, &run, &entry).map(|()| 0)));
+        Box::pin(async move { write.await.map(drop) })
     }
 
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
@@ -383,23 +476,20 @@ impl Store for SqliteStore {
     }
 
     fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>> {
-        let connection = self.lock();
-        let result = write(&connection, |transaction| {
+        let session = session.clone();
+        let write = self.submit(Box::new(move |c| {
             let id = session.as_str();
-            transaction
-                .execute(
-                    "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE session_id = ?1)",
-                    [id],
-                )
-                .map_err(map_error)?;
-            let runs =
-                transaction.execute("DELETE FROM runs WHERE session_id = ?1", [id]).map_err(map_error)?;
-            transaction.execute("DELETE FROM messages WHERE session_id = ?1", [id]).map_err(map_error)?;
-            let sessions =
-                transaction.execute("DELETE FROM sessions WHERE id = ?1", [id]).map_err(map_error)?;
-            Ok(runs + sessions > 0)
-        });
-        ready(result)
+            c.execute(
+                "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE session_id = ?1)",
+                [id],
+            )
+            .map_err(map_error)?;
+            let runs = c.execute("DELETE FROM runs WHERE session_id = ?1", [id]).map_err(map_error)?;
+            c.execute("DELETE FROM messages WHERE session_id = ?1", [id]).map_err(map_error)?;
+            let sessions = c.execute("DELETE FROM sessions WHERE id = ?1", [id]).map_err(map_error)?;
+            Ok((runs + sessions) as u64)
+        }));
+        Box::pin(async move { write.await.map(|deleted| deleted > 0) })
     }
 }
 
