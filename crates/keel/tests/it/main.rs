@@ -2,5 +2,6 @@
 
 mod api;
 mod cli;
+mod durability;
 mod support;
 mod tidy;
