@@ -65,6 +65,11 @@ pub enum ErrorCode {
     StoreCorrupt,
     /// A journal record could not be decoded (corrupt, or written by a newer keel).
     JournalCorrupt,
+    /// The run is being driven by another process (its lease is held and not expired).
+    RunLeased,
+    /// This process lost the run's lease (it stalled past the lease's expiry and another process
+    /// took the run over); it stopped without writing over the new owner's work.
+    LeaseLost,
     /// A bug in keel: please report it.
     Internal,
 }
@@ -100,6 +105,8 @@ impl ErrorCode {
         ErrorCode::StoreSchemaNewer,
         ErrorCode::StoreCorrupt,
         ErrorCode::JournalCorrupt,
+        ErrorCode::RunLeased,
+        ErrorCode::LeaseLost,
         ErrorCode::Internal,
     ];
 
@@ -134,6 +141,8 @@ impl ErrorCode {
             ErrorCode::StoreSchemaNewer => "KEEL_STORE_SCHEMA_NEWER",
             ErrorCode::StoreCorrupt => "KEEL_STORE_CORRUPT",
             ErrorCode::JournalCorrupt => "KEEL_JOURNAL_CORRUPT",
+            ErrorCode::RunLeased => "KEEL_RUN_LEASED",
+            ErrorCode::LeaseLost => "KEEL_LEASE_LOST",
             ErrorCode::Internal => "KEEL_INTERNAL",
         }
     }

@@ -34,7 +34,7 @@ pub use event::{Event, StopReason, Usage};
 pub use ids::{RunId, SessionId, StepName};
 pub use message::{Message, Part, Role};
 pub use provider::{DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind};
-pub use store::{RunRecord, RunState, SessionSummary, StepCommit, Store, StoreError};
+pub use store::{Fence, RunRecord, RunState, SessionSummary, StepCommit, Store, StoreError};
 pub use tool::{Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
 
 /// A boxed, sendable future: what the [`Provider`], [`Tool`] and [`Store`] traits return.

@@ -83,6 +83,9 @@ pub enum StoreError {
     /// The database cannot be written.
     #[error("the store is read-only: {0}")]
     ReadOnly(String),
+    /// The writer's lease on the run is gone (expired and claimed by another owner).
+    #[error("lease lost: {0}")]
+    LeaseLost(String),
     /// The database was written by a newer keel.
     #[error(
         "the store's schema version {found} is newer than this keel supports ({supported}); upgrade keel"
@@ -103,6 +106,7 @@ impl StoreError {
             StoreError::Locked(_) => ErrorCode::StoreLocked,
             StoreError::ReadOnly(_) => ErrorCode::StoreReadOnly,
             StoreError::NewerSchema { .. } => ErrorCode::StoreSchemaNewer,
+            StoreError::LeaseLost(_) => ErrorCode::LeaseLost,
             StoreError::Conflict(_) | StoreError::NotFound(_) | StoreError::Unavailable(_) => {
                 ErrorCode::Store
             }
@@ -143,6 +147,21 @@ pub struct StepCommit<'a> {
     pub messages: &'a [Arc<Message>],
     /// The run's new state, if it changes.
     pub state: Option<RunState>,
+    /// The writer's lease: the commit is refused ([`StoreError::LeaseLost`]) unless the run's lease
+    /// still has this owner and epoch. A new run is created holding it.
+    pub fence: Option<Fence<'a>>,
+}
+
+/// Who may write a run: the owner of its lease, at an epoch. Every claim bumps the epoch, so a
+/// writer that stalled past its lease's expiry cannot commit over the new owner's work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fence<'a> {
+    /// The lease holder (one per process or engine).
+    pub owner: &'a str,
+    /// The epoch of the claim.
+    pub epoch: u64,
+    /// How long the lease lasts from now (a new run's lease, or an extension with the commit).
+    pub ttl: std::time::Duration,
 }
 
 /// Persistence for sessions, runs and journals.
@@ -186,29 +205,38 @@ pub trait Store: Send + Sync {
         entry: &'a JournalEntry,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
 
-    /// Writes one step: the journal entry, the messages and the state change, with the semantics
-    /// of [`Store::append_journal`], [`Store::append_messages`] and [`Store::set_run_state`].
-    /// Backends with transactions override it to write all of it atomically, in one commit;
-    /// the default writes the parts in that order (a crash in between is still safe: a replay
-    /// finds the journal entry and repeats the idempotent appends).
-    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            if let Some(run) = commit.new_run {
-                self.create_run(run).await?;
-            }
-            if let Some(entry) = commit.entry {
-                self.append_journal(commit.run, entry).await?;
-            }
-            if !commit.messages.is_empty() {
-                self.append_messages(commit.session, commit.run, commit.first_position, commit.messages)
-                    .await?;
-            }
-            if let Some(state) = commit.state {
-                self.set_run_state(commit.run, state).await?;
-            }
-            Ok(())
-        })
-    }
+    /// Writes one step atomically: the new run (if any), the journal entry, the messages and the
+    /// state change, with the semantics of [`Store::create_run`], [`Store::append_journal`],
+    /// [`Store::append_messages`] and [`Store::set_run_state`]; all of it or nothing. With a
+    /// [`Fence`], nothing is written unless the lease still matches, and the lease is extended.
+    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Claims a run's lease for `owner`, for `ttl` from now, when the run is not finished and its
+    /// lease is free, expired, or already `owner`'s. Returns the new epoch, or `None` when another
+    /// owner holds a live lease. Fails with [`StoreError::NotFound`] for an unknown run.
+    fn claim_run<'a>(
+        &'a self,
+        run: &'a RunId,
+        owner: &'a str,
+        ttl: std::time::Duration,
+    ) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;
+
+    /// Extends a held lease by `ttl` from now. Returns `false` when the lease is no longer this
+    /// owner's at this epoch.
+    fn renew_lease<'a>(
+        &'a self,
+        run: &'a RunId,
+        owner: &'a str,
+        epoch: u64,
+        ttl: std::time::Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Runs still `running` whose lease has expired (their process died or stalled): the runs to
+    /// re-drive. Only `session`'s when given; oldest first.
+    fn interrupted_runs<'a>(
+        &'a self,
+        session: Option<&'a SessionId>,
+    ) -> BoxFuture<'a, Result<Vec<RunId>, StoreError>>;
 
     /// Every session, most recently written first.
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>>;

@@ -131,6 +131,13 @@ impl Agent {
         self.engine.resume(run_id)
     }
 
+    /// Re-drives the runs a dead process left unfinished (their lease expired): all of the
+    /// store's, or `session`'s only. Completed steps are not executed again.
+    pub async fn recover(&self, session: Option<&str>) -> Result<Vec<RunHandle>, RunFailure> {
+        let session = session.map(SessionId::new).transpose()?;
+        self.engine.recover(session.as_ref()).await
+    }
+
     /// The agent's definition.
     pub fn definition(&self) -> &AgentDef {
         self.engine.agent()

@@ -16,9 +16,9 @@ use keel_core::machine::{Action, Input, Machine, RunOutcome};
 use keel_core::message::ToolCall;
 use keel_core::provider::ProviderErrorKind;
 use keel_core::{
-    BoxFuture, DeltaSink, ErrorCode, Event, Message, ModelReply, Part, ProviderError, Role, RunFailure,
-    RunId, RunRecord, RunState, SessionId, StepCommit, StepName, StopReason, StoreError, ToolContext,
-    ToolError, ToolOutcome,
+    BoxFuture, DeltaSink, ErrorCode, Event, Fence, Message, ModelReply, Part, ProviderError, Role,
+    RunFailure, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, StopReason, StoreError,
+    ToolContext, ToolError, ToolOutcome,
 };
 use tokio::sync::mpsc::UnboundedSender;
 use tokio_util::sync::CancellationToken;
@@ -52,12 +52,17 @@ pub(crate) async fn run(
                 session: prepared.session,
                 journal: prepared.journal,
                 new_run: prepared.new_run,
+                epoch: prepared.epoch,
                 events: events.clone(),
                 cancel,
                 reported: false,
                 _claim: prepared.claim,
             };
+            let heartbeat = driver.epoch.map(|epoch| driver.start_heartbeat(epoch));
             let result = driver.drive(prepared.machine).await;
+            if let Some(heartbeat) = heartbeat {
+                heartbeat.abort();
+            }
             reported = driver.reported;
             result
         }
@@ -78,6 +83,9 @@ struct Prepared {
     machine: Machine,
     journal: HashMap<StepName, JournalRecord>,
     new_run: Option<RunRecord>,
+    /// The lease epoch this driver writes under (`None`: replaying a finished run, which writes
+    /// nothing new).
+    epoch: Option<u64>,
     claim: SessionClaim,
 }
 
@@ -109,13 +117,38 @@ async fn prepare(shared: &Arc<Shared>, plan: Plan) -> Result<Prepared, RunFailur
                 input,
                 call_base,
             );
-            Ok(Prepared { run_id, session, machine, journal: HashMap::new(), new_run: Some(record), claim })
+            Ok(Prepared {
+                run_id,
+                session,
+                machine,
+                journal: HashMap::new(),
+                new_run: Some(record),
+                epoch: Some(1),
+                claim,
+            })
         }
         Plan::Resume { run_id } => {
             let record = store.load_run(&run_id).await.map_err(store_failure)?.ok_or_else(|| {
                 RunFailure::new(ErrorCode::RunNotFound, format!("no run {run_id} in the store"))
             })?;
             let claim = shared.claim(&record.session_id)?;
+            let epoch = match store
+                .claim_run(&run_id, &shared.owner, shared.lease_ttl)
+                .await
+                .map_err(store_failure)?
+            {
+                Some(epoch) => Some(epoch),
+                // A finished run replays from its journal alone: nothing new to write.
+                None if record.state.is_terminal() => None,
+                None => {
+                    return Err(RunFailure::new(
+                        ErrorCode::RunLeased,
+                        format!(
+                            "run {run_id} is being driven by another process (its lease has not expired)"
+                        ),
+                    ));
+                }
+            };
             let mut history = store.load_messages(&record.session_id).await.map_err(store_failure)?;
             let history_len = record.history_len as usize;
             if history.len() < history_len {
@@ -145,7 +178,7 @@ async fn prepare(shared: &Arc<Shared>, plan: Plan) -> Result<Prepared, RunFailur
                 record.input,
                 record.call_base,
             );
-            Ok(Prepared { run_id, session: record.session_id, machine, journal, new_run: None, claim })
+            Ok(Prepared { run_id, session: record.session_id, machine, journal, new_run: None, epoch, claim })
         }
     }
 }
@@ -158,6 +191,8 @@ struct Driver {
     journal: HashMap<StepName, JournalRecord>,
     /// The record of a new run, stored with its first commit.
     new_run: Option<RunRecord>,
+    /// The lease epoch commits are fenced with.
+    epoch: Option<u64>,
     events: UnboundedSender<Event>,
     cancel: CancellationToken,
     /// Whether the machine already emitted `run.error` for the run's failure.
@@ -243,12 +278,41 @@ impl Driver {
             session: &self.session,
             run: &self.run_id,
             new_run: new_run.as_ref(),
+            fence: self.epoch.map(|epoch| Fence {
+                owner: &self.shared.owner,
+                epoch,
+                ttl: self.shared.lease_ttl,
+            }),
             entry: entry.as_ref(),
             first_position: first_position as u64,
             messages: &machine.transcript()[first_position..first_position + count],
             state,
         };
         self.shared.store.commit_step(commit).await.map_err(store_failure)
+    }
+
+    /// Renews the run's lease while it is driven (every third of its length). A lost lease
+    /// cancels the run here: another process has taken it over, and fenced commits would fail.
+    fn start_heartbeat(&self, epoch: u64) -> tokio::task::JoinHandle<()> {
+        let shared = Arc::clone(&self.shared);
+        let run = self.run_id.clone();
+        let cancel = self.cancel.clone();
+        tokio::spawn(async move {
+            let period = shared.lease_ttl / 3;
+            loop {
+                tokio::time::sleep(period).await;
+                match shared.store.renew_lease(&run, &shared.owner, epoch, shared.lease_ttl).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(%run, "lost the run's lease to another process; stopping");
+                        cancel.cancel();
+                        return;
+                    }
+                    // A transient store failure: the next beat retries before the lease runs out.
+                    Err(error) => tracing::warn!(%run, %error, "could not renew the run's lease"),
+                }
+            }
+        })
     }
 
     fn emit(&self, event: Event) {

@@ -15,8 +15,28 @@ pub(crate) struct Shared {
     pub(crate) agent: Arc<AgentDef>,
     pub(crate) provider: Arc<dyn Provider>,
     pub(crate) store: Arc<dyn Store>,
+    /// This engine's name as a lease holder: unique per engine, across processes.
+    pub(crate) owner: Arc<str>,
+    /// How long a run's lease lasts without a heartbeat.
+    pub(crate) lease_ttl: std::time::Duration,
     /// Sessions with a run in flight in this process.
     busy: Mutex<HashSet<SessionId>>,
+}
+
+/// The lease length when `KEEL_RUN_LEASE` does not say.
+const DEFAULT_LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `KEEL_RUN_LEASE` (a duration such as `30s`): how long a run's lease lasts without a heartbeat,
+/// so how soon another process may take over a run whose process died.
+fn lease_ttl_from_env() -> std::time::Duration {
+    let Ok(text) = std::env::var("KEEL_RUN_LEASE") else { return DEFAULT_LEASE_TTL };
+    match humantime::parse_duration(text.trim()) {
+        Ok(ttl) if !ttl.is_zero() => ttl,
+        _ => {
+            tracing::warn!(value = %text, "KEEL_RUN_LEASE is not a duration like `30s` or `500ms`; using 30s");
+            DEFAULT_LEASE_TTL
+        }
+    }
 }
 
 /// Marks a session busy for as long as it lives.
@@ -78,9 +98,32 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Binds an agent to a provider and a store.
+    /// Binds an agent to a provider and a store. Runs' leases last `KEEL_RUN_LEASE` (default
+    /// 30 s) without a heartbeat.
     pub fn new(agent: Arc<AgentDef>, provider: Arc<dyn Provider>, store: Arc<dyn Store>) -> Engine {
-        Engine { shared: Arc::new(Shared { agent, provider, store, busy: Mutex::default() }) }
+        Engine::with_lease_ttl(agent, provider, store, lease_ttl_from_env())
+    }
+
+    /// Like [`Engine::new`], with the lease length given: how long a run's lease lasts without a
+    /// heartbeat, so how soon another process may take over a run whose process died.
+    pub fn with_lease_ttl(
+        agent: Arc<AgentDef>,
+        provider: Arc<dyn Provider>,
+        store: Arc<dyn Store>,
+        lease_ttl: std::time::Duration,
+    ) -> Engine {
+        let owner =
+            format!("keel-{}-{}", std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..12]);
+        Engine {
+            shared: Arc::new(Shared {
+                agent,
+                provider,
+                store,
+                owner: owner.into(),
+                lease_ttl,
+                busy: Mutex::default(),
+            }),
+        }
     }
 
     /// The agent.
@@ -108,6 +151,15 @@ impl Engine {
     /// steps are not executed again; the run continues from the first step without a record.
     pub fn resume(&self, run_id: RunId) -> RunHandle {
         self.spawn(run_id.clone(), Plan::Resume { run_id })
+    }
+
+    /// Re-drives every run left `running` by a process that died (its lease expired): all of
+    /// them, or `session`'s only. Each gets a handle, like [`Engine::resume`].
+    pub async fn recover(&self, session: Option<&SessionId>) -> Result<Vec<RunHandle>, RunFailure> {
+        let runs = self.shared.store.interrupted_runs(session).await.map_err(|error| {
+            RunFailure::new(error.code(), format!("cannot list interrupted runs: {error}"))
+        })?;
+        Ok(runs.into_iter().map(|run| self.resume(run)).collect())
     }
 
     fn spawn(&self, run_id: RunId, plan: Plan) -> RunHandle {

@@ -146,7 +146,8 @@ fn a_run_interrupted_mid_tool_resumes_without_repeating_completed_steps() {
     let started = Arc::new(tokio::sync::Notify::new());
     let run_id = first.block_on(async {
         let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::clone(&started), Arc::clone(&slow_runs))];
-        let engine = Engine::new(agent(tools, |_| {}), provider.clone(), store.clone());
+        let lease = Duration::from_millis(300);
+        let engine = Engine::with_lease_ttl(agent(tools, |_| {}), provider.clone(), store.clone(), lease);
         let handle = engine.start(session("s"), Message::user("go")).unwrap();
         started.notified().await;
         // Let `record` finish and be journaled too.
@@ -160,11 +161,17 @@ fn a_run_interrupted_mid_tool_resumes_without_repeating_completed_steps() {
     assert_eq!(*provider.calls.lock().unwrap(), [0], "one model call before the crash");
     assert_eq!(*log.lock().unwrap(), ["a"]);
 
-    // A new "process" re-drives the run from the store.
+    // A new "process" re-drives the run from the store, once the dead one's lease expired.
     let second = tokio::runtime::Runtime::new().unwrap();
     let result = second.block_on(async {
         let engine = Engine::new(agent(tools(), |_| {}), provider.clone(), store.clone());
-        engine.resume(run_id.clone()).result().await.unwrap()
+        let early = engine.resume(run_id.clone()).result().await.unwrap_err();
+        assert_eq!(early.code, ErrorCode::RunLeased);
+        assert!(engine.recover(None).await.unwrap().is_empty(), "a run with a live lease is not interrupted");
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        let mut recovered = engine.recover(None).await.unwrap();
+        assert_eq!(recovered.len(), 1);
+        recovered.pop().unwrap().result().await.unwrap()
     });
     assert_eq!(result.text, "finished: recorded b");
     assert_eq!(result.text, reference.text);
@@ -447,4 +454,28 @@ async fn resuming_an_unknown_run_fails_clearly() {
     );
     let failure = run.result().await.unwrap_err();
     assert_eq!(failure.code, ErrorCode::RunNotFound);
+}
+
+#[tokio::test]
+async fn a_live_run_keeps_its_lease_by_heartbeat_and_is_never_taken_over() {
+    #[derive(Deserialize, JsonSchema)]
+    struct Wait {
+        ms: u64,
+    }
+    let wait = function_tool("wait", "Waits", |input: Wait| async move {
+        tokio::time::sleep(Duration::from_millis(input.ms)).await;
+        Ok::<_, String>("waited")
+    });
+    let store = Arc::new(MemoryStore::new());
+    let lease = Duration::from_millis(150);
+    let script = vec![calls(&[("wait", json!({"ms": 700}))]), text("ok")];
+    let engine = Engine::with_lease_ttl(agent(vec![wait], |_| {}), counting(script), store.clone(), lease);
+    let run = engine.start(session("long"), Message::user("go")).unwrap();
+    // Another process looks for interrupted runs while the tool runs for several lease lengths.
+    let other = Engine::with_lease_ttl(agent(vec![], |_| {}), counting(vec![]), store.clone(), lease);
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        assert!(other.recover(None).await.unwrap().is_empty(), "a live run was seen as interrupted");
+    }
+    assert_eq!(run.result().await.unwrap().text, "ok");
 }

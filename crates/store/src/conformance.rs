@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::{
-    Message, ModelReply, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, Store, StoreError,
-    Usage,
+    Fence, Message, ModelReply, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, Store,
+    StoreError, Usage,
 };
 use serde_json::json;
 
@@ -20,6 +20,7 @@ pub async fn run_all(store: &dyn Store) {
     journal_first_write_wins(store).await;
     sessions_are_listed_and_deleted(store).await;
     steps_commit_whole_and_replay_idempotently(store).await;
+    leases_fence_stale_writers(store).await;
 }
 
 fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
@@ -154,6 +155,7 @@ pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
         first_position: 0,
         messages: &messages,
         state: Some(RunState::Done),
+        fence: None,
     };
     store.commit_step(commit).await.unwrap();
     // The replay of a step: the run exists by now.
@@ -169,4 +171,57 @@ pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
     assert!(store.commit_step(clash).await.is_err());
     assert_eq!(store.load_messages(&session).await.unwrap(), messages);
     assert!(store.load_journal(&other).await.unwrap().is_empty(), "a failed commit wrote its journal entry");
+}
+
+/// A lease is claimed by one owner at a time, expires, and fences a writer that lost it.
+pub async fn leases_fence_stale_writers(store: &dyn Store) {
+    use std::time::Duration;
+    let session = SessionId::new("conformance-lease").unwrap();
+    let record = run_record("lease", &session, 0);
+    let run = &record.run_id;
+    let short = Duration::from_millis(150);
+    let first = Fence { owner: "process-a", epoch: 1, ttl: short };
+    let messages = [Arc::new(Message::user("q"))];
+    let create = StepCommit {
+        session: &session,
+        run,
+        new_run: Some(&record),
+        entry: None,
+        first_position: 0,
+        messages: &messages,
+        state: None,
+        fence: Some(first),
+    };
+    store.commit_step(create).await.unwrap();
+
+    // Held: nobody else may claim it, and it is not interrupted.
+    assert_eq!(store.claim_run(run, "process-b", short).await.unwrap(), None);
+    assert!(!store.interrupted_runs(Some(&session)).await.unwrap().contains(run));
+    assert!(store.renew_lease(run, "process-a", 1, short).await.unwrap());
+    assert!(!store.renew_lease(run, "process-b", 1, short).await.unwrap());
+
+    // Expired: the run is interrupted, and another owner takes it with a new epoch.
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(store.interrupted_runs(Some(&session)).await.unwrap(), std::slice::from_ref(run));
+    assert!(store.interrupted_runs(None).await.unwrap().contains(run));
+    assert_eq!(store.claim_run(run, "process-b", Duration::from_secs(60)).await.unwrap(), Some(2));
+    assert!(store.interrupted_runs(Some(&session)).await.unwrap().is_empty());
+
+    // The stalled first owner wakes up: its commit is refused and writes nothing.
+    let entry =
+        JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!(1))) };
+    let stale = StepCommit { new_run: None, entry: Some(&entry), messages: &[], ..create };
+    let error = store.commit_step(stale).await.unwrap_err();
+    assert!(matches!(error, StoreError::LeaseLost(_)), "{error:?}");
+    assert!(store.load_journal(run).await.unwrap().is_empty(), "a fenced commit wrote");
+    assert!(!store.renew_lease(run, "process-a", 1, short).await.unwrap());
+    // The new owner commits.
+    let fresh = StepCommit { fence: Some(Fence { owner: "process-b", epoch: 2, ttl: short }), ..stale };
+    store.commit_step(fresh).await.unwrap();
+    assert_eq!(store.load_journal(run).await.unwrap().len(), 1);
+
+    // Finished runs cannot be claimed; unknown runs are an error.
+    store.set_run_state(run, RunState::Done).await.unwrap();
+    assert_eq!(store.claim_run(run, "process-c", short).await.unwrap(), None);
+    assert!(store.claim_run(&RunId::from_suffix("no-such-run"), "x", short).await.is_err());
 }

@@ -7,6 +7,7 @@
 
 use foldhash::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use keel_core::journal::JournalEntry;
 use keel_core::{
@@ -20,9 +21,17 @@ struct SessionData {
     updated_at_ms: u64,
 }
 
+/// Who drives a run, until when, at which epoch.
+struct LeaseState {
+    owner: String,
+    expires_ms: u64,
+    epoch: u64,
+}
+
 #[derive(Default)]
 struct Inner {
     sessions: HashMap<SessionId, SessionData>,
+    leases: HashMap<RunId, LeaseState>,
     runs: HashMap<RunId, RunRecord>,
     journals: HashMap<RunId, Vec<JournalEntry>>,
 }
@@ -148,9 +157,27 @@ impl Store for MemoryStore {
                 }
                 None => Ok(()),
             })
+            .and_then(|()| match (commit.fence, commit.new_run) {
+                (Some(fence), None) => match inner.leases.get(commit.run) {
+                    Some(lease) if lease.owner == fence.owner && lease.epoch == fence.epoch => Ok(()),
+                    _ => Err(StoreError::LeaseLost(format!(
+                        "run {} is no longer leased to {} at epoch {}",
+                        commit.run, fence.owner, fence.epoch
+                    ))),
+                },
+                _ => Ok(()),
+            })
             .and_then(|()| {
                 if let Some(run) = commit.new_run {
                     inner.runs.insert(run.run_id.clone(), run.clone());
+                }
+                if let Some(fence) = commit.fence {
+                    let lease = LeaseState {
+                        owner: fence.owner.to_owned(),
+                        expires_ms: crate::now_ms().saturating_add(fence.ttl.as_millis() as u64),
+                        epoch: fence.epoch,
+                    };
+                    inner.leases.insert(commit.run.clone(), lease);
                 }
                 if let Some(entry) = commit.entry {
                     inner.append_journal(commit.run, entry);
@@ -205,6 +232,71 @@ impl Store for MemoryStore {
         ready(Ok(()))
     }
 
+    fn claim_run<'a>(
+        &'a self,
+        run: &'a RunId,
+        owner: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        let mut inner = self.lock();
+        let result = match inner.runs.get(run) {
+            None => Err(StoreError::NotFound(format!("run {run}"))),
+            Some(record) if record.state.is_terminal() => Ok(None),
+            Some(_) => {
+                let now = crate::now_ms();
+                let free = inner.leases.get(run).is_none_or(|l| l.expires_ms <= now || l.owner == owner);
+                if free {
+                    let epoch = inner.leases.get(run).map_or(0, |l| l.epoch) + 1;
+                    let expires_ms = now.saturating_add(ttl.as_millis() as u64);
+                    inner
+                        .leases
+                        .insert(run.clone(), LeaseState { owner: owner.to_owned(), expires_ms, epoch });
+                    Ok(Some(epoch))
+                } else {
+                    Ok(None)
+                }
+            }
+        };
+        ready(result)
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        run: &'a RunId,
+        owner: &'a str,
+        epoch: u64,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let mut inner = self.lock();
+        let renewed = match inner.leases.get_mut(run) {
+            Some(lease) if lease.owner == owner && lease.epoch == epoch => {
+                lease.expires_ms = crate::now_ms().saturating_add(ttl.as_millis() as u64);
+                true
+            }
+            _ => false,
+        };
+        ready(Ok(renewed))
+    }
+
+    fn interrupted_runs<'a>(
+        &'a self,
+        session: Option<&'a SessionId>,
+    ) -> BoxFuture<'a, Result<Vec<RunId>, StoreError>> {
+        let inner = self.lock();
+        let now = crate::now_ms();
+        let mut runs: Vec<RunId> = inner
+            .runs
+            .values()
+            .filter(|r| r.state == RunState::Running)
+            .filter(|r| session.is_none_or(|s| &r.session_id == s))
+            .filter(|r| inner.leases.get(&r.run_id).is_none_or(|l| l.expires_ms <= now))
+            .map(|r| r.run_id.clone())
+            .collect();
+        // Run ids are time-ordered.
+        runs.sort();
+        ready(Ok(runs))
+    }
+
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
         let inner = self.lock();
         let mut sessions: Vec<SessionSummary> = inner
@@ -229,6 +321,7 @@ impl Store for MemoryStore {
         for run in &runs {
             inner.runs.remove(run);
             inner.journals.remove(run);
+            inner.leases.remove(run);
         }
         ready(Ok(existed || !runs.is_empty()))
     }

@@ -66,6 +66,10 @@ const MIGRATIONS: &[&str] = &[
         body TEXT NOT NULL,
         PRIMARY KEY (run_id, step)
     ) WITHOUT ROWID;",
+    // Version 2: run leases (who drives a run, until when; the epoch fences stale writers).
+    "ALTER TABLE runs ADD COLUMN lease_owner TEXT;
+    ALTER TABLE runs ADD COLUMN lease_expires_at INTEGER;
+    ALTER TABLE runs ADD COLUMN lease_epoch INTEGER NOT NULL DEFAULT 0;",
 ];
 
 /// The schema version this build writes.
@@ -348,9 +352,13 @@ impl Store for SqliteStore {
         let entry = commit.entry.cloned();
         let messages = commit.messages.to_vec();
         let (first_position, state) = (commit.first_position, commit.state);
+        let fence = commit.fence.map(|f| (f.owner.to_owned(), f.epoch, f.ttl));
         let write = self.submit(Box::new(move |c| {
             if let Some(record) = &new_run {
                 insert_run(c, record)?;
+            }
+            if let Some((owner, epoch, ttl)) = &fence {
+                hold_lease(c, &run, owner, *epoch, *ttl, new_run.is_some())?;
             }
             if let Some(entry) = &entry {
                 insert_journal(c, &run, entry)?;
@@ -439,6 +447,91 @@ impl Store for SqliteStore {
         let (run, entry) = (run.clone(), entry.clone());
         let write = self.submit(Box::new(move |c| insert_journal(c, &run, &entry).map(|()| 0)));
         Box::pin(async move { write.await.map(drop) })
+    }
+
+    fn claim_run<'a>(
+        &'a self,
+        run: &'a RunId,
+        owner: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        let (run, owner) = (run.clone(), owner.to_owned());
+        let write = self.submit(Box::new(move |c| {
+            let now = crate::now_ms() as i64;
+            let epoch: Option<i64> = c
+                .prepare_cached(
+                    "UPDATE runs SET lease_owner = ?2, lease_expires_at = ?3, lease_epoch = lease_epoch + 1
+                     WHERE id = ?1 AND state IN ('running', 'awaiting_input')
+                       AND (lease_owner IS NULL OR lease_expires_at <= ?4 OR lease_owner = ?2)
+                     RETURNING lease_epoch",
+                )
+                .and_then(|mut s| {
+                    s.query_row(params![run.as_str(), owner, now + ttl.as_millis() as i64, now], |row| {
+                        row.get(0)
+                    })
+                    .optional()
+                })
+                .map_err(map_error)?;
+            if let Some(epoch) = epoch {
+                return Ok(epoch as u64);
+            }
+            let exists = c
+                .prepare_cached("SELECT 1 FROM runs WHERE id = ?1")
+                .and_then(|mut s| s.exists([run.as_str()]))
+                .map_err(map_error)?;
+            if exists { Ok(0) } else { Err(StoreError::NotFound(format!("run {run}"))) }
+        }));
+        // Epochs start at 1: 0 means "not claimed".
+        Box::pin(async move { write.await.map(|epoch| (epoch > 0).then_some(epoch)) })
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        run: &'a RunId,
+        owner: &'a str,
+        epoch: u64,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let (run, owner) = (run.clone(), owner.to_owned());
+        let write = self.submit(Box::new(move |c| {
+            c.prepare_cached(
+                "UPDATE runs SET lease_expires_at = ?4 WHERE id = ?1 AND lease_owner = ?2 AND lease_epoch = ?3",
+            )
+            .and_then(|mut s| {
+                s.execute(params![run.as_str(), owner, epoch as i64, crate::now_ms() as i64 + ttl.as_millis() as i64])
+            })
+            .map(|changed| changed as u64)
+            .map_err(map_error)
+        }));
+        Box::pin(async move { write.await.map(|changed| changed > 0) })
+    }
+
+    fn interrupted_runs<'a>(
+        &'a self,
+        session: Option<&'a SessionId>,
+    ) -> BoxFuture<'a, Result<Vec<RunId>, StoreError>> {
+        let connection = self.lock();
+        let result = (|| {
+            let mut statement = connection
+                .prepare_cached(
+                    "SELECT id FROM runs WHERE state = 'running'
+                       AND (lease_owner IS NULL OR lease_expires_at <= ?1)
+                       AND (?2 IS NULL OR session_id = ?2)
+                     ORDER BY id",
+                )
+                .map_err(map_error)?;
+            let rows = statement
+                .query_map(params![crate::now_ms() as i64, session.map(SessionId::as_str)], |row| {
+                    row.get::<_, String>(0)
+                })
+                .map_err(map_error)?;
+            rows.map(|id| {
+                let id = id.map_err(map_error)?;
+                RunId::parse(&id).ok_or_else(|| corrupt(format!("bad run id {id:?}")))
+            })
+            .collect()
+        })();
+        ready(result)
     }
 
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
@@ -575,6 +668,37 @@ fn insert_run(connection: &Connection, run: &RunRecord) -> Result<(), StoreError
         })
 }
 
+/// Checks that `owner` still holds the run's lease at `epoch` (or takes it, for a run this commit
+/// creates), and extends it by `ttl`.
+fn hold_lease(
+    connection: &Connection,
+    run: &RunId,
+    owner: &str,
+    epoch: u64,
+    ttl: Duration,
+    new_run: bool,
+) -> Result<(), StoreError> {
+    let expires = crate::now_ms() as i64 + ttl.as_millis() as i64;
+    let changed = if new_run {
+        connection
+            .prepare_cached("UPDATE runs SET lease_owner = ?2, lease_epoch = ?3, lease_expires_at = ?4 WHERE id = ?1")
+            .and_then(|mut s| s.execute(params![run.as_str(), owner, epoch as i64, expires]))
+    } else {
+        connection
+            .prepare_cached(
+                "UPDATE runs SET lease_expires_at = ?4 WHERE id = ?1 AND lease_owner = ?2 AND lease_epoch = ?3",
+            )
+            .and_then(|mut s| s.execute(params![run.as_str(), owner, epoch as i64, expires]))
+    }
+    .map_err(map_error)?;
+    if changed == 0 {
+        return Err(StoreError::LeaseLost(format!(
+            "run {run} is no longer leased to {owner} at epoch {epoch}"
+        )));
+    }
+    Ok(())
+}
+
 /// Records a journal entry; the first record of a step wins.
 fn insert_journal(connection: &Connection, run: &RunId, entry: &JournalEntry) -> Result<(), StoreError> {
     connection
@@ -621,6 +745,33 @@ mod tests {
         }
         let store = SqliteStore::open(&path).unwrap();
         assert_eq!(store.load_messages(&session).await.unwrap(), [Arc::new(Message::user("hello"))]);
+    }
+
+    #[tokio::test]
+    async fn an_older_schema_is_migrated_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v1.db");
+        {
+            // A database as version 1 left it, with a run in it.
+            let connection = Connection::open(&path).unwrap();
+            connection.execute_batch(MIGRATIONS[0]).unwrap();
+            connection.pragma_update(None, "user_version", 1).unwrap();
+            connection
+                .execute(
+                    "INSERT INTO runs (id, session_id, input, history_len, call_base, state, created_at, updated_at)
+                     VALUES ('run_old', 's', ?1, 0, 0, 'running', 0, 0)",
+                    [encode_message(&Message::user("hi"))],
+                )
+                .unwrap();
+        }
+        let store = SqliteStore::open(&path).unwrap();
+        let version: i64 = store.lock().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        let run = RunId::parse("run_old").unwrap();
+        assert_eq!(store.load_run(&run).await.unwrap().unwrap().input, Message::user("hi"));
+        // The old run has no lease: it is interrupted, and can be claimed.
+        assert_eq!(store.interrupted_runs(None).await.unwrap(), [run.clone()]);
+        assert_eq!(store.claim_run(&run, "me", Duration::from_secs(5)).await.unwrap(), Some(1));
     }
 
     #[test]

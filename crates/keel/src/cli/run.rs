@@ -45,15 +45,36 @@ pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
 }
 
 async fn drive(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
-    let mut handle = match agent.run(&args.session, args.input.as_str()) {
+    // A turn of this session that a dead process left unfinished completes first, from its
+    // journal, so the new input sees a whole conversation.
+    let interrupted = match agent.recover(Some(&args.session)).await {
+        Ok(handles) => handles,
+        Err(failure) => {
+            eprintln!("error[{}]: {}", failure.code, failure.message);
+            return Ok(if failure.code == ErrorCode::SessionIdInvalid { 2 } else { exit::RUN_FAILED });
+        }
+    };
+    for handle in interrupted {
+        eprintln!("resuming interrupted run {} of session {}", handle.run_id(), args.session);
+        let code = follow(handle, args.json).await?;
+        if code != exit::OK {
+            return Ok(code);
+        }
+    }
+    let handle = match agent.run(&args.session, args.input.as_str()) {
         Ok(handle) => handle,
         Err(failure) => {
             eprintln!("error[{}]: {}", failure.code, failure.message);
             return Ok(if failure.code == ErrorCode::SessionIdInvalid { 2 } else { exit::RUN_FAILED });
         }
     };
+    follow(handle, args.json).await
+}
+
+/// Shows a run as it goes (Ctrl-C cancels it) and maps its end to an exit code.
+async fn follow(mut handle: keel::RunHandle, json: bool) -> std::io::Result<u8> {
     let mut renderer: Box<dyn Render> =
-        if args.json { Box::new(JsonRenderer::new()) } else { Box::new(HumanRenderer::new()) };
+        if json { Box::new(JsonRenderer::new()) } else { Box::new(HumanRenderer::new()) };
     let mut interrupted = false;
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);

@@ -27,17 +27,17 @@ const NAP: &str = "description = \"Naps\"
 command = [\"sh\", \"-c\", \"if [ -f nap.pid ]; then echo rested; else echo $$ > nap.pid; exec sleep 60; fi\"]
 ";
 
-#[tokio::test]
-async fn a_run_killed_mid_tool_resumes_from_its_sqlite_journal_without_repeating_work() {
-    let dir = agent_dir(&[("agent.yaml", AGENT), ("tools/append.toml", APPEND), ("tools/nap.toml", NAP)]);
-    let db = dir.path().join("keel.db");
+/// Starts `keel run` on the crash agent, waits until `nap` hangs, SIGKILLs it. Returns the run id.
+fn run_and_kill(dir: &std::path::Path, db: &std::path::Path) -> RunId {
     let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
         .arg("run")
-        .arg(dir.path())
+        .arg(dir)
         .args(["go", "--json", "--session", "crash"])
         .arg("--store")
         .arg(format!("sqlite:{}", db.display()))
-        .current_dir(dir.path())
+        .current_dir(dir)
+        // A short lease, so that the run counts as interrupted soon after the kill.
+        .env("KEEL_RUN_LEASE", "1s")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -54,7 +54,7 @@ async fn a_run_killed_mid_tool_resumes_from_its_sqlite_journal_without_repeating
             break;
         }
     }
-    let pid_file = dir.path().join("nap.pid");
+    let pid_file = dir.join("nap.pid");
     for _ in 0..500 {
         if std::fs::read_to_string(&pid_file).is_ok_and(|s| s.ends_with('\n')) {
             break;
@@ -68,18 +68,28 @@ async fn a_run_killed_mid_tool_resumes_from_its_sqlite_journal_without_repeating
     // The orphaned `sleep` is not ours to keep.
     let sleeper: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(sleeper), nix::sys::signal::Signal::SIGKILL);
+    RunId::parse(&run_id.expect("a run.start event")).unwrap()
+}
+
+#[tokio::test]
+async fn a_run_killed_mid_tool_resumes_from_its_sqlite_journal_without_repeating_work() {
+    let dir = agent_dir(&[("agent.yaml", AGENT), ("tools/append.toml", APPEND), ("tools/nap.toml", NAP)]);
+    let db = dir.path().join("keel.db");
+    let run_id = run_and_kill(dir.path(), &db);
 
     // What the killed process left: the run, still running, and its committed steps.
-    let run_id = RunId::parse(&run_id.expect("a run.start event")).unwrap();
     let store = std::sync::Arc::new(SqliteStore::open(&db).unwrap());
     let record = keel::Store::load_run(&*store, &run_id).await.unwrap().expect("the run was stored");
     assert_eq!(record.state, RunState::Running);
     let before = keel::Store::load_messages(&*store, &SessionId::new("crash").unwrap()).await.unwrap();
     assert_eq!(before.len(), 4, "user, call append, its result, call nap: {before:#?}");
 
-    // Another process (here: this test) re-drives it from the journal.
+    // Another process (here: this test) re-drives it from the journal, once its lease expired.
     let spec = keel::load_spec(dir.path()).unwrap();
     let agent = Agent::from_spec(spec, store.clone()).unwrap();
+    let early = agent.resume(run_id.clone()).result().await.unwrap_err();
+    assert_eq!(early.code, keel::ErrorCode::RunLeased, "{early:?}");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let result = agent.resume(run_id.clone()).result().await.unwrap();
     assert_eq!(result.text, "done: rested");
     // `append` had completed before the kill: it did not run again.
@@ -90,4 +100,26 @@ async fn a_run_killed_mid_tool_resumes_from_its_sqlite_journal_without_repeating
     assert_eq!(after.iter().filter(|m| m.role == keel::Role::User).count(), 1, "a duplicated message");
     let record = keel::Store::load_run(&*store, &run_id).await.unwrap().unwrap();
     assert_eq!(record.state, RunState::Done);
+}
+
+#[test]
+fn the_next_keel_run_of_the_session_finishes_the_interrupted_turn_first() {
+    let dir = agent_dir(&[("agent.yaml", AGENT), ("tools/append.toml", APPEND), ("tools/nap.toml", NAP)]);
+    let db = dir.path().join("keel.db");
+    run_and_kill(dir.path(), &db);
+    std::thread::sleep(Duration::from_millis(1100));
+    let output = crate::support::keel()
+        .arg("run")
+        .arg(dir.path())
+        .args(["and now?", "--session", "crash"])
+        .arg("--store")
+        .arg(format!("sqlite:{}", db.display()))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(stderr.contains("resuming interrupted run run_"), "{stderr}");
+    // The interrupted turn's answer, then the new input's (the mock's script is used up: echo).
+    assert_eq!(String::from_utf8(output.stdout).unwrap(), "done: rested\nand now?\n");
+    assert_eq!(std::fs::read_to_string(dir.path().join("log.txt")).unwrap(), "one\n", "append ran twice");
 }
