@@ -770,7 +770,7 @@ mod tests {
         let run = RunId::parse("run_old").unwrap();
         assert_eq!(store.load_run(&run).await.unwrap().unwrap().input, Message::user("hi"));
         // The old run has no lease: it is interrupted, and can be claimed.
-        assert_eq!(store.interrupted_runs(None).await.unwrap(), [run.clone()]);
+        assert_eq!(store.interrupted_runs(None).await.unwrap(), std::slice::from_ref(&run));
         assert_eq!(store.claim_run(&run, "me", Duration::from_secs(5)).await.unwrap(), Some(1));
     }
 
