@@ -288,7 +288,15 @@ impl Driver {
             messages: &machine.transcript()[first_position..first_position + count],
             state,
         };
-        self.shared.store.commit_step(commit).await.map_err(store_failure)
+        let step = entry.as_ref().map(|e| &e.step);
+        if let Some(step) = step {
+            crate::fault::point("before_commit", step);
+        }
+        self.shared.store.commit_step(commit).await.map_err(store_failure)?;
+        if let Some(step) = step {
+            crate::fault::point("after_commit", step);
+        }
+        Ok(())
     }
 
     /// Renews the run's lease while it is driven (every third of its length). A lost lease

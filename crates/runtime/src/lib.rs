@@ -17,6 +17,7 @@
 
 mod driver;
 mod engine;
+mod fault;
 mod handle;
 
 pub use engine::Engine;

@@ -123,3 +123,157 @@ fn the_next_keel_run_of_the_session_finishes_the_interrupted_turn_first() {
     assert_eq!(String::from_utf8(output.stdout).unwrap(), "done: rested\nand now?\n");
     assert_eq!(std::fs::read_to_string(dir.path().join("log.txt")).unwrap(), "one\n", "append ran twice");
 }
+
+const STEPS_AGENT: &str = "model: mock
+mock:
+  script:
+    - { delay_ms: DELAY, tool_calls: [{ name: append, input: { line: one } }] }
+    - { delay_ms: DELAY, text: 'done: {{last_tool_output}}' }
+";
+
+/// Appends once per idempotency key (the pattern keel documents for side effects), and counts
+/// every execution in calls.txt.
+const APPEND_PY: &str = r#"import json, os, sys, time
+data = json.load(sys.stdin)
+key = os.environ["KEEL_IDEMPOTENCY_KEY"]
+time.sleep(float(os.environ.get("NAP", "0")))
+seen = open("keys.txt").read().split() if os.path.exists("keys.txt") else []
+if key not in seen:
+    with open("log.txt", "a") as log:
+        log.write(data["line"] + "\n")
+    with open("keys.txt", "a") as keys:
+        keys.write(key + "\n")
+with open("calls.txt", "a") as calls:
+    calls.write(key + "\n")
+print("appended")
+"#;
+
+const APPEND_TOML: &str = "description = \"Appends a line to log.txt, once per idempotency key\"
+command = [\"python3\", \"append.py\"]
+";
+
+fn steps_agent(delay_ms: u64) -> tempfile::TempDir {
+    let spec = STEPS_AGENT.replace("DELAY", &delay_ms.to_string());
+    agent_dir(&[("agent.yaml", &spec), ("tools/append.toml", APPEND_TOML), ("append.py", APPEND_PY)])
+}
+
+fn keel_in(dir: &std::path::Path) -> std::process::Command {
+    let mut command = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"));
+    command.current_dir(dir).env_remove("KEEL_FAULT").env("KEEL_LOG", "error");
+    command.arg("run").arg(dir).arg("--store").arg(format!("sqlite:{}", dir.join("keel.db").display()));
+    command
+}
+
+/// The session's messages as stored (JSON lines, without ids that vary between runs).
+fn transcript(dir: &std::path::Path) -> Vec<String> {
+    let output = crate::support::keel()
+        .args(["sessions", "show", "s", "--json", "--store"])
+        .arg(format!("sqlite:{}", dir.join("keel.db").display()))
+        .output()
+        .unwrap();
+    String::from_utf8(output.stdout).unwrap().lines().map(str::to_owned).collect()
+}
+
+fn lines(path: &std::path::Path) -> usize {
+    std::fs::read_to_string(path).map_or(0, |text| text.lines().count())
+}
+
+#[test]
+fn a_crash_at_every_step_boundary_is_recovered_without_repeating_committed_work() {
+    // The reference: the same two turns, never interrupted.
+    let reference_dir = steps_agent(0);
+    for input in ["go", "next"] {
+        let status = keel_in(reference_dir.path()).args([input, "--session", "s"]).status().unwrap();
+        assert!(status.success());
+    }
+    let reference = transcript(reference_dir.path());
+    assert_eq!(reference.len(), 6, "{reference:#?}");
+
+    for point in ["before_commit", "after_commit"] {
+        for step in ["llm:turn:0", "tool:append:call_0_0", "llm:turn:1"] {
+            let case = format!("{point}:{step}");
+            let dir = steps_agent(0);
+            let crashed = keel_in(dir.path())
+                .args(["go", "--session", "s"])
+                .env("KEEL_FAULT", &case)
+                .env("KEEL_RUN_LEASE", "200ms")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .unwrap();
+            assert!(!crashed.success(), "{case}: the fault did not fire");
+            std::thread::sleep(Duration::from_millis(250));
+            let next = keel_in(dir.path()).args(["next", "--session", "s"]).output().unwrap();
+            assert!(next.status.success(), "{case}: {next:?}");
+            assert_eq!(
+                transcript(dir.path()),
+                reference,
+                "{case}: the transcript differs from an uninterrupted run"
+            );
+            assert_eq!(std::fs::read_to_string(dir.path().join("log.txt")).unwrap(), "one\n", "{case}");
+            // A tool whose result was committed never runs again; one that finished but was not
+            // committed runs again (at least once), and its idempotency key stops the repeat.
+            let expected_calls = if case == "before_commit:tool:append:call_0_0" { 2 } else { 1 };
+            assert_eq!(lines(&dir.path().join("calls.txt")), expected_calls, "{case}");
+        }
+    }
+}
+
+#[test]
+fn random_sigkills_over_many_runs_never_lose_or_repeat_committed_work() {
+    let reference_dir = steps_agent(20);
+    for input in ["go", "next"] {
+        assert!(
+            keel_in(reference_dir.path())
+                .args([input, "--session", "s"])
+                .env("NAP", "0.02")
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+    let reference = transcript(reference_dir.path());
+    // A small deterministic generator: the seed is printed with any failure.
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let mut state = seed | 1;
+    let mut next_random = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for iteration in 0..8 {
+        let kill_after = Duration::from_millis(next_random() % 160);
+        let dir = steps_agent(20);
+        let mut child = keel_in(dir.path())
+            .args(["go", "--session", "s"])
+            .env("KEEL_RUN_LEASE", "200ms")
+            .env("NAP", "0.02")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(kill_after);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        child.wait().unwrap();
+        let context = format!("seed {seed}, iteration {iteration}, killed after {kill_after:?}");
+        let stored_before = transcript(dir.path());
+        std::thread::sleep(Duration::from_millis(250));
+        let next = keel_in(dir.path()).args(["next", "--session", "s"]).env("NAP", "0.02").output().unwrap();
+        assert!(next.status.success(), "{context}: {next:?}");
+        let after = transcript(dir.path());
+        if stored_before.is_empty() {
+            // Killed before the run's first commit: it never happened, and "next" is the session's
+            // first turn (the mock plays its script from the start: call, result, answer).
+            assert_eq!(after.len(), 4, "{context}: {after:#?}");
+            assert!(after[0].contains("\"text\":\"next\""), "{context}: {after:#?}");
+            continue;
+        }
+        assert_eq!(after, reference, "{context}");
+        assert_eq!(std::fs::read_to_string(dir.path().join("log.txt")).unwrap(), "one\n", "{context}");
+        assert!(lines(&dir.path().join("calls.txt")) <= 2, "{context}");
+    }
+}

@@ -1,0 +1,23 @@
+//! Fault injection for crash tests: `KEEL_FAULT=<point>:<step>` makes the process abort (as
+//! abruptly as a SIGKILL: no destructor, no flush) when the driver reaches that point for that
+//! step, e.g. `KEEL_FAULT=after_commit:tool:append:call_0_0`.
+//!
+//! Points: `before_commit` (the step's result is in hand, not yet committed) and `after_commit`
+//! (committed, the next action not started). Unset, a check is one atomic load. This exists so
+//! that crash tests can kill a run at every step boundary systematically instead of by luck.
+
+use std::sync::OnceLock;
+
+use keel_core::StepName;
+
+static FAULT: OnceLock<Option<String>> = OnceLock::new();
+
+/// Aborts the process if `KEEL_FAULT` names this point and step.
+pub(crate) fn point(name: &str, step: &StepName) {
+    let Some(target) = FAULT.get_or_init(|| std::env::var("KEEL_FAULT").ok()) else { return };
+    let Some(rest) = target.strip_prefix(name).and_then(|r| r.strip_prefix(':')) else { return };
+    if rest == step.to_string() {
+        // Not a panic: nothing may run after this, as after a kill.
+        std::process::abort();
+    }
+}
