@@ -46,6 +46,7 @@ pub(crate) async fn run(
     let mut reported = false;
     let result = match prepare(&shared, plan).await {
         Ok(prepared) => {
+            let beat = prepared.epoch.map(|_| heartbeat(&shared));
             let mut driver = Driver {
                 shared,
                 run_id: prepared.run_id,
@@ -53,16 +54,13 @@ pub(crate) async fn run(
                 journal: prepared.journal,
                 new_run: prepared.new_run,
                 epoch: prepared.epoch,
+                beat,
                 events: events.clone(),
                 cancel,
                 reported: false,
                 _claim: prepared.claim,
             };
-            let heartbeat = driver.epoch.map(|epoch| driver.start_heartbeat(epoch));
             let result = driver.drive(prepared.machine).await;
-            if let Some(heartbeat) = heartbeat {
-                heartbeat.abort();
-            }
             reported = driver.reported;
             result
         }
@@ -193,6 +191,8 @@ struct Driver {
     new_run: Option<RunRecord>,
     /// The lease epoch commits are fenced with.
     epoch: Option<u64>,
+    /// When to renew the lease while waiting on a model or tools (`None` without a lease).
+    beat: Option<tokio::time::Interval>,
     events: UnboundedSender<Event>,
     cancel: CancellationToken,
     /// Whether the machine already emitted `run.error` for the run's failure.
@@ -216,17 +216,25 @@ impl Driver {
                     ));
                 }
                 None => {
-                    tokio::select! {
+                    let beat = tokio::select! {
                         biased;
                         () = self.cancel.cancelled() => {
                             // Dropping the futures aborts the tool tasks.
                             tools.clear();
-                            (Input::Cancel, None)
+                            Err((Input::Cancel, None))
                         }
+                        () = next_beat(&mut self.beat) => Ok(()),
                         Some((step, call_id, outcome)) = tools.next() => {
                             let entry = JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) };
-                            (Input::ToolDone { call_id, outcome }, Some(entry))
+                            Err((Input::ToolDone { call_id, outcome }, Some(entry)))
                         }
+                    };
+                    match beat {
+                        Ok(()) => {
+                            self.renew_lease().await;
+                            continue;
+                        }
+                        Err(next) => next,
                     }
                 }
             };
@@ -299,28 +307,20 @@ impl Driver {
         Ok(())
     }
 
-    /// Renews the run's lease while it is driven (every third of its length). A lost lease
-    /// cancels the run here: another process has taken it over, and fenced commits would fail.
-    fn start_heartbeat(&self, epoch: u64) -> tokio::task::JoinHandle<()> {
-        let shared = Arc::clone(&self.shared);
-        let run = self.run_id.clone();
-        let cancel = self.cancel.clone();
-        tokio::spawn(async move {
-            let period = shared.lease_ttl / 3;
-            loop {
-                tokio::time::sleep(period).await;
-                match shared.store.renew_lease(&run, &shared.owner, epoch, shared.lease_ttl).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        tracing::warn!(%run, "lost the run's lease to another process; stopping");
-                        cancel.cancel();
-                        return;
-                    }
-                    // A transient store failure: the next beat retries before the lease runs out.
-                    Err(error) => tracing::warn!(%run, %error, "could not renew the run's lease"),
-                }
+    /// Renews the run's lease. A lost lease cancels the run here: another process has taken it
+    /// over, and this driver's commits would be refused anyway.
+    async fn renew_lease(&self) {
+        let Some(epoch) = self.epoch else { return };
+        let shared = &self.shared;
+        match shared.store.renew_lease(&self.run_id, &shared.owner, epoch, shared.lease_ttl).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(run = %self.run_id, "lost the run's lease to another process; stopping");
+                self.cancel.cancel();
             }
-        })
+            // A transient store failure: the next beat retries before the lease runs out.
+            Err(error) => tracing::warn!(run = %self.run_id, %error, "could not renew the run's lease"),
+        }
     }
 
     fn emit(&self, event: Event) {
@@ -358,10 +358,19 @@ impl Driver {
             Some(JournalRecord::ToolResult(_)) => return Err(self.corrupt(&step)),
             None => {}
         }
-        let result = tokio::select! {
-            biased;
-            () = self.cancel.cancelled() => return Ok((Input::Cancel, None)),
-            result = call_model(&self.shared, machine, &self.events) => result,
+        let call = call_model(&self.shared, machine, &self.events);
+        tokio::pin!(call);
+        let result = loop {
+            let beat = tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => return Ok((Input::Cancel, None)),
+                () = next_beat(&mut self.beat) => None,
+                result = &mut call => Some(result),
+            };
+            match beat {
+                Some(result) => break result,
+                None => self.renew_lease().await,
+            }
         };
         Ok(match result {
             Ok(reply) => {
@@ -457,6 +466,25 @@ impl PendingCommit {
             Some((first, existing)) => (first, existing + count),
             None => (first_position, count),
         });
+    }
+}
+
+/// Ticks a third of the way through the lease: how often a driver waiting on a model or tools
+/// renews it (each commit renews it too). A timer, not a task: a run costs no extra spawn.
+fn heartbeat(shared: &Shared) -> tokio::time::Interval {
+    let period = (shared.lease_ttl / 3).max(std::time::Duration::from_millis(10));
+    let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    beat
+}
+
+/// The next heartbeat, or never without a lease.
+async fn next_beat(beat: &mut Option<tokio::time::Interval>) {
+    match beat {
+        Some(interval) => {
+            interval.tick().await;
+        }
+        None => std::future::pending().await,
     }
 }
 
