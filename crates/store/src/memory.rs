@@ -172,12 +172,18 @@ impl Store for MemoryStore {
                     inner.runs.insert(run.run_id.clone(), run.clone());
                 }
                 if let Some(fence) = commit.fence {
-                    let lease = LeaseState {
-                        owner: fence.owner.to_owned(),
-                        expires_ms: crate::now_ms().saturating_add(fence.ttl.as_millis() as u64),
-                        epoch: fence.epoch,
-                    };
-                    inner.leases.insert(commit.run.clone(), lease);
+                    let expires_ms = crate::now_ms().saturating_add(fence.ttl.as_millis() as u64);
+                    match inner.leases.get_mut(commit.run) {
+                        // The usual case: extend the lease held, without allocating.
+                        Some(lease) if lease.owner == fence.owner && lease.epoch == fence.epoch => {
+                            lease.expires_ms = expires_ms;
+                        }
+                        _ => {
+                            let lease =
+                                LeaseState { owner: fence.owner.to_owned(), expires_ms, epoch: fence.epoch };
+                            inner.leases.insert(commit.run.clone(), lease);
+                        }
+                    }
                 }
                 if let Some(entry) = commit.entry {
                     inner.append_journal(commit.run, entry);
