@@ -216,25 +216,25 @@ impl Driver {
                     ));
                 }
                 None => {
-                    let beat = tokio::select! {
+                    let woken = tokio::select! {
                         biased;
                         () = self.cancel.cancelled() => {
                             // Dropping the futures aborts the tool tasks.
                             tools.clear();
-                            Err((Input::Cancel, None))
+                            Wake::Input(Input::Cancel, None)
                         }
-                        () = next_beat(&mut self.beat) => Ok(()),
+                        () = next_beat(&mut self.beat) => Wake::Heartbeat,
                         Some((step, call_id, outcome)) = tools.next() => {
                             let entry = JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) };
-                            Err((Input::ToolDone { call_id, outcome }, Some(entry)))
+                            Wake::Input(Input::ToolDone { call_id, outcome }, Some(entry))
                         }
                     };
-                    match beat {
-                        Ok(()) => {
+                    match woken {
+                        Wake::Heartbeat => {
                             self.renew_lease().await;
                             continue;
                         }
-                        Err(next) => next,
+                        Wake::Input(input, entry) => (input, entry),
                     }
                 }
             };
@@ -361,13 +361,13 @@ impl Driver {
         let call = call_model(&self.shared, machine, &self.events);
         tokio::pin!(call);
         let result = loop {
-            let beat = tokio::select! {
+            let finished = tokio::select! {
                 biased;
                 () = self.cancel.cancelled() => return Ok((Input::Cancel, None)),
                 () = next_beat(&mut self.beat) => None,
                 result = &mut call => Some(result),
             };
-            match beat {
+            match finished {
                 Some(result) => break result,
                 None => self.renew_lease().await,
             }
@@ -445,6 +445,14 @@ impl Driver {
             }
         }
     }
+}
+
+/// Why a driver waiting on tools woke up.
+enum Wake {
+    /// Time to renew the lease.
+    Heartbeat,
+    /// The next input, with its journal entry when it is a fresh result.
+    Input(Input, Option<JournalEntry>),
 }
 
 /// What a step has produced and not yet committed.
