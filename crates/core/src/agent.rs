@@ -29,6 +29,26 @@ pub struct AgentDef {
     /// Tools whose successful completion ends the run with `stop_condition`; the tool's output
     /// becomes the run's output.
     pub stop_on_tools: Vec<String>,
+    /// What a second input does while a session has a run in flight.
+    pub concurrency: Concurrency,
+}
+
+/// What a second input to a busy session does (spec key `concurrency`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Concurrency {
+    /// Refused with `KEEL_SESSION_BUSY`.
+    #[default]
+    Reject,
+    /// The run in flight is cancelled, then the new one starts.
+    Replace,
+    /// Waits its turn, first in first out; at most [`Concurrency::MAX_QUEUED`] wait, more are
+    /// refused with `KEEL_SESSION_BUSY`.
+    Queue,
+}
+
+impl Concurrency {
+    /// How many inputs may wait for a busy session in `queue` mode.
+    pub const MAX_QUEUED: usize = 5;
 }
 
 impl std::fmt::Debug for AgentDef {

@@ -27,7 +27,8 @@ pub mod tool;
 pub mod wire;
 
 pub use agent::{
-    AgentDef, CommandToolDef, Limits, MockEntry, MockFailure, MockScript, MockToolCall, RetryPolicy,
+    AgentDef, CommandToolDef, Concurrency, Limits, MockEntry, MockFailure, MockScript, MockToolCall,
+    RetryPolicy,
 };
 pub use error::{ErrorCode, RunFailure};
 pub use event::{Event, StopReason, Usage};

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use keel_core::agent::OutputSchema;
 use keel_core::tool::ToolSetError;
 use keel_core::{
-    AgentDef, ErrorCode, Limits, Message, MockScript, Provider, RetryPolicy, RunFailure, RunId, SessionId,
-    Store, Tool, ToolSet,
+    AgentDef, Concurrency, ErrorCode, Limits, Message, MockScript, Provider, RetryPolicy, RunFailure, RunId,
+    SessionId, Store, Tool, ToolSet,
 };
 use keel_runtime::{Engine, RunHandle};
 use keel_spec::{AgentSpec, Diagnostic, LoadOptions};
@@ -105,6 +105,7 @@ impl Agent {
             .model(spec.model)
             .limits(spec.limits)
             .retry(spec.retry)
+            .concurrency(spec.concurrency)
             .store(store)
             .tools(tools);
         if let Some(script) = spec.mock {
@@ -169,6 +170,7 @@ pub struct AgentBuilder {
     retry: RetryPolicy,
     output_schema: Option<Value>,
     stop_on_tools: Vec<String>,
+    concurrency: Concurrency,
     mock_script: Option<MockScript>,
     provider: Option<Arc<dyn Provider>>,
     store: Option<Arc<dyn Store>>,
@@ -231,6 +233,12 @@ impl AgentBuilder {
         self
     }
 
+    /// What a second input to a busy session does (default: reject it).
+    pub fn concurrency(mut self, concurrency: Concurrency) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
     /// The script the `mock` model plays.
     pub fn mock_script(mut self, script: MockScript) -> Self {
         self.mock_script = Some(script);
@@ -290,6 +298,7 @@ impl AgentBuilder {
             retry: self.retry,
             output_schema,
             stop_on_tools: self.stop_on_tools,
+            concurrency: self.concurrency,
         };
         let store = self.store.unwrap_or_else(|| Arc::new(MemoryStore::new()));
         Ok(Agent { engine: Engine::new(Arc::new(definition), provider, store) })

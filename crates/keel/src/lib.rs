@@ -51,10 +51,10 @@ pub use agent::{Agent, AgentBuilder, LoadError, load_spec};
 pub use keel_core::machine::RunOutcome;
 pub use keel_core::wire::{event_to_json, event_type};
 pub use keel_core::{
-    AgentDef, BoxFuture, CommandToolDef, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry,
-    MockFailure, MockScript, MockToolCall, ModelReply, ModelRequest, Part, Provider, ProviderError,
-    RetryPolicy, Role, RunFailure, RunId, RunState, SessionId, SessionSummary, StopReason, Store, StoreError,
-    Tool, ToolContext, ToolError, ToolOutcome, ToolSpec, Usage,
+    AgentDef, BoxFuture, CommandToolDef, Concurrency, DeltaSink, ErrorCode, Event, Limits, Message,
+    MockEntry, MockFailure, MockScript, MockToolCall, ModelReply, ModelRequest, Part, Provider,
+    ProviderError, RetryPolicy, Role, RunFailure, RunId, RunState, SessionId, SessionSummary, StopReason,
+    Store, StoreError, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec, Usage,
 };
 pub use keel_providers::MockProvider;
 pub use keel_runtime::{RunHandle, RunResult};

@@ -23,13 +23,13 @@ use keel_core::{
 use tokio::sync::mpsc::UnboundedSender;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::{SessionClaim, Shared};
+use crate::engine::{Admission, SessionClaim, Shared};
 use crate::handle::RunResult;
 
 /// How a run begins.
 pub(crate) enum Plan {
     /// A new run of `session` answering `input`.
-    Fresh { run_id: RunId, session: SessionId, input: Message, claim: SessionClaim },
+    Fresh { run_id: RunId, session: SessionId, input: Message, admission: Admission },
     /// Re-drive a stored run from its journal.
     Resume { run_id: RunId },
 }
@@ -44,7 +44,7 @@ pub(crate) async fn run(
     cancel: CancellationToken,
 ) -> Result<RunResult, RunFailure> {
     let mut reported = false;
-    let result = match prepare(&shared, plan).await {
+    let result = match prepare(&shared, plan, &cancel).await {
         Ok(prepared) => {
             let beat = prepared.epoch.map(|_| heartbeat(&shared));
             let mut driver = Driver {
@@ -91,10 +91,29 @@ fn store_failure(error: StoreError) -> RunFailure {
     RunFailure::new(error.code(), format!("the store failed: {error}"))
 }
 
-async fn prepare(shared: &Arc<Shared>, plan: Plan) -> Result<Prepared, RunFailure> {
+async fn prepare(
+    shared: &Arc<Shared>,
+    plan: Plan,
+    cancel: &CancellationToken,
+) -> Result<Prepared, RunFailure> {
     let store = &shared.store;
     match plan {
-        Plan::Fresh { run_id, session, input, claim } => {
+        Plan::Fresh { run_id, session, input, admission } => {
+            let claim = match admission {
+                Admission::Now(claim) => claim,
+                // Queued (or replacing the run in flight): wait for the session.
+                Admission::Wait(handover) => tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => return Err(RunFailure::new(
+                        ErrorCode::SessionBusy,
+                        format!("the input to session {session} was cancelled or replaced before its run started"),
+                    )),
+                    claim = handover => claim.map_err(|_| RunFailure::new(
+                        ErrorCode::Internal,
+                        "the session was never handed over; please report this bug",
+                    ))?,
+                },
+            };
             let history = store.load_messages(&session).await.map_err(store_failure)?;
             // Each completed model call appends exactly one assistant message.
             let call_base = history.iter().filter(|m| m.role == Role::Assistant).count() as u64;
@@ -129,7 +148,7 @@ async fn prepare(shared: &Arc<Shared>, plan: Plan) -> Result<Prepared, RunFailur
             let record = store.load_run(&run_id).await.map_err(store_failure)?.ok_or_else(|| {
                 RunFailure::new(ErrorCode::RunNotFound, format!("no run {run_id} in the store"))
             })?;
-            let claim = shared.claim(&record.session_id)?;
+            let claim = shared.claim(&record.session_id, cancel)?;
             let epoch = match store
                 .claim_run(&run_id, &shared.owner, shared.lease_ttl)
                 .await

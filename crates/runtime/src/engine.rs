@@ -1,9 +1,11 @@
 //! [`Engine`]: an agent bound to a provider and a store, able to start and re-drive runs.
 
-use foldhash::HashSet;
+use std::collections::VecDeque;
+
+use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 
-use keel_core::{AgentDef, ErrorCode, Message, Provider, RunFailure, RunId, SessionId, Store};
+use keel_core::{AgentDef, Concurrency, ErrorCode, Message, Provider, RunFailure, RunId, SessionId, Store};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -19,8 +21,22 @@ pub(crate) struct Shared {
     pub(crate) owner: Arc<str>,
     /// How long a run's lease lasts without a heartbeat.
     pub(crate) lease_ttl: std::time::Duration,
-    /// Sessions with a run in flight in this process.
-    busy: Mutex<HashSet<SessionId>>,
+    /// Sessions with a run in flight in this process, and the inputs waiting for them.
+    busy: Mutex<HashMap<SessionId, SessionSlot>>,
+}
+
+/// A busy session: how to cancel its run, and who waits for it (in `queue` or `replace` mode).
+struct SessionSlot {
+    cancel: CancellationToken,
+    waiting: VecDeque<(oneshot::Sender<SessionClaim>, CancellationToken)>,
+}
+
+/// Whether a run may start now, or must wait for the session.
+pub(crate) enum Admission {
+    /// The session is the run's.
+    Now(SessionClaim),
+    /// The session will be handed over when the runs before this one end.
+    Wait(oneshot::Receiver<SessionClaim>),
 }
 
 /// The lease length when `KEEL_RUN_LEASE` does not say.
@@ -46,23 +62,85 @@ pub(crate) struct SessionClaim {
 }
 
 impl Shared {
-    /// Claims the session for one run, or says it is busy.
-    pub(crate) fn claim(self: &Arc<Self>, session: &SessionId) -> Result<SessionClaim, RunFailure> {
+    /// Admits a run to its session according to `mode`: now, after the runs before it (queue,
+    /// replace), or not at all (`KEEL_SESSION_BUSY`). `cancel` is the new run's token: a later
+    /// `replace` cancels it.
+    pub(crate) fn admit(
+        self: &Arc<Self>,
+        session: &SessionId,
+        cancel: &CancellationToken,
+        mode: Concurrency,
+    ) -> Result<Admission, RunFailure> {
         let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
-        if !busy.insert(session.clone()) {
-            return Err(RunFailure::new(
+        let Some(slot) = busy.get_mut(session) else {
+            busy.insert(session.clone(), SessionSlot { cancel: cancel.clone(), waiting: VecDeque::new() });
+            return Ok(Admission::Now(SessionClaim { shared: Arc::clone(self), session: session.clone() }));
+        };
+        let busy_error = |why: &str| {
+            RunFailure::new(
                 ErrorCode::SessionBusy,
-                format!("session {session} already has a run in flight; wait for it to finish or cancel it"),
-            ));
+                format!("session {session} already has a run in flight{why}"),
+            )
+        };
+        match mode {
+            Concurrency::Reject => Err(busy_error("; wait for it to finish or cancel it")),
+            Concurrency::Queue if slot.waiting.len() >= Concurrency::MAX_QUEUED => Err(busy_error(&format!(
+                " and {} inputs waiting, the most `concurrency: queue` allows",
+                Concurrency::MAX_QUEUED
+            ))),
+            Concurrency::Queue => {
+                let (handover, wait) = oneshot::channel();
+                slot.waiting.push_back((handover, cancel.clone()));
+                Ok(Admission::Wait(wait))
+            }
+            Concurrency::Replace => {
+                // The newest input wins: the run in flight and any input still waiting give way.
+                slot.cancel.cancel();
+                for (_, waiting) in slot.waiting.drain(..) {
+                    waiting.cancel();
+                }
+                let (handover, wait) = oneshot::channel();
+                slot.waiting.push_back((handover, cancel.clone()));
+                Ok(Admission::Wait(wait))
+            }
         }
-        Ok(SessionClaim { shared: Arc::clone(self), session: session.clone() })
+    }
+
+    /// Claims the session now, or says it is busy (re-driving a run never waits).
+    pub(crate) fn claim(
+        self: &Arc<Self>,
+        session: &SessionId,
+        cancel: &CancellationToken,
+    ) -> Result<SessionClaim, RunFailure> {
+        match self.admit(session, cancel, Concurrency::Reject)? {
+            Admission::Now(claim) => Ok(claim),
+            Admission::Wait(_) => unreachable!("reject never waits"),
+        }
     }
 }
 
 impl Drop for SessionClaim {
+    /// Hands the session to the next waiting run, or frees it.
     fn drop(&mut self) {
-        let mut busy = self.shared.busy.lock().unwrap_or_else(|p| p.into_inner());
-        busy.remove(&self.session);
+        let next = {
+            let mut busy = self.shared.busy.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(slot) = busy.get_mut(&self.session) else { return };
+            match slot.waiting.pop_front() {
+                Some((handover, cancel)) => {
+                    slot.cancel = cancel;
+                    Some(handover)
+                }
+                None => {
+                    busy.remove(&self.session);
+                    None
+                }
+            }
+        };
+        // Outside the lock: a refused claim is dropped here, and hands over to the next in line.
+        if let Some(handover) = next {
+            let claim = SessionClaim { shared: Arc::clone(&self.shared), session: self.session.clone() };
+            drop(handover.send(claim));
+        }
     }
 }
 
@@ -142,15 +220,16 @@ impl Engine {
     /// Fails at once with `KEEL_SESSION_BUSY` when the session has a run in flight, and with
     /// `KEEL_INTERNAL` when called outside a Tokio runtime.
     pub fn start(&self, session: SessionId, input: Message) -> Result<RunHandle, RunFailure> {
-        let claim = self.shared.claim(&session)?;
+        let cancel = CancellationToken::new();
+        let admission = self.shared.admit(&session, &cancel, self.shared.agent.concurrency)?;
         let run_id = new_run_id();
-        Ok(self.spawn(run_id.clone(), Plan::Fresh { run_id, session, input, claim }))
+        Ok(self.spawn(run_id.clone(), Plan::Fresh { run_id, session, input, admission }, cancel))
     }
 
     /// Re-drives a run from its journal (after a crash, a restart, or to replay it). Journaled
     /// steps are not executed again; the run continues from the first step without a record.
     pub fn resume(&self, run_id: RunId) -> RunHandle {
-        self.spawn(run_id.clone(), Plan::Resume { run_id })
+        self.spawn(run_id.clone(), Plan::Resume { run_id }, CancellationToken::new())
     }
 
     /// Re-drives every run left `running` by a process that died (its lease expired): all of
@@ -162,10 +241,9 @@ impl Engine {
         Ok(runs.into_iter().map(|run| self.resume(run)).collect())
     }
 
-    fn spawn(&self, run_id: RunId, plan: Plan) -> RunHandle {
+    fn spawn(&self, run_id: RunId, plan: Plan, cancel: CancellationToken) -> RunHandle {
         let (event_tx, event_rx) = mpsc::unbounded_channel();
         let (result_tx, result_rx) = oneshot::channel();
-        let cancel = CancellationToken::new();
         let handle = RunHandle::new(run_id, event_rx, result_rx, cancel.clone());
         let shared = Arc::clone(&self.shared);
         match tokio::runtime::Handle::try_current() {
@@ -193,7 +271,7 @@ mod tests {
 
     #[test]
     fn run_ids_are_unique_even_within_one_millisecond() {
-        let ids: HashSet<RunId> = (0..200_000).map(|_| new_run_id()).collect();
+        let ids: std::collections::HashSet<RunId> = (0..200_000).map(|_| new_run_id()).collect();
         assert_eq!(ids.len(), 200_000);
         let id = new_run_id();
         assert_eq!(RunId::parse(id.as_str()), Some(id.clone()));

@@ -103,6 +103,7 @@ fn agent(tools: Vec<Arc<dyn Tool>>, edit: impl FnOnce(&mut AgentDef)) -> Arc<Age
         },
         output_schema: None,
         stop_on_tools: Vec::new(),
+        concurrency: keel_core::Concurrency::Reject,
     };
     edit(&mut def);
     Arc::new(def)
@@ -478,4 +479,101 @@ async fn a_live_run_keeps_its_lease_by_heartbeat_and_is_never_taken_over() {
         assert!(other.recover(None).await.unwrap().is_empty(), "a live run was seen as interrupted");
     }
     assert_eq!(run.result().await.unwrap().text, "ok");
+}
+
+fn slow_echo(delay_ms: u64, turns: usize) -> Vec<MockEntry> {
+    (0..turns)
+        .map(|i| MockEntry { delay_ms, text: Some(format!("answer {i}")), ..MockEntry::default() })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_inputs_run_one_at_a_time_in_order_and_the_queue_is_bounded() {
+    for iteration in 0..20 {
+        let store = Arc::new(MemoryStore::new());
+        let engine = Engine::new(
+            agent(vec![], |a| a.concurrency = keel_core::Concurrency::Queue),
+            counting(slow_echo(5, 40)),
+            store.clone(),
+        );
+        // Twelve inputs race for one session from as many tasks.
+        let barrier = Arc::new(tokio::sync::Barrier::new(12));
+        let racers: Vec<_> = (0..12)
+            .map(|i| {
+                let (engine, barrier) = (engine.clone(), Arc::clone(&barrier));
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    engine.start(session("q"), Message::user(format!("input {i}"))).map(|h| (i, h))
+                })
+            })
+            .collect();
+        let mut accepted = Vec::new();
+        let mut refused = 0;
+        for racer in racers {
+            match racer.await.unwrap() {
+                Ok(handle) => accepted.push(handle),
+                Err(failure) => {
+                    assert_eq!(failure.code, ErrorCode::SessionBusy);
+                    refused += 1;
+                }
+            }
+        }
+        assert_eq!(accepted.len(), 6, "iteration {iteration}: one running and five waiting");
+        assert_eq!(refused, 6, "iteration {iteration}");
+        for (_, handle) in accepted {
+            handle.result().await.unwrap();
+        }
+        // The transcript is whole turns, one after another: user, assistant, user, assistant...
+        let transcript = store.load_messages(&session("q")).await.unwrap();
+        assert_eq!(transcript.len(), 12, "iteration {iteration}");
+        for (index, message) in transcript.iter().enumerate() {
+            let expected = if index % 2 == 0 { keel_core::Role::User } else { keel_core::Role::Assistant };
+            assert_eq!(message.role, expected, "iteration {iteration}: interleaved turns {transcript:#?}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn queued_runs_start_in_arrival_order() {
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(
+        agent(vec![], |a| a.concurrency = keel_core::Concurrency::Queue),
+        counting(slow_echo(20, 10)),
+        store.clone(),
+    );
+    let handles: Vec<_> = (0..4)
+        .map(|i| engine.start(session("order"), Message::user(format!("input {i}"))).unwrap())
+        .collect();
+    for handle in handles {
+        handle.result().await.unwrap();
+    }
+    let users: Vec<String> = store
+        .load_messages(&session("order"))
+        .await
+        .unwrap()
+        .iter()
+        .filter(|m| m.role == keel_core::Role::User)
+        .map(|m| m.text())
+        .collect();
+    assert_eq!(users, ["input 0", "input 1", "input 2", "input 3"]);
+}
+
+#[tokio::test]
+async fn replace_cancels_the_run_in_flight_and_runs_the_new_input() {
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(
+        agent(vec![], |a| a.concurrency = keel_core::Concurrency::Replace),
+        counting(slow_echo(300, 5)),
+        store.clone(),
+    );
+    let first = engine.start(session("r"), Message::user("first")).unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = engine.start(session("r"), Message::user("second")).unwrap();
+    assert_eq!(first.result().await.unwrap().stopped, StopReason::Cancelled);
+    let result = second.result().await.unwrap();
+    assert_eq!(result.stopped, StopReason::Final);
+    let transcript = store.load_messages(&session("r")).await.unwrap();
+    let texts: Vec<String> = transcript.iter().map(|m| m.text()).collect();
+    // The first run was cancelled during its model call: its input stays, with no answer.
+    assert_eq!(texts, ["first", "second", "answer 0"]);
 }

@@ -389,6 +389,7 @@ pub(crate) fn finish(
         command_tools,
         limits: spec.limits,
         retry: spec.retry,
+        concurrency: spec.concurrency,
         output_schema: spec.output_schema,
         mock,
         skills,

@@ -22,7 +22,7 @@ mod directory;
 mod spec_file;
 mod tree;
 
-use keel_core::{CommandToolDef, ErrorCode, Limits, MockScript, RetryPolicy};
+use keel_core::{CommandToolDef, Concurrency, ErrorCode, Limits, MockScript, RetryPolicy};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -48,6 +48,8 @@ pub struct AgentSpec {
     pub limits: Limits,
     /// Model call retries.
     pub retry: RetryPolicy,
+    /// What a second input to a busy session does.
+    pub concurrency: Concurrency,
     /// The JSON Schema of the final answer (`output.schema`).
     pub output_schema: Option<Value>,
     /// The mock provider's script (`mock.script`).

@@ -3,7 +3,9 @@
 use std::path::Path;
 
 use keel_core::agent::OutputSchema;
-use keel_core::{ErrorCode, Limits, MockEntry, MockFailure, MockScript, MockToolCall, RetryPolicy};
+use keel_core::{
+    Concurrency, ErrorCode, Limits, MockEntry, MockFailure, MockScript, MockToolCall, RetryPolicy,
+};
 use serde_json::Value;
 
 use crate::decode::{Decoder, did_you_mean};
@@ -57,6 +59,7 @@ pub(crate) struct FileSpec {
     pub(crate) tools: Vec<(String, Pos)>,
     pub(crate) limits: Limits,
     pub(crate) retry: RetryPolicy,
+    pub(crate) concurrency: Concurrency,
     pub(crate) output_schema: Option<Value>,
     pub(crate) mock: Option<(MockScript, Vec<(String, Pos)>)>,
     pub(crate) skills: Option<Vec<(String, Pos)>>,
@@ -98,6 +101,7 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         tools: Vec::new(),
         limits: Limits::default(),
         retry: RetryPolicy::default(),
+        concurrency: Concurrency::Reject,
         output_schema: None,
         mock: None,
         skills: None,
@@ -142,16 +146,9 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     if let Some(node) = map.take("concurrency") {
         if let Some(mode) = d.string(node, "concurrency") {
             match mode.as_str() {
-                "reject" => {}
-                "replace" | "queue" => {
-                    d.push(Diagnostic::error(
-                        ErrorCode::SpecUnsupported,
-                        &d.file.clone(),
-                        node.pos,
-                        format!("`concurrency: {mode}` is not supported by this version of keel yet"),
-                    ))
-                    .hint = Some("use `concurrency: reject` (the default) for now".into());
-                }
+                "reject" => spec.concurrency = Concurrency::Reject,
+                "replace" => spec.concurrency = Concurrency::Replace,
+                "queue" => spec.concurrency = Concurrency::Queue,
                 other => {
                     let hint = did_you_mean(other, &["reject", "replace", "queue"])
                         .map_or("use reject, replace or queue".to_owned(), |c| {

@@ -304,9 +304,6 @@ fn features_of_later_versions_are_refused_not_ignored() {
             error[KEEL_SPEC_UNSUPPORTED]: `approvals` is not supported by this version of keel yet
               --> a.yaml:2:1
               hint: remove `approvals` to run the agent with this version
-            error[KEEL_SPEC_UNSUPPORTED]: `concurrency: queue` is not supported by this version of keel yet
-              --> a.yaml:3:14
-              hint: use `concurrency: reject` (the default) for now
         "#]],
     );
 }

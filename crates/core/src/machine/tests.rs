@@ -56,6 +56,7 @@ fn agent(edit: impl FnOnce(&mut AgentDef)) -> Arc<AgentDef> {
         retry: RetryPolicy::default(),
         output_schema: None,
         stop_on_tools: Vec::new(),
+        concurrency: crate::agent::Concurrency::Reject,
     };
     edit(&mut def);
     Arc::new(def)
