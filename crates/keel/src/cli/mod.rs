@@ -72,6 +72,21 @@ pub(crate) enum SessionsCommand {
         #[command(flatten)]
         store: StoreArgs,
     },
+    /// Remove the sessions not written to for a while (a time to live), with their runs.
+    Prune {
+        /// How long a session may stay unused, e.g. `30d`, `12h`.
+        #[arg(long, value_parser = parse_duration)]
+        older_than: std::time::Duration,
+        /// List what would be removed, remove nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
+fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(text).map_err(|e| format!("{e} (write durations like `30d`, `12h`, `90m`)"))
 }
 
 /// Which store a command reads.

@@ -14,6 +14,7 @@ pub(crate) fn sessions(command: SessionsCommand) -> std::io::Result<u8> {
             SessionsCommand::List(store) => list(&store).await,
             SessionsCommand::Show { id, json, store } => show(&id, json, &store).await,
             SessionsCommand::Rm { id, store } => remove(&id, &store).await,
+            SessionsCommand::Prune { older_than, dry_run, store } => prune(older_than, dry_run, &store).await,
         }
     })
 }
@@ -157,4 +158,36 @@ async fn remove(id: &str, args: &StoreArgs) -> std::io::Result<u8> {
         }
         Err(error) => store_error(&error),
     }
+}
+
+async fn prune(older_than: std::time::Duration, dry_run: bool, args: &StoreArgs) -> std::io::Result<u8> {
+    let store = match open(args)? {
+        Ok(store) => store,
+        Err(code) => return Ok(code),
+    };
+    let sessions = match store.list_sessions().await {
+        Ok(sessions) => sessions,
+        Err(error) => return store_error(&error),
+    };
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let cutoff = now_ms.saturating_sub(u64::try_from(older_than.as_millis()).unwrap_or(u64::MAX));
+    let mut out = std::io::stdout().lock();
+    let mut removed = 0;
+    for session in sessions.iter().filter(|s| s.updated_at_ms < cutoff) {
+        if !dry_run && let Err(error) = store.delete_session(&session.id).await {
+            return store_error(&error);
+        }
+        writeln!(out, "{} {}", if dry_run { "would remove" } else { "removed" }, session.id)?;
+        removed += 1;
+    }
+    writeln!(
+        std::io::stderr(),
+        "{removed} of {} sessions {} (unused for more than {})",
+        sessions.len(),
+        if dry_run { "would be removed" } else { "removed" },
+        humantime::format_duration(older_than)
+    )?;
+    Ok(exit::OK)
 }

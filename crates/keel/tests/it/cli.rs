@@ -469,3 +469,43 @@ fn bad_database_files_get_coded_errors_and_are_left_alone() {
         .code(1)
         .stderr(predicate::str::contains("unknown store"));
 }
+
+#[test]
+fn prune_removes_sessions_unused_for_longer_than_the_time_to_live() {
+    let dir = agent_dir(&[("echo.yaml", "model: mock\n")]);
+    let db = dir.path().join("keel.db");
+    let store = format!("sqlite:{}", db.display());
+    for session in ["old", "fresh"] {
+        keel()
+            .arg("run")
+            .arg(dir.path().join("echo.yaml"))
+            .args(["hi", "--session", session, "--store", &store])
+            .assert()
+            .success();
+    }
+    // Age one session by a year.
+    let status = std::process::Command::new("python3")
+        .args(["-c", "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); c.execute(\"UPDATE sessions SET updated_at = updated_at - 31536000000 WHERE id = 'old'\"); c.commit()"])
+        .arg(&db)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    keel()
+        .args(["sessions", "prune", "--older-than", "30d", "--dry-run", "--store", &store])
+        .assert()
+        .success()
+        .stdout("would remove old\n");
+    keel()
+        .args(["sessions", "prune", "--older-than", "30d", "--store", &store])
+        .assert()
+        .success()
+        .stdout("removed old\n");
+    let listing = keel().args(["sessions", "list", "--store", &store]).output().unwrap();
+    let listing = String::from_utf8(listing.stdout).unwrap();
+    assert!(listing.contains("fresh") && !listing.contains("old "), "{listing}");
+    keel()
+        .args(["sessions", "prune", "--older-than", "soon", "--store", &store])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("write durations like"));
+}
