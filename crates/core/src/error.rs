@@ -67,6 +67,9 @@ pub enum ErrorCode {
     JournalCorrupt,
     /// The run is being driven by another process (its lease is held and not expired).
     RunLeased,
+    /// The run is finished and its journal no longer holds a step a re-drive needs (it was
+    /// compacted): nothing is executed again.
+    RunFinished,
     /// This process lost the run's lease (it stalled past the lease's expiry and another process
     /// took the run over); it stopped without writing over the new owner's work.
     LeaseLost,
@@ -106,6 +109,7 @@ impl ErrorCode {
         ErrorCode::StoreCorrupt,
         ErrorCode::JournalCorrupt,
         ErrorCode::RunLeased,
+        ErrorCode::RunFinished,
         ErrorCode::LeaseLost,
         ErrorCode::Internal,
     ];
@@ -142,6 +146,7 @@ impl ErrorCode {
             ErrorCode::StoreCorrupt => "KEEL_STORE_CORRUPT",
             ErrorCode::JournalCorrupt => "KEEL_JOURNAL_CORRUPT",
             ErrorCode::RunLeased => "KEEL_RUN_LEASED",
+            ErrorCode::RunFinished => "KEEL_RUN_FINISHED",
             ErrorCode::LeaseLost => "KEEL_LEASE_LOST",
             ErrorCode::Internal => "KEEL_INTERNAL",
         }

@@ -238,6 +238,11 @@ pub trait Store: Send + Sync {
         session: Option<&'a SessionId>,
     ) -> BoxFuture<'a, Result<Vec<RunId>, StoreError>>;
 
+    /// Compacts the journals of finished runs (done, failed, cancelled) to what their
+    /// transcripts need: nothing, as the messages hold the results. Returns how many journal
+    /// entries were removed. A compacted run can no longer be replayed step by step.
+    fn compact_journals(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
+
     /// Every session, most recently written first.
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>>;
 

@@ -278,6 +278,7 @@ impl Driver {
                                 inputs.push_back((Input::ToolDone { call_id: call.call_id, outcome }, None));
                             }
                             Some(JournalRecord::ModelReply(_)) => return Err(self.corrupt(&step)),
+                            None if self.epoch.is_none() => return Err(self.finished(&step)),
                             None => tools.push(self.spawn_tool(step, call)),
                         }
                     }
@@ -347,6 +348,18 @@ impl Driver {
         let _ = self.events.send(event);
     }
 
+    /// A finished run is only ever replayed: a step missing from its journal (compacted) is not
+    /// executed again.
+    fn finished(&self, step: &StepName) -> RunFailure {
+        RunFailure::new(
+            ErrorCode::RunFinished,
+            format!(
+                "run {} is finished and its journal has no step {step} (it was compacted); nothing is executed again",
+                self.run_id
+            ),
+        )
+    }
+
     fn corrupt(&self, step: &StepName) -> RunFailure {
         RunFailure::new(
             ErrorCode::JournalCorrupt,
@@ -375,6 +388,7 @@ impl Driver {
                 return Ok((Input::ModelReply(reply), None));
             }
             Some(JournalRecord::ToolResult(_)) => return Err(self.corrupt(&step)),
+            None if self.epoch.is_none() => return Err(self.finished(&step)),
             None => {}
         }
         let call = call_model(&self.shared, machine, &self.events);

@@ -577,3 +577,19 @@ async fn replace_cancels_the_run_in_flight_and_runs_the_new_input() {
     // The first run was cancelled during its model call: its input stays, with no answer.
     assert_eq!(texts, ["first", "second", "answer 0"]);
 }
+
+#[tokio::test]
+async fn a_finished_run_whose_journal_was_compacted_is_never_executed_again() {
+    let store = Arc::new(MemoryStore::new());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let provider = counting(vec![calls(&[("record", json!({"note": "x"}))]), text("done")]);
+    let engine =
+        Engine::new(agent(vec![recorder(Arc::clone(&log))], |_| {}), provider.clone(), store.clone());
+    let result = engine.start(session("c"), Message::user("go")).unwrap().result().await.unwrap();
+    assert!(store.compact_journals().await.unwrap() >= 2);
+    let failure = engine.resume(result.run_id).result().await.unwrap_err();
+    assert_eq!(failure.code, ErrorCode::RunFinished);
+    assert_eq!(provider.calls.lock().unwrap().len(), 2, "the model was called again");
+    assert_eq!(log.lock().unwrap().len(), 1, "the tool ran again");
+    assert_eq!(store.load_messages(&session("c")).await.unwrap().len(), 4, "the transcript changed");
+}

@@ -21,6 +21,7 @@ pub async fn run_all(store: &dyn Store) {
     sessions_are_listed_and_deleted(store).await;
     steps_commit_whole_and_replay_idempotently(store).await;
     leases_fence_stale_writers(store).await;
+    finished_runs_journals_compact(store).await;
 }
 
 fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
@@ -224,4 +225,25 @@ pub async fn leases_fence_stale_writers(store: &dyn Store) {
     store.set_run_state(run, RunState::Done).await.unwrap();
     assert_eq!(store.claim_run(run, "process-c", short).await.unwrap(), None);
     assert!(store.claim_run(&RunId::from_suffix("no-such-run"), "x", short).await.is_err());
+}
+
+/// Compaction empties the journals of finished runs, and only theirs.
+pub async fn finished_runs_journals_compact(store: &dyn Store) {
+    let session = SessionId::new("conformance-compact").unwrap();
+    let finished = run_record("compact-done", &session, 0);
+    let running = run_record("compact-running", &session, 0);
+    for record in [&finished, &running] {
+        store.create_run(record).await.unwrap();
+        let entry =
+            JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!(1))) };
+        store.append_journal(&record.run_id, &entry).await.unwrap();
+    }
+    store.set_run_state(&finished.run_id, RunState::Done).await.unwrap();
+    assert!(store.compact_journals().await.unwrap() >= 1);
+    assert!(
+        store.load_journal(&finished.run_id).await.unwrap().is_empty(),
+        "a finished run kept its journal"
+    );
+    assert_eq!(store.load_journal(&running.run_id).await.unwrap().len(), 1, "a running run lost its journal");
+    assert_eq!(store.compact_journals().await.unwrap(), 0, "compacting twice removed more");
 }

@@ -303,6 +303,20 @@ impl Store for MemoryStore {
         ready(Ok(runs))
     }
 
+    fn compact_journals(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let mut inner = self.lock();
+        let Inner { runs, journals, .. } = &mut *inner;
+        let mut removed = 0;
+        for (run, journal) in journals.iter_mut() {
+            if runs.get(run).is_some_and(|r| r.state.is_terminal()) {
+                removed += journal.len() as u64;
+                journal.clear();
+            }
+        }
+        journals.retain(|_, journal| !journal.is_empty());
+        ready(Ok(removed))
+    }
+
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
         let inner = self.lock();
         let mut sessions: Vec<SessionSummary> = inner

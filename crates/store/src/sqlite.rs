@@ -238,6 +238,11 @@ impl SqliteStore {
         Ok((pages * page_size) as u64)
     }
 
+    /// Rebuilds the database file without its free pages (after compaction or pruning).
+    pub fn vacuum(&self) -> Result<(), StoreError> {
+        self.lock().execute_batch("VACUUM").map_err(map_error)
+    }
+
     fn lock(&self) -> MutexGuard<'_, Connection> {
         self.connection.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -532,6 +537,19 @@ impl Store for SqliteStore {
             .collect()
         })();
         ready(result)
+    }
+
+    fn compact_journals(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let write = self.submit(Box::new(|c| {
+            c.execute(
+                "DELETE FROM journal WHERE run_id IN
+                   (SELECT id FROM runs WHERE state IN ('done', 'failed', 'cancelled'))",
+                [],
+            )
+            .map(|removed| removed as u64)
+            .map_err(map_error)
+        }));
+        Box::pin(write)
     }
 
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {

@@ -72,11 +72,17 @@ pub(crate) enum SessionsCommand {
         #[command(flatten)]
         store: StoreArgs,
     },
-    /// Remove the sessions not written to for a while (a time to live), with their runs.
+    /// Remove the sessions not written to for a while (a time to live), with their runs, and/or
+    /// compact the journals of finished runs.
+    #[command(group(clap::ArgGroup::new("what").required(true).multiple(true).args(["older_than", "compact"])))]
     Prune {
-        /// How long a session may stay unused, e.g. `30d`, `12h`.
+        /// Remove sessions unused for longer than this, e.g. `30d`, `12h`.
         #[arg(long, value_parser = parse_duration)]
-        older_than: std::time::Duration,
+        older_than: Option<std::time::Duration>,
+        /// Drop the journals of finished runs (their messages stay; they can no longer be
+        /// replayed step by step).
+        #[arg(long)]
+        compact: bool,
         /// List what would be removed, remove nothing.
         #[arg(long)]
         dry_run: bool,

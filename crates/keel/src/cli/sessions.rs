@@ -14,7 +14,9 @@ pub(crate) fn sessions(command: SessionsCommand) -> std::io::Result<u8> {
             SessionsCommand::List(store) => list(&store).await,
             SessionsCommand::Show { id, json, store } => show(&id, json, &store).await,
             SessionsCommand::Rm { id, store } => remove(&id, &store).await,
-            SessionsCommand::Prune { older_than, dry_run, store } => prune(older_than, dry_run, &store).await,
+            SessionsCommand::Prune { older_than, compact, dry_run, store } => {
+                prune(older_than, compact, dry_run, &store).await
+            }
         }
     })
 }
@@ -160,11 +162,35 @@ async fn remove(id: &str, args: &StoreArgs) -> std::io::Result<u8> {
     }
 }
 
-async fn prune(older_than: std::time::Duration, dry_run: bool, args: &StoreArgs) -> std::io::Result<u8> {
+async fn prune(
+    older_than: Option<std::time::Duration>,
+    compact: bool,
+    dry_run: bool,
+    args: &StoreArgs,
+) -> std::io::Result<u8> {
     let store = match open(args)? {
         Ok(store) => store,
         Err(code) => return Ok(code),
     };
+    if let Some(older_than) = older_than {
+        let code = expire(&*store, older_than, dry_run).await?;
+        if code != exit::OK {
+            return Ok(code);
+        }
+    }
+    if compact && !dry_run {
+        match store.compact_journals().await {
+            Ok(removed) => {
+                writeln!(std::io::stderr(), "compacted: {removed} journal entries of finished runs removed")?
+            }
+            Err(error) => return store_error(&error),
+        }
+    }
+    Ok(exit::OK)
+}
+
+/// Removes the sessions unused for longer than `older_than`.
+async fn expire(store: &dyn Store, older_than: std::time::Duration, dry_run: bool) -> std::io::Result<u8> {
     let sessions = match store.list_sessions().await {
         Ok(sessions) => sessions,
         Err(error) => return store_error(&error),

@@ -508,4 +508,15 @@ fn prune_removes_sessions_unused_for_longer_than_the_time_to_live() {
         .assert()
         .code(2)
         .stderr(predicate::str::contains("write durations like"));
+    keel().args(["sessions", "prune", "--store", &store]).assert().code(2);
+    // Compaction drops finished runs' journals and keeps their messages.
+    let before = std::fs::metadata(&db).unwrap().len();
+    keel()
+        .args(["sessions", "prune", "--compact", "--store", &store])
+        .assert()
+        .success()
+        .stderr(predicate::str::contains("compacted: 1 journal entries"));
+    let show = keel().args(["sessions", "show", "fresh", "--store", &store]).output().unwrap();
+    assert_eq!(String::from_utf8(show.stdout).unwrap(), "user: hi\nassistant: hi\n");
+    assert!(std::fs::metadata(&db).unwrap().len() <= before);
 }
