@@ -241,6 +241,30 @@ impl Engine {
         Ok(runs.into_iter().map(|run| self.resume(run)).collect())
     }
 
+    /// Keeps recovering interrupted runs in the background: now, then every `every`. For
+    /// long-lived processes (a server): a run whose process died is taken over once its lease
+    /// expires. Recovered runs go on in their own tasks; stop the loop by aborting the handle.
+    pub fn recover_periodically(&self, every: std::time::Duration) -> tokio::task::JoinHandle<()> {
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match engine.recover(None).await {
+                    Ok(handles) => {
+                        for handle in handles {
+                            tracing::info!(run = %handle.run_id(), "re-driving an interrupted run");
+                            // The run goes on without its handle; its outcome is in the store.
+                            drop(handle);
+                        }
+                    }
+                    Err(failure) => tracing::warn!(%failure, "could not look for interrupted runs"),
+                }
+            }
+        })
+    }
+
     fn spawn(&self, run_id: RunId, plan: Plan, cancel: CancellationToken) -> RunHandle {
         let (event_tx, event_rx) = mpsc::unbounded_channel();
         let (result_tx, result_rx) = oneshot::channel();

@@ -593,3 +593,41 @@ async fn a_finished_run_whose_journal_was_compacted_is_never_executed_again() {
     assert_eq!(log.lock().unwrap().len(), 1, "the tool ran again");
     assert_eq!(store.load_messages(&session("c")).await.unwrap().len(), 4, "the transcript changed");
 }
+
+#[test]
+fn a_long_lived_process_takes_over_runs_of_a_dead_one_by_itself() {
+    let store = Arc::new(MemoryStore::new());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let slow_runs = Arc::new(AtomicUsize::new(0));
+    let provider = counting(crash_script());
+    // The first "process" dies while `slow` runs.
+    let first = tokio::runtime::Runtime::new().unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    first.block_on(async {
+        let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::clone(&started), Arc::clone(&slow_runs))];
+        let lease = Duration::from_millis(200);
+        let engine = Engine::with_lease_ttl(agent(tools, |_| {}), provider.clone(), store.clone(), lease);
+        engine.start(session("s"), Message::user("go")).unwrap();
+        started.notified().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    });
+    first.shutdown_timeout(Duration::from_secs(1));
+    // A second one, already running its recovery loop, finishes the run without being asked.
+    let second = tokio::runtime::Runtime::new().unwrap();
+    second.block_on(async {
+        let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::default(), Arc::clone(&slow_runs))];
+        let engine = Engine::new(agent(tools, |_| {}), provider.clone(), store.clone());
+        let recovery = engine.recover_periodically(Duration::from_millis(50));
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if store.load_messages(&session("s")).await.unwrap().len() == 6 {
+                break;
+            }
+        }
+        recovery.abort();
+    });
+    let transcript = second.block_on(store.load_messages(&session("s"))).unwrap();
+    assert_eq!(transcript.len(), 6, "the run was not finished: {transcript:#?}");
+    assert_eq!(transcript[5].text(), "finished: recorded b");
+    assert_eq!(*log.lock().unwrap(), ["a", "b"], "a completed tool ran again");
+}
