@@ -155,10 +155,6 @@ fn ready<'a, T: Send + 'a>(value: T) -> BoxFuture<'a, T> {
     Box::pin(std::future::ready(value))
 }
 
-fn state_name(state: RunState) -> &'static str {
-    state.as_str()
-}
-
 fn parse_state(name: &str) -> Result<RunState, StoreError> {
     Ok(match name {
         "running" => RunState::Running,
@@ -675,7 +671,7 @@ fn insert_run(connection: &Connection, run: &RunRecord) -> Result<(), StoreError
                 encode_message(&run.input),
                 run.history_len as i64,
                 run.call_base as i64,
-                state_name(run.state),
+                run.state.as_str(),
                 crate::now_ms() as i64
             ])
         })
@@ -735,7 +731,7 @@ fn insert_journal(connection: &Connection, run: &RunId, entry: &JournalEntry) ->
 fn update_state(connection: &Connection, run: &RunId, state: RunState) -> Result<(), StoreError> {
     let changed = connection
         .prepare_cached("UPDATE runs SET state = ?2, updated_at = ?3 WHERE id = ?1")
-        .and_then(|mut s| s.execute(params![run.as_str(), state_name(state), crate::now_ms() as i64]))
+        .and_then(|mut s| s.execute(params![run.as_str(), state.as_str(), crate::now_ms() as i64]))
         .map_err(map_error)?;
     if changed == 0 { Err(StoreError::NotFound(format!("run {run}"))) } else { Ok(()) }
 }

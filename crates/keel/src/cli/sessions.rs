@@ -1,15 +1,43 @@
-//! `keel sessions list|show|rm`: look at and clean up a store's sessions.
+//! `keel sessions list|show|rm|prune`: look at and clean up a store's sessions.
 
 use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
 
-use keel::{ErrorCode, Part, Role, SessionId, Store};
+use keel::{ErrorCode, Part, Role, SessionId, Store, StoreError};
 use keel_core::message::output_to_text;
 
 use super::{SessionsCommand, StoreArgs, exit};
 
+/// Why a command stops early: an exit code (the reason was already printed), or an I/O error.
+enum Stop {
+    Exit(u8),
+    Io(std::io::Error),
+}
+
+impl From<std::io::Error> for Stop {
+    fn from(error: std::io::Error) -> Stop {
+        Stop::Io(error)
+    }
+}
+
+type Outcome<T = u8> = Result<T, Stop>;
+
+/// Prints a coded error and stops with `code`.
+fn fail(code: u8, error_code: ErrorCode, message: impl std::fmt::Display) -> Stop {
+    match writeln!(std::io::stderr(), "error[{error_code}]: {message}") {
+        Ok(()) => Stop::Exit(code),
+        Err(error) => Stop::Io(error),
+    }
+}
+
+fn store_failed(error: &StoreError) -> Stop {
+    fail(exit::RUN_FAILED, error.code(), error)
+}
+
 pub(crate) fn sessions(command: SessionsCommand) -> std::io::Result<u8> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    runtime.block_on(async {
+    let outcome = runtime.block_on(async {
         match command {
             SessionsCommand::List(store) => list(&store).await,
             SessionsCommand::Show { id, json, store } => show(&id, json, &store).await,
@@ -18,49 +46,33 @@ pub(crate) fn sessions(command: SessionsCommand) -> std::io::Result<u8> {
                 prune(older_than, compact, dry_run, &store).await
             }
         }
-    })
-}
-
-/// Opens the store, or prints why not.
-fn open(args: &StoreArgs) -> std::io::Result<Result<std::sync::Arc<dyn Store>, u8>> {
-    match keel_store::open(&args.store) {
-        Ok(store) => Ok(Ok(store)),
-        Err(error) => {
-            writeln!(std::io::stderr(), "error[{}]: {error}", error.code())?;
-            Ok(Err(exit::INVALID_AGENT))
-        }
+    });
+    match outcome {
+        Ok(code) | Err(Stop::Exit(code)) => Ok(code),
+        Err(Stop::Io(error)) => Err(error),
     }
 }
 
-fn session_id(id: &str) -> std::io::Result<Result<SessionId, u8>> {
-    match SessionId::new(id) {
-        Ok(id) => Ok(Ok(id)),
-        Err(failure) => {
-            writeln!(std::io::stderr(), "error[{}]: {}", failure.code, failure.message)?;
-            Ok(Err(2))
-        }
-    }
+fn open(args: &StoreArgs) -> Outcome<Arc<dyn Store>> {
+    keel_store::open(&args.store).map_err(|error| fail(exit::INVALID_AGENT, error.code(), &error))
 }
 
-fn store_error(error: &keel::StoreError) -> std::io::Result<u8> {
-    writeln!(std::io::stderr(), "error[{}]: {error}", error.code())?;
-    Ok(exit::RUN_FAILED)
+fn session_id(id: &str) -> Outcome<SessionId> {
+    SessionId::new(id).map_err(|failure| fail(2, failure.code, failure.message))
 }
 
-async fn list(args: &StoreArgs) -> std::io::Result<u8> {
-    let store = match open(args)? {
-        Ok(store) => store,
-        Err(code) => return Ok(code),
-    };
-    let sessions = match store.list_sessions().await {
-        Ok(sessions) => sessions,
-        Err(error) => return store_error(&error),
-    };
-    let mut out = std::io::stdout().lock();
+fn no_session(id: &SessionId, args: &StoreArgs) -> Stop {
+    fail(exit::INVALID_AGENT, ErrorCode::SessionNotFound, format!("no session {id} in {}", args.store))
+}
+
+async fn list(args: &StoreArgs) -> Outcome {
+    let store = open(args)?;
+    let sessions = store.list_sessions().await.map_err(|e| store_failed(&e))?;
     if sessions.is_empty() {
         writeln!(std::io::stderr(), "no sessions in {}", args.store)?;
         return Ok(exit::OK);
     }
+    let mut out = std::io::stdout().lock();
     writeln!(out, "{:<40} {:>8} {:>5}  updated (UTC)", "session", "messages", "runs")?;
     for session in sessions {
         let updated = jiff::Timestamp::from_millisecond(session.updated_at_ms as i64)
@@ -71,27 +83,12 @@ async fn list(args: &StoreArgs) -> std::io::Result<u8> {
     Ok(exit::OK)
 }
 
-async fn show(id: &str, json: bool, args: &StoreArgs) -> std::io::Result<u8> {
-    let id = match session_id(id)? {
-        Ok(id) => id,
-        Err(code) => return Ok(code),
-    };
-    let store = match open(args)? {
-        Ok(store) => store,
-        Err(code) => return Ok(code),
-    };
-    let messages = match store.load_messages(&id).await {
-        Ok(messages) => messages,
-        Err(error) => return store_error(&error),
-    };
+async fn show(id: &str, json: bool, args: &StoreArgs) -> Outcome {
+    let id = session_id(id)?;
+    let store = open(args)?;
+    let messages = store.load_messages(&id).await.map_err(|e| store_failed(&e))?;
     if messages.is_empty() {
-        writeln!(
-            std::io::stderr(),
-            "error[{}]: no session {id} in {}",
-            ErrorCode::SessionNotFound,
-            args.store
-        )?;
-        return Ok(exit::INVALID_AGENT);
+        return Err(no_session(&id, args));
     }
     let mut out = std::io::stdout().lock();
     for message in messages {
@@ -108,7 +105,7 @@ async fn show(id: &str, json: bool, args: &StoreArgs) -> std::io::Result<u8> {
             match part {
                 Part::Text(text) => writeln!(out, "{who}: {text}")?,
                 Part::Image { media_type, data } => {
-                    writeln!(out, "{who}: [image {media_type}, {} bytes]", data.len())?
+                    writeln!(out, "{who}: [image {media_type}, {} bytes]", data.len())?;
                 }
                 Part::File { media_type, name, data } => writeln!(
                     out,
@@ -121,13 +118,8 @@ async fn show(id: &str, json: bool, args: &StoreArgs) -> std::io::Result<u8> {
                 }
                 Part::ToolResult(result) => {
                     let mark = if result.is_error { "✗" } else { "✓" };
-                    writeln!(
-                        out,
-                        "{who}: {mark} {} {} [{}]",
-                        result.name,
-                        output_to_text(&result.output),
-                        result.call_id
-                    )?;
+                    let output = output_to_text(&result.output);
+                    writeln!(out, "{who}: {mark} {} {output} [{}]", result.name, result.call_id)?;
                 }
             }
         }
@@ -135,66 +127,31 @@ async fn show(id: &str, json: bool, args: &StoreArgs) -> std::io::Result<u8> {
     Ok(exit::OK)
 }
 
-async fn remove(id: &str, args: &StoreArgs) -> std::io::Result<u8> {
-    let id = match session_id(id)? {
-        Ok(id) => id,
-        Err(code) => return Ok(code),
-    };
-    let store = match open(args)? {
-        Ok(store) => store,
-        Err(code) => return Ok(code),
-    };
-    match store.delete_session(&id).await {
-        Ok(true) => {
-            writeln!(std::io::stdout(), "removed session {id}")?;
-            Ok(exit::OK)
-        }
-        Ok(false) => {
-            writeln!(
-                std::io::stderr(),
-                "error[{}]: no session {id} in {}",
-                ErrorCode::SessionNotFound,
-                args.store
-            )?;
-            Ok(exit::INVALID_AGENT)
-        }
-        Err(error) => store_error(&error),
+async fn remove(id: &str, args: &StoreArgs) -> Outcome {
+    let id = session_id(id)?;
+    let store = open(args)?;
+    if !store.delete_session(&id).await.map_err(|e| store_failed(&e))? {
+        return Err(no_session(&id, args));
     }
+    writeln!(std::io::stdout(), "removed session {id}")?;
+    Ok(exit::OK)
 }
 
-async fn prune(
-    older_than: Option<std::time::Duration>,
-    compact: bool,
-    dry_run: bool,
-    args: &StoreArgs,
-) -> std::io::Result<u8> {
-    let store = match open(args)? {
-        Ok(store) => store,
-        Err(code) => return Ok(code),
-    };
+async fn prune(older_than: Option<Duration>, compact: bool, dry_run: bool, args: &StoreArgs) -> Outcome {
+    let store = open(args)?;
     if let Some(older_than) = older_than {
-        let code = expire(&*store, older_than, dry_run).await?;
-        if code != exit::OK {
-            return Ok(code);
-        }
+        expire(&*store, older_than, dry_run).await?;
     }
     if compact && !dry_run {
-        match store.compact_journals().await {
-            Ok(removed) => {
-                writeln!(std::io::stderr(), "compacted: {removed} journal entries of finished runs removed")?
-            }
-            Err(error) => return store_error(&error),
-        }
+        let removed = store.compact_journals().await.map_err(|e| store_failed(&e))?;
+        writeln!(std::io::stderr(), "compacted: {removed} journal entries of finished runs removed")?;
     }
     Ok(exit::OK)
 }
 
-/// Removes the sessions unused for longer than `older_than`.
-async fn expire(store: &dyn Store, older_than: std::time::Duration, dry_run: bool) -> std::io::Result<u8> {
-    let sessions = match store.list_sessions().await {
-        Ok(sessions) => sessions,
-        Err(error) => return store_error(&error),
-    };
+/// Removes the sessions unused for longer than `older_than` (lists them with `dry_run`).
+async fn expire(store: &dyn Store, older_than: Duration, dry_run: bool) -> Outcome<()> {
+    let sessions = store.list_sessions().await.map_err(|e| store_failed(&e))?;
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
@@ -202,8 +159,8 @@ async fn expire(store: &dyn Store, older_than: std::time::Duration, dry_run: boo
     let mut out = std::io::stdout().lock();
     let mut removed = 0;
     for session in sessions.iter().filter(|s| s.updated_at_ms < cutoff) {
-        if !dry_run && let Err(error) = store.delete_session(&session.id).await {
-            return store_error(&error);
+        if !dry_run {
+            store.delete_session(&session.id).await.map_err(|e| store_failed(&e))?;
         }
         writeln!(out, "{} {}", if dry_run { "would remove" } else { "removed" }, session.id)?;
         removed += 1;
@@ -215,5 +172,5 @@ async fn expire(store: &dyn Store, older_than: std::time::Duration, dry_run: boo
         if dry_run { "would be removed" } else { "removed" },
         humantime::format_duration(older_than)
     )?;
-    Ok(exit::OK)
+    Ok(())
 }
