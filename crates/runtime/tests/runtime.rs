@@ -147,7 +147,8 @@ fn a_run_interrupted_mid_tool_resumes_without_repeating_completed_steps() {
     let started = Arc::new(tokio::sync::Notify::new());
     let run_id = first.block_on(async {
         let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::clone(&started), Arc::clone(&slow_runs))];
-        let lease = Duration::from_millis(300);
+        // Long enough that the check for a live lease below holds on a loaded machine.
+        let lease = Duration::from_millis(1500);
         let engine = Engine::with_lease_ttl(agent(tools, |_| {}), provider.clone(), store.clone(), lease);
         let handle = engine.start(session("s"), Message::user("go")).unwrap();
         started.notified().await;
@@ -169,7 +170,7 @@ fn a_run_interrupted_mid_tool_resumes_without_repeating_completed_steps() {
         let early = engine.resume(run_id.clone()).result().await.unwrap_err();
         assert_eq!(early.code, ErrorCode::RunLeased);
         assert!(engine.recover(None).await.unwrap().is_empty(), "a run with a live lease is not interrupted");
-        tokio::time::sleep(Duration::from_millis(350)).await;
+        tokio::time::sleep(Duration::from_millis(1600)).await;
         let mut recovered = engine.recover(None).await.unwrap();
         assert_eq!(recovered.len(), 1);
         recovered.pop().unwrap().result().await.unwrap()
@@ -468,14 +469,15 @@ async fn a_live_run_keeps_its_lease_by_heartbeat_and_is_never_taken_over() {
         Ok::<_, String>("waited")
     });
     let store = Arc::new(MemoryStore::new());
-    let lease = Duration::from_millis(150);
-    let script = vec![calls(&[("wait", json!({"ms": 700}))]), text("ok")];
+    // Heartbeats every 200 ms keep a 600 ms lease alive through a 2.4 s tool call.
+    let lease = Duration::from_millis(600);
+    let script = vec![calls(&[("wait", json!({"ms": 2400}))]), text("ok")];
     let engine = Engine::with_lease_ttl(agent(vec![wait], |_| {}), counting(script), store.clone(), lease);
     let run = engine.start(session("long"), Message::user("go")).unwrap();
     // Another process looks for interrupted runs while the tool runs for several lease lengths.
     let other = Engine::with_lease_ttl(agent(vec![], |_| {}), counting(vec![]), store.clone(), lease);
     for _ in 0..5 {
-        tokio::time::sleep(Duration::from_millis(120)).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
         assert!(other.recover(None).await.unwrap().is_empty(), "a live run was seen as interrupted");
     }
     assert_eq!(run.result().await.unwrap().text, "ok");

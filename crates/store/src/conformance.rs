@@ -180,7 +180,8 @@ pub async fn leases_fence_stale_writers(store: &dyn Store) {
     let session = SessionId::new("conformance-lease").unwrap();
     let record = run_record("lease", &session, 0);
     let run = &record.run_id;
-    let short = Duration::from_millis(150);
+    // Long enough to still be held a few statements later on a loaded machine.
+    let short = Duration::from_millis(800);
     let first = Fence { owner: "process-a", epoch: 1, ttl: short };
     let messages = [Arc::new(Message::user("q"))];
     let create = StepCommit {
@@ -202,7 +203,7 @@ pub async fn leases_fence_stale_writers(store: &dyn Store) {
     assert!(!store.renew_lease(run, "process-b", 1, short).await.unwrap());
 
     // Expired: the run is interrupted, and another owner takes it with a new epoch.
-    std::thread::sleep(Duration::from_millis(200));
+    std::thread::sleep(Duration::from_millis(900));
     assert_eq!(store.interrupted_runs(Some(&session)).await.unwrap(), std::slice::from_ref(run));
     assert!(store.interrupted_runs(None).await.unwrap().contains(run));
     assert_eq!(store.claim_run(run, "process-b", Duration::from_secs(60)).await.unwrap(), Some(2));

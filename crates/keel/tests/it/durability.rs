@@ -37,7 +37,7 @@ fn run_and_kill(dir: &std::path::Path, db: &std::path::Path) -> RunId {
         .arg(format!("sqlite:{}", db.display()))
         .current_dir(dir)
         // A short lease, so that the run counts as interrupted soon after the kill.
-        .env("KEEL_RUN_LEASE", "1s")
+        .env("KEEL_RUN_LEASE", "2s")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -89,7 +89,7 @@ async fn a_run_killed_mid_tool_resumes_from_its_sqlite_journal_without_repeating
     let agent = Agent::from_spec(spec, store.clone()).unwrap();
     let early = agent.resume(run_id.clone()).result().await.unwrap_err();
     assert_eq!(early.code, keel::ErrorCode::RunLeased, "{early:?}");
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    tokio::time::sleep(Duration::from_millis(2100)).await;
     let result = agent.resume(run_id.clone()).result().await.unwrap();
     assert_eq!(result.text, "done: rested");
     // `append` had completed before the kill: it did not run again.
@@ -107,7 +107,7 @@ fn the_next_keel_run_of_the_session_finishes_the_interrupted_turn_first() {
     let dir = agent_dir(&[("agent.yaml", AGENT), ("tools/append.toml", APPEND), ("tools/nap.toml", NAP)]);
     let db = dir.path().join("keel.db");
     run_and_kill(dir.path(), &db);
-    std::thread::sleep(Duration::from_millis(1100));
+    std::thread::sleep(Duration::from_millis(2100));
     let output = crate::support::keel()
         .arg("run")
         .arg(dir.path())
