@@ -86,6 +86,9 @@ pub enum StoreError {
     /// The writer's lease on the run is gone (expired and claimed by another owner).
     #[error("lease lost: {0}")]
     LeaseLost(String),
+    /// The session has another run in flight (with a live lease), perhaps in another process.
+    #[error("{0}")]
+    Busy(String),
     /// The database was written by a newer keel.
     #[error(
         "the store's schema version {found} is newer than this keel supports ({supported}); upgrade keel"
@@ -107,6 +110,7 @@ impl StoreError {
             StoreError::ReadOnly(_) => ErrorCode::StoreReadOnly,
             StoreError::NewerSchema { .. } => ErrorCode::StoreSchemaNewer,
             StoreError::LeaseLost(_) => ErrorCode::LeaseLost,
+            StoreError::Busy(_) => ErrorCode::SessionBusy,
             StoreError::Conflict(_) | StoreError::NotFound(_) | StoreError::Unavailable(_) => {
                 ErrorCode::Store
             }
@@ -137,7 +141,9 @@ pub struct StepCommit<'a> {
     /// The run.
     pub run: &'a RunId,
     /// The run's record, when this is its first step and the run is not stored yet (a new run is
-    /// created with its first messages, in the same commit).
+    /// created with its first messages, in the same commit). Refused with [`StoreError::Busy`]
+    /// while another run of the session is in flight with a live lease: one session runs one
+    /// turn at a time, across processes too.
     pub new_run: Option<&'a RunRecord>,
     /// The step's journal entry, if it is new.
     pub entry: Option<&'a JournalEntry>,

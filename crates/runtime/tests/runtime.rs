@@ -633,3 +633,22 @@ fn a_long_lived_process_takes_over_runs_of_a_dead_one_by_itself() {
     assert_eq!(transcript[5].text(), "finished: recorded b");
     assert_eq!(*log.lock().unwrap(), ["a", "b"], "a completed tool ran again");
 }
+
+#[tokio::test]
+async fn two_processes_cannot_run_one_session_at_once() {
+    // Two engines on one store stand for two processes: each has its own in-process bookkeeping,
+    // so only the store can refuse the second run.
+    let store = Arc::new(MemoryStore::new());
+    let slow = vec![MockEntry { delay_ms: 300, text: Some("slow".into()), ..MockEntry::default() }];
+    let first = Engine::new(agent(vec![], |_| {}), counting(slow), store.clone());
+    let second = Engine::new(agent(vec![], |_| {}), counting(vec![text("quick")]), store.clone());
+    let running = first.start(session("shared"), Message::user("one")).unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let failure = second.start(session("shared"), Message::user("two")).unwrap().result().await.unwrap_err();
+    assert_eq!(failure.code, ErrorCode::SessionBusy, "{failure:?}");
+    assert_eq!(running.result().await.unwrap().text, "slow");
+    // Once the first is done, the session is free for the other process.
+    let done = second.start(session("shared"), Message::user("two")).unwrap().result().await.unwrap();
+    assert_eq!(done.stopped, StopReason::Final);
+    assert_eq!(store.load_messages(&session("shared")).await.unwrap().len(), 4);
+}

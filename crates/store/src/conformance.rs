@@ -22,6 +22,7 @@ pub async fn run_all(store: &dyn Store) {
     steps_commit_whole_and_replay_idempotently(store).await;
     leases_fence_stale_writers(store).await;
     finished_runs_journals_compact(store).await;
+    one_live_run_per_session(store).await;
 }
 
 fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
@@ -247,4 +248,40 @@ pub async fn finished_runs_journals_compact(store: &dyn Store) {
     );
     assert_eq!(store.load_journal(&running.run_id).await.unwrap().len(), 1, "a running run lost its journal");
     assert_eq!(store.compact_journals().await.unwrap(), 0, "compacting twice removed more");
+}
+
+/// The first commit of a new run, leased to `owner`.
+fn new_run_commit<'a>(
+    record: &'a RunRecord,
+    owner: &'a str,
+    messages: &'a [Arc<Message>],
+    first_position: u64,
+) -> StepCommit<'a> {
+    StepCommit {
+        session: &record.session_id,
+        run: &record.run_id,
+        new_run: Some(record),
+        entry: None,
+        first_position,
+        messages,
+        state: None,
+        fence: Some(Fence { owner, epoch: 1, ttl: std::time::Duration::from_secs(60) }),
+    }
+}
+
+/// A new run is refused while another run of its session is in flight under a live lease (as
+/// from another process), and admitted once that run is finished.
+pub async fn one_live_run_per_session(store: &dyn Store) {
+    let session = SessionId::new("conformance-busy").unwrap();
+    let first = run_record("busy-first", &session, 0);
+    let second = run_record("busy-second", &session, 1);
+    let one = [Arc::new(Message::user("one"))];
+    let two = [Arc::new(Message::user("two"))];
+    store.commit_step(new_run_commit(&first, "process-a", &one, 0)).await.unwrap();
+    let error = store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap_err();
+    assert!(matches!(error, StoreError::Busy(_)), "{error:?}");
+    assert_eq!(store.load_run(&second.run_id).await.unwrap(), None, "the refused run was stored");
+    store.set_run_state(&first.run_id, RunState::Done).await.unwrap();
+    store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap();
+    assert_eq!(store.load_messages(&session).await.unwrap().len(), 2);
 }

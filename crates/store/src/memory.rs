@@ -85,6 +85,16 @@ impl Inner {
         Ok(())
     }
 
+    /// A run of `session` in flight under a live lease.
+    fn live_run(&self, session: &SessionId) -> Option<&RunId> {
+        let now = crate::now_ms();
+        self.runs
+            .values()
+            .filter(|r| &r.session_id == session && !r.state.is_terminal())
+            .find(|r| self.leases.get(&r.run_id).is_some_and(|l| l.expires_ms > now))
+            .map(|r| &r.run_id)
+    }
+
     /// Records a journal entry; the first record of a step wins.
     fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) {
         let journal = self.journals.entry(run.clone()).or_default();
@@ -151,7 +161,13 @@ impl Store for MemoryStore {
                 Some(run) if inner.runs.contains_key(&run.run_id) => {
                     Err(StoreError::Conflict(format!("run {} already exists", run.run_id)))
                 }
-                Some(_) => Ok(()),
+                Some(run) => match inner.live_run(&run.session_id) {
+                    Some(other) => Err(StoreError::Busy(format!(
+                        "session {} already has a run in flight ({other}); wait for it to finish or cancel it",
+                        run.session_id
+                    ))),
+                    None => Ok(()),
+                },
                 None if commit.state.is_some() && !inner.runs.contains_key(commit.run) => {
                     Err(StoreError::NotFound(format!("run {}", commit.run)))
                 }

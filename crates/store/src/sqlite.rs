@@ -356,6 +356,7 @@ impl Store for SqliteStore {
         let fence = commit.fence.map(|f| (f.owner.to_owned(), f.epoch, f.ttl));
         let write = self.submit(Box::new(move |c| {
             if let Some(record) = &new_run {
+                refuse_if_busy(c, &record.session_id)?;
                 insert_run(c, record)?;
             }
             if let Some((owner, epoch, ttl)) = &fence {
@@ -656,6 +657,25 @@ fn insert_messages(
         .and_then(|mut s| s.execute(params![session.as_str(), next as i64, crate::now_ms() as i64]))
         .map_err(map_error)?;
     Ok(())
+}
+
+/// Refuses a new run while another run of the session is in flight under a live lease.
+fn refuse_if_busy(connection: &Connection, session: &SessionId) -> Result<(), StoreError> {
+    let other: Option<String> = connection
+        .prepare_cached(
+            "SELECT id FROM runs WHERE session_id = ?1 AND state IN ('running', 'awaiting_input')
+               AND lease_owner IS NOT NULL AND lease_expires_at > ?2 LIMIT 1",
+        )
+        .and_then(|mut s| {
+            s.query_row(params![session.as_str(), crate::now_ms() as i64], |row| row.get(0)).optional()
+        })
+        .map_err(map_error)?;
+    match other {
+        Some(other) => Err(StoreError::Busy(format!(
+            "session {session} already has a run in flight ({other}); wait for it to finish or cancel it"
+        ))),
+        None => Ok(()),
+    }
 }
 
 fn insert_run(connection: &Connection, run: &RunRecord) -> Result<(), StoreError> {
