@@ -249,6 +249,18 @@ pub trait Store: Send + Sync {
     /// entries were removed. A compacted run can no longer be replayed step by step.
     fn compact_journals(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
 
+    /// Records that schedule `name` fires for the tick at `tick_ms` (milliseconds since the Unix
+    /// epoch), unless that tick (or a later one) was already recorded. Returns whether this call
+    /// recorded it: of several processes sharing a store, exactly one fires each tick.
+    fn claim_schedule_tick<'a>(
+        &'a self,
+        name: &'a str,
+        tick_ms: u64,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// The last tick schedule `name` fired for, if any.
+    fn schedule_last_fire<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;
+
     /// Every session, most recently written first.
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>>;
 

@@ -23,6 +23,7 @@ pub async fn run_all(store: &dyn Store) {
     leases_fence_stale_writers(store).await;
     finished_runs_journals_compact(store).await;
     one_live_run_per_session(store).await;
+    schedule_ticks_fire_once(store).await;
 }
 
 fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
@@ -284,4 +285,15 @@ pub async fn one_live_run_per_session(store: &dyn Store) {
     store.set_run_state(&first.run_id, RunState::Done).await.unwrap();
     store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap();
     assert_eq!(store.load_messages(&session).await.unwrap().len(), 2);
+}
+
+/// Each schedule tick is claimed once; an older tick never wins after a newer one.
+pub async fn schedule_ticks_fire_once(store: &dyn Store) {
+    assert_eq!(store.schedule_last_fire("conformance-weekly").await.unwrap(), None);
+    assert!(store.claim_schedule_tick("conformance-weekly", 1_000).await.unwrap());
+    assert!(!store.claim_schedule_tick("conformance-weekly", 1_000).await.unwrap(), "a tick fired twice");
+    assert!(!store.claim_schedule_tick("conformance-weekly", 500).await.unwrap(), "an older tick fired");
+    assert!(store.claim_schedule_tick("conformance-weekly", 2_000).await.unwrap());
+    assert_eq!(store.schedule_last_fire("conformance-weekly").await.unwrap(), Some(2_000));
+    assert!(store.claim_schedule_tick("conformance-daily", 1_000).await.unwrap(), "schedules share ticks");
 }

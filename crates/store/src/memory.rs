@@ -32,6 +32,8 @@ struct LeaseState {
 struct Inner {
     sessions: HashMap<SessionId, SessionData>,
     leases: HashMap<RunId, LeaseState>,
+    /// Each schedule's last fired tick.
+    schedules: HashMap<String, u64>,
     runs: HashMap<RunId, RunRecord>,
     journals: HashMap<RunId, Vec<JournalEntry>>,
 }
@@ -317,6 +319,24 @@ impl Store for MemoryStore {
         // Run ids are time-ordered.
         runs.sort();
         ready(Ok(runs))
+    }
+
+    fn claim_schedule_tick<'a>(
+        &'a self,
+        name: &'a str,
+        tick_ms: u64,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let mut inner = self.lock();
+        let last = inner.schedules.entry(name.to_owned()).or_insert(0);
+        let claimed = *last < tick_ms;
+        if claimed {
+            *last = tick_ms;
+        }
+        ready(Ok(claimed))
+    }
+
+    fn schedule_last_fire<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        ready(Ok(self.lock().schedules.get(name).copied().filter(|&tick| tick > 0)))
     }
 
     fn compact_journals(&self) -> BoxFuture<'_, Result<u64, StoreError>> {

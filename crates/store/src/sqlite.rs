@@ -70,6 +70,11 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE runs ADD COLUMN lease_owner TEXT;
     ALTER TABLE runs ADD COLUMN lease_expires_at INTEGER;
     ALTER TABLE runs ADD COLUMN lease_epoch INTEGER NOT NULL DEFAULT 0;",
+    // Version 3: schedules' last fired tick.
+    "CREATE TABLE schedules (
+        name TEXT PRIMARY KEY,
+        last_fire INTEGER NOT NULL
+    ) WITHOUT ROWID;",
 ];
 
 /// The schema version this build writes.
@@ -536,6 +541,35 @@ impl Store for SqliteStore {
         ready(result)
     }
 
+    fn claim_schedule_tick<'a>(
+        &'a self,
+        name: &'a str,
+        tick_ms: u64,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let name = name.to_owned();
+        let write = self.submit(Box::new(move |c| {
+            c.prepare_cached(
+                "INSERT INTO schedules (name, last_fire) VALUES (?1, ?2)
+                 ON CONFLICT (name) DO UPDATE SET last_fire = excluded.last_fire
+                 WHERE schedules.last_fire < excluded.last_fire",
+            )
+            .and_then(|mut s| s.execute(params![name, tick_ms as i64]))
+            .map(|changed| changed as u64)
+            .map_err(map_error)
+        }));
+        Box::pin(async move { write.await.map(|changed| changed > 0) })
+    }
+
+    fn schedule_last_fire<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        let connection = self.lock();
+        let result = connection
+            .prepare_cached("SELECT last_fire FROM schedules WHERE name = ?1")
+            .and_then(|mut s| s.query_row([name], |row| row.get::<_, i64>(0)).optional())
+            .map(|tick| tick.map(|t| t as u64))
+            .map_err(map_error);
+        ready(result)
+    }
+
     fn compact_journals(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
         let write = self.submit(Box::new(|c| {
             c.execute(
@@ -779,6 +813,34 @@ mod tests {
         }
         let store = SqliteStore::open(&path).unwrap();
         assert_eq!(store.load_messages(&session).await.unwrap(), [Arc::new(Message::user("hello"))]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_stores_on_one_file_fire_each_schedule_tick_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shared.db");
+        let stores =
+            [Arc::new(SqliteStore::open(&path).unwrap()), Arc::new(SqliteStore::open(&path).unwrap())];
+        let tasks: Vec<_> = stores
+            .iter()
+            .map(|store| {
+                let store = Arc::clone(store);
+                tokio::spawn(async move {
+                    let mut won = 0;
+                    for tick in 1..=200u64 {
+                        won += u64::from(
+                            store.claim_schedule_tick("every-minute", tick * 60_000).await.unwrap(),
+                        );
+                    }
+                    won
+                })
+            })
+            .collect();
+        let mut total = 0;
+        for task in tasks {
+            total += task.await.unwrap();
+        }
+        assert_eq!(total, 200, "each tick must fire exactly once across both stores");
     }
 
     #[tokio::test]
