@@ -181,40 +181,18 @@ pub trait Store: Send + Sync {
         session: &'a SessionId,
     ) -> BoxFuture<'a, Result<Vec<Arc<Message>>, StoreError>>;
 
-    /// Appends `messages` at session positions `first_position..`. Idempotent: a position that
-    /// already holds a message written by the same run is skipped; one written by another run is
-    /// a [`StoreError::Conflict`], and so is a gap.
-    fn append_messages<'a>(
-        &'a self,
-        session: &'a SessionId,
-        run: &'a RunId,
-        first_position: u64,
-        messages: &'a [Arc<Message>],
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
-
-    /// Records a new run.
-    fn create_run<'a>(&'a self, run: &'a RunRecord) -> BoxFuture<'a, Result<(), StoreError>>;
-
     /// Reads a run.
     fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>>;
-
-    /// Moves a run to a new state.
-    fn set_run_state<'a>(&'a self, run: &'a RunId, state: RunState) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// The run's journal, in the order it was written.
     fn load_journal<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>>;
 
-    /// Records a completed step. Idempotent: the first record of a step wins.
-    fn append_journal<'a>(
-        &'a self,
-        run: &'a RunId,
-        entry: &'a JournalEntry,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
-
-    /// Writes one step atomically: the new run (if any), the journal entry, the messages and the
-    /// state change, with the semantics of [`Store::create_run`], [`Store::append_journal`],
-    /// [`Store::append_messages`] and [`Store::set_run_state`]; all of it or nothing. With a
-    /// [`Fence`], nothing is written unless the lease still matches, and the lease is extended.
+    /// Writes one step atomically, all of it or nothing: the new run (its id must be new), the
+    /// journal entry (the first record of a step wins; a repeat is ignored), the messages at
+    /// session positions `first_position..` (idempotent: a position already written by the same
+    /// run is skipped; one written by another run, or a gap, is a [`StoreError::Conflict`]) and the
+    /// state change. With a [`Fence`], nothing is written unless the lease still matches, and the
+    /// lease is extended. This is the only way runs, messages and journals are written.
     fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// Claims a run's lease for `owner`, for `ttl` from now, when the run is not finished and its

@@ -26,6 +26,50 @@ pub async fn run_all(store: &dyn Store) {
     schedule_ticks_fire_once(store).await;
 }
 
+/// Writes through [`Store::commit_step`], the one write path, one part at a time: the suite's
+/// way to set up and probe a store. Journal-only and state-only commits name a placeholder
+/// session, which they do not touch.
+pub async fn create_run(store: &dyn Store, record: &RunRecord) -> Result<(), StoreError> {
+    store.commit_step(StepCommit { new_run: Some(record), ..bare(&record.session_id, &record.run_id) }).await
+}
+
+/// Appends messages at `first_position..` (see [`Store::commit_step`]).
+pub async fn append_messages(
+    store: &dyn Store,
+    session: &SessionId,
+    run: &RunId,
+    first_position: u64,
+    messages: &[Arc<Message>],
+) -> Result<(), StoreError> {
+    store.commit_step(StepCommit { first_position, messages, ..bare(session, run) }).await
+}
+
+/// Records one journal entry.
+pub async fn append_journal(store: &dyn Store, run: &RunId, entry: &JournalEntry) -> Result<(), StoreError> {
+    let placeholder = SessionId::new("conformance-placeholder").unwrap();
+    store.commit_step(StepCommit { entry: Some(entry), ..bare(&placeholder, run) }).await
+}
+
+/// Moves a run to a new state.
+pub async fn set_run_state(store: &dyn Store, run: &RunId, state: RunState) -> Result<(), StoreError> {
+    let placeholder = SessionId::new("conformance-placeholder").unwrap();
+    store.commit_step(StepCommit { state: Some(state), ..bare(&placeholder, run) }).await
+}
+
+/// A commit that writes nothing, to fill in.
+fn bare<'a>(session: &'a SessionId, run: &'a RunId) -> StepCommit<'a> {
+    StepCommit {
+        session,
+        run,
+        new_run: None,
+        entry: None,
+        first_position: 0,
+        messages: &[],
+        state: None,
+        fence: None,
+    }
+}
+
 fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
     RunRecord {
         run_id: RunId::from_suffix(run),
@@ -42,9 +86,9 @@ pub async fn messages_append_idempotently(store: &dyn Store) {
     let session = SessionId::new("conformance-append").unwrap();
     let run = RunId::from_suffix("append");
     let messages = [Arc::new(Message::user("one")), Arc::new(Message::assistant("two"))];
-    store.append_messages(&session, &run, 0, &messages).await.unwrap();
-    store.append_messages(&session, &run, 0, &messages).await.unwrap();
-    store.append_messages(&session, &run, 1, &messages[1..]).await.unwrap();
+    append_messages(store, &session, &run, 0, &messages).await.unwrap();
+    append_messages(store, &session, &run, 0, &messages).await.unwrap();
+    append_messages(store, &session, &run, 1, &messages[1..]).await.unwrap();
     assert_eq!(
         store.load_messages(&session).await.unwrap(),
         messages,
@@ -59,10 +103,12 @@ pub async fn messages_of_another_run_conflict(store: &dyn Store) {
     let session = SessionId::new("conformance-conflict").unwrap();
     let first = RunId::from_suffix("first");
     let second = RunId::from_suffix("second");
-    store.append_messages(&session, &first, 0, &[Arc::new(Message::user("a"))]).await.unwrap();
-    let err = store.append_messages(&session, &second, 0, &[Arc::new(Message::user("b"))]).await.unwrap_err();
+    append_messages(store, &session, &first, 0, &[Arc::new(Message::user("a"))]).await.unwrap();
+    let err =
+        append_messages(store, &session, &second, 0, &[Arc::new(Message::user("b"))]).await.unwrap_err();
     assert!(matches!(err, StoreError::Conflict(_)), "overwrite by another run: {err:?}");
-    let err = store.append_messages(&session, &second, 5, &[Arc::new(Message::user("b"))]).await.unwrap_err();
+    let err =
+        append_messages(store, &session, &second, 5, &[Arc::new(Message::user("b"))]).await.unwrap_err();
     assert!(matches!(err, StoreError::Conflict(_)), "gap: {err:?}");
     assert_eq!(store.load_messages(&session).await.unwrap(), [Arc::new(Message::user("a"))]);
 }
@@ -71,14 +117,14 @@ pub async fn messages_of_another_run_conflict(store: &dyn Store) {
 pub async fn runs_round_trip(store: &dyn Store) {
     let session = SessionId::new("conformance-runs").unwrap();
     let record = run_record("rt", &session, 3);
-    store.create_run(&record).await.unwrap();
+    create_run(store, &record).await.unwrap();
     assert_eq!(store.load_run(&record.run_id).await.unwrap().as_ref(), Some(&record));
-    assert!(store.create_run(&record).await.is_err(), "a run was created twice");
-    store.set_run_state(&record.run_id, RunState::Done).await.unwrap();
+    assert!(create_run(store, &record).await.is_err(), "a run was created twice");
+    set_run_state(store, &record.run_id, RunState::Done).await.unwrap();
     let loaded = store.load_run(&record.run_id).await.unwrap().unwrap();
     assert_eq!(loaded.state, RunState::Done);
     assert_eq!(store.load_run(&RunId::from_suffix("missing")).await.unwrap(), None);
-    assert!(store.set_run_state(&RunId::from_suffix("missing"), RunState::Done).await.is_err());
+    assert!(set_run_state(store, &RunId::from_suffix("missing"), RunState::Done).await.is_err());
 }
 
 /// The first record of a step wins; the journal keeps write order.
@@ -96,11 +142,11 @@ pub async fn journal_first_write_wins(store: &dyn Store) {
         },
     ];
     for entry in &entries {
-        store.append_journal(&run, entry).await.unwrap();
+        append_journal(store, &run, entry).await.unwrap();
     }
     let duplicate =
         JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply("second")) };
-    store.append_journal(&run, &duplicate).await.unwrap();
+    append_journal(store, &run, &duplicate).await.unwrap();
     assert_eq!(store.load_journal(&run).await.unwrap(), entries, "a second record replaced the first");
     assert!(store.load_journal(&RunId::from_suffix("empty")).await.unwrap().is_empty());
 }
@@ -110,22 +156,15 @@ pub async fn sessions_are_listed_and_deleted(store: &dyn Store) {
     let older = SessionId::new("conformance-list-a").unwrap();
     let newer = SessionId::new("conformance-list-b").unwrap();
     let run = RunId::from_suffix("list-a");
-    store.create_run(&run_record("list-a", &older, 0)).await.unwrap();
-    store.append_messages(&older, &run, 0, &[Arc::new(Message::user("a"))]).await.unwrap();
+    create_run(store, &run_record("list-a", &older, 0)).await.unwrap();
+    append_messages(store, &older, &run, 0, &[Arc::new(Message::user("a"))]).await.unwrap();
     let entry =
         JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!(1))) };
-    store.append_journal(&run, &entry).await.unwrap();
+    append_journal(store, &run, &entry).await.unwrap();
     std::thread::sleep(std::time::Duration::from_millis(5));
     let other = RunId::from_suffix("list-b");
-    store
-        .append_messages(
-            &newer,
-            &other,
-            0,
-            &[Arc::new(Message::user("b")), Arc::new(Message::assistant("c"))],
-        )
-        .await
-        .unwrap();
+    let messages = [Arc::new(Message::user("b")), Arc::new(Message::assistant("c"))];
+    append_messages(store, &newer, &other, 0, &messages).await.unwrap();
 
     let listed = store.list_sessions().await.unwrap();
     let position = |id: &SessionId| listed.iter().position(|s| &s.id == id).expect("listed");
@@ -225,7 +264,7 @@ pub async fn leases_fence_stale_writers(store: &dyn Store) {
     assert_eq!(store.load_journal(run).await.unwrap().len(), 1);
 
     // Finished runs cannot be claimed; unknown runs are an error.
-    store.set_run_state(run, RunState::Done).await.unwrap();
+    set_run_state(store, run, RunState::Done).await.unwrap();
     assert_eq!(store.claim_run(run, "process-c", short).await.unwrap(), None);
     assert!(store.claim_run(&RunId::from_suffix("no-such-run"), "x", short).await.is_err());
 }
@@ -236,12 +275,12 @@ pub async fn finished_runs_journals_compact(store: &dyn Store) {
     let finished = run_record("compact-done", &session, 0);
     let running = run_record("compact-running", &session, 0);
     for record in [&finished, &running] {
-        store.create_run(record).await.unwrap();
+        create_run(store, record).await.unwrap();
         let entry =
             JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!(1))) };
-        store.append_journal(&record.run_id, &entry).await.unwrap();
+        append_journal(store, &record.run_id, &entry).await.unwrap();
     }
-    store.set_run_state(&finished.run_id, RunState::Done).await.unwrap();
+    set_run_state(store, &finished.run_id, RunState::Done).await.unwrap();
     assert!(store.compact_journals().await.unwrap() >= 1);
     assert!(
         store.load_journal(&finished.run_id).await.unwrap().is_empty(),
@@ -282,7 +321,7 @@ pub async fn one_live_run_per_session(store: &dyn Store) {
     let error = store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap_err();
     assert!(matches!(error, StoreError::Busy(_)), "{error:?}");
     assert_eq!(store.load_run(&second.run_id).await.unwrap(), None, "the refused run was stored");
-    store.set_run_state(&first.run_id, RunState::Done).await.unwrap();
+    set_run_state(store, &first.run_id, RunState::Done).await.unwrap();
     store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap();
     assert_eq!(store.load_messages(&session).await.unwrap().len(), 2);
 }

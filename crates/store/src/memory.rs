@@ -143,17 +143,6 @@ impl Store for MemoryStore {
         ready(Ok(messages))
     }
 
-    fn append_messages<'a>(
-        &'a self,
-        session: &'a SessionId,
-        run: &'a RunId,
-        first_position: u64,
-        messages: &'a [Arc<Message>],
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let mut inner = self.lock();
-        ready(inner.append_messages(session, run, first_position, messages))
-    }
-
     fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
         let mut inner = self.lock();
         // Check everything first, so that a failed commit changes nothing.
@@ -217,43 +206,12 @@ impl Store for MemoryStore {
         ready(result)
     }
 
-    fn create_run<'a>(&'a self, run: &'a RunRecord) -> BoxFuture<'a, Result<(), StoreError>> {
-        let mut inner = self.lock();
-        let result = if inner.runs.contains_key(&run.run_id) {
-            Err(StoreError::Conflict(format!("run {} already exists", run.run_id)))
-        } else {
-            inner.runs.insert(run.run_id.clone(), run.clone());
-            Ok(())
-        };
-        ready(result)
-    }
-
     fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>> {
         ready(Ok(self.lock().runs.get(run).cloned()))
     }
 
-    fn set_run_state<'a>(&'a self, run: &'a RunId, state: RunState) -> BoxFuture<'a, Result<(), StoreError>> {
-        let result = match self.lock().runs.get_mut(run) {
-            Some(record) => {
-                record.state = state;
-                Ok(())
-            }
-            None => Err(StoreError::NotFound(format!("run {run}"))),
-        };
-        ready(result)
-    }
-
     fn load_journal<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>> {
         ready(Ok(self.lock().journals.get(run).cloned().unwrap_or_default()))
-    }
-
-    fn append_journal<'a>(
-        &'a self,
-        run: &'a RunId,
-        entry: &'a JournalEntry,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        self.lock().append_journal(run, entry);
-        ready(Ok(()))
     }
 
     fn claim_run<'a>(

@@ -337,20 +337,6 @@ impl Store for SqliteStore {
         ready(result)
     }
 
-    fn append_messages<'a>(
-        &'a self,
-        session: &'a SessionId,
-        run: &'a RunId,
-        first_position: u64,
-        messages: &'a [Arc<Message>],
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let (session, run, messages) = (session.clone(), run.clone(), messages.to_vec());
-        let write = self.submit(Box::new(move |c| {
-            insert_messages(c, &session, &run, first_position, &messages).map(|()| 0)
-        }));
-        Box::pin(async move { write.await.map(drop) })
-    }
-
     fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
         let session = commit.session.clone();
         let run = commit.run.clone();
@@ -378,12 +364,6 @@ impl Store for SqliteStore {
             }
             Ok(0)
         }));
-        Box::pin(async move { write.await.map(drop) })
-    }
-
-    fn create_run<'a>(&'a self, run: &'a RunRecord) -> BoxFuture<'a, Result<(), StoreError>> {
-        let record = run.clone();
-        let write = self.submit(Box::new(move |c| insert_run(c, &record).map(|()| 0)));
         Box::pin(async move { write.await.map(drop) })
     }
 
@@ -420,12 +400,6 @@ impl Store for SqliteStore {
         ready(result)
     }
 
-    fn set_run_state<'a>(&'a self, run: &'a RunId, state: RunState) -> BoxFuture<'a, Result<(), StoreError>> {
-        let run = run.clone();
-        let write = self.submit(Box::new(move |c| update_state(c, &run, state).map(|()| 0)));
-        Box::pin(async move { write.await.map(drop) })
-    }
-
     fn load_journal<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>> {
         let connection = self.lock();
         let result = (|| {
@@ -444,16 +418,6 @@ impl Store for SqliteStore {
             .collect()
         })();
         ready(result)
-    }
-
-    fn append_journal<'a>(
-        &'a self,
-        run: &'a RunId,
-        entry: &'a JournalEntry,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let (run, entry) = (run.clone(), entry.clone());
-        let write = self.submit(Box::new(move |c| insert_journal(c, &run, &entry).map(|()| 0)));
-        Box::pin(async move { write.await.map(drop) })
     }
 
     fn claim_run<'a>(
@@ -809,7 +773,15 @@ mod tests {
         let run = RunId::from_suffix("r");
         {
             let store = SqliteStore::open(&path).unwrap();
-            store.append_messages(&session, &run, 0, &[Arc::new(Message::user("hello"))]).await.unwrap();
+            crate::conformance::append_messages(
+                &store,
+                &session,
+                &run,
+                0,
+                &[Arc::new(Message::user("hello"))],
+            )
+            .await
+            .unwrap();
         }
         let store = SqliteStore::open(&path).unwrap();
         assert_eq!(store.load_messages(&session).await.unwrap(), [Arc::new(Message::user("hello"))]);
