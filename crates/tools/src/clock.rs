@@ -34,83 +34,56 @@ fn now_in(input: &Value) -> Result<Zoned, ToolError> {
     Ok(Zoned::now().with_time_zone(zone))
 }
 
-/// `current-date`: today's date, weekday, time and zone.
-pub struct CurrentDate {
+/// A clock tool: reads the clock in the asked (or local) zone and answers from it.
+pub struct ClockTool {
     spec: ToolSpec,
+    answer: fn(&Zoned) -> Value,
 }
 
-impl CurrentDate {
-    /// The tool.
-    pub fn new() -> CurrentDate {
-        CurrentDate {
-            spec: ToolSpec {
-                name: "current-date".into(),
-                description:
-                    "Returns the current date, weekday and time (ISO 8601), optionally in a given time zone."
-                        .into(),
-                input_schema: zone_input_schema(),
+impl ClockTool {
+    /// `current-date`: today's date, weekday, time and zone.
+    pub fn current_date() -> ClockTool {
+        ClockTool::new(
+            "current-date",
+            "Returns the current date, weekday and time (ISO 8601), optionally in a given time zone.",
+            |now| {
+                json!({
+                    "date": now.strftime("%Y-%m-%d").to_string(),
+                    "weekday": now.strftime("%A").to_string(),
+                    "time": now.strftime("%H:%M:%S").to_string(),
+                    "timezone": now.time_zone().iana_name().unwrap_or("local"),
+                    "iso": now.timestamp().to_string(),
+                })
             },
-        }
+        )
+    }
+
+    /// `day-name`: the name of today's weekday (`Sunday`).
+    pub fn day_name() -> ClockTool {
+        ClockTool::new(
+            "day-name",
+            "Returns the name of today's day of the week (for example Monday), optionally in a given time zone.",
+            |now| Value::String(now.strftime("%A").to_string()),
+        )
+    }
+
+    fn new(name: &str, description: &str, answer: fn(&Zoned) -> Value) -> ClockTool {
+        let spec = ToolSpec {
+            name: name.to_owned(),
+            description: description.to_owned(),
+            input_schema: zone_input_schema(),
+        };
+        ClockTool { spec, answer }
     }
 }
 
-impl Default for CurrentDate {
-    fn default() -> Self {
-        CurrentDate::new()
-    }
-}
-
-impl Tool for CurrentDate {
+impl Tool for ClockTool {
     fn spec(&self) -> &ToolSpec {
         &self.spec
     }
 
     fn call<'a>(&'a self, input: Value, _ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
-        let outcome = now_in(&input).map(|now| {
-            json!({
-                "date": now.strftime("%Y-%m-%d").to_string(),
-                "weekday": now.strftime("%A").to_string(),
-                "time": now.strftime("%H:%M:%S").to_string(),
-                "timezone": now.time_zone().iana_name().unwrap_or("local"),
-                "iso": now.timestamp().to_string(),
-            })
-        });
-        Box::pin(std::future::ready(outcome))
-    }
-}
-
-/// `day-name`: the name of today's weekday (`Sunday`).
-pub struct DayName {
-    spec: ToolSpec,
-}
-
-impl DayName {
-    /// The tool.
-    pub fn new() -> DayName {
-        DayName {
-            spec: ToolSpec {
-                name: "day-name".into(),
-                description: "Returns the name of today's day of the week (for example Monday), optionally in a given time zone.".into(),
-                input_schema: zone_input_schema(),
-            },
-        }
-    }
-}
-
-impl Default for DayName {
-    fn default() -> Self {
-        DayName::new()
-    }
-}
-
-impl Tool for DayName {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
-    }
-
-    fn call<'a>(&'a self, input: Value, _ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
-        let outcome = now_in(&input).map(|now| Value::String(now.strftime("%A").to_string()));
-        Box::pin(std::future::ready(outcome))
+        Box::pin(std::future::ready(now_in(&input).map(|now| (self.answer)(&now))))
     }
 }
 
@@ -137,7 +110,7 @@ mod tests {
         // Read the clock around the call: the day may change in between, at midnight.
         for zone in ["Pacific/Kiritimati", "Pacific/Pago_Pago", "UTC"] {
             let before = weekday_now(zone);
-            let out = DayName::new().call(json!({ "timezone": zone }), &ctx()).await.unwrap();
+            let out = ClockTool::day_name().call(json!({ "timezone": zone }), &ctx()).await.unwrap();
             let after = weekday_now(zone);
             assert!(out == json!(before) || out == json!(after), "{zone}: {out}");
         }
@@ -145,13 +118,14 @@ mod tests {
 
     #[tokio::test]
     async fn unknown_zones_are_tool_errors() {
-        let err = DayName::new().call(json!({ "timezone": "Mars/Olympus" }), &ctx()).await.unwrap_err();
+        let err =
+            ClockTool::day_name().call(json!({ "timezone": "Mars/Olympus" }), &ctx()).await.unwrap_err();
         assert!(err.message.contains("unknown time zone \"Mars/Olympus\""), "{}", err.message);
     }
 
     #[tokio::test]
     async fn current_date_has_date_and_weekday() {
-        let out = CurrentDate::new().call(json!({ "timezone": "Asia/Tokyo" }), &ctx()).await.unwrap();
+        let out = ClockTool::current_date().call(json!({ "timezone": "Asia/Tokyo" }), &ctx()).await.unwrap();
         let date = out["date"].as_str().unwrap();
         assert_eq!(date.len(), 10, "{out}");
         assert_eq!(out["timezone"], "Asia/Tokyo");

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use keel_core::Tool;
 
-pub use clock::{CurrentDate, DayName};
+pub use clock::ClockTool;
 pub use command::CommandTool;
 pub use function::{function_tool, function_tool_with_context};
 
@@ -23,8 +23,8 @@ pub const BUILTIN_NAMES: &[&str] = &["current-date", "day-name"];
 /// The built-in tool called `name`.
 pub fn builtin(name: &str) -> Option<Arc<dyn Tool>> {
     match name {
-        "current-date" => Some(Arc::new(CurrentDate::new())),
-        "day-name" => Some(Arc::new(DayName::new())),
+        "current-date" => Some(Arc::new(ClockTool::current_date())),
+        "day-name" => Some(Arc::new(ClockTool::day_name())),
         _ => None,
     }
 }
