@@ -31,6 +31,14 @@ pub struct AgentDef {
     pub stop_on_tools: Vec<String>,
     /// What a second input does while a session has a run in flight.
     pub concurrency: Concurrency,
+    /// How long an approval or a question waits for a human before it is decided for them
+    /// (an approval is rejected, a question gets no answer). Spec key `approvals.timeout`.
+    pub approval_timeout: Duration,
+}
+
+impl AgentDef {
+    /// How long approvals wait when the agent does not say: three days.
+    pub const DEFAULT_APPROVAL_TIMEOUT: Duration = Duration::from_secs(3 * 24 * 3600);
 }
 
 /// What a second input to a busy session does (spec key `concurrency`).

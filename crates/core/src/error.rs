@@ -51,6 +51,12 @@ pub enum ErrorCode {
     ToolBudgetExhausted,
     /// A tool call was not run because the run was cancelled.
     ToolCancelled,
+    /// A tool call was not run because a human rejected it (or nobody approved it in time).
+    ToolRejected,
+    /// An approval or question id is not pending (unknown, already decided, or its run ended).
+    NotPending,
+    /// A decision does not fit what is pending (an answer to an approval, a verdict on a question).
+    DecisionInvalid,
     /// The final answer does not match `output.schema`.
     OutputInvalid,
     /// The store failed.
@@ -101,6 +107,9 @@ impl ErrorCode {
         ErrorCode::ToolPanicked,
         ErrorCode::ToolBudgetExhausted,
         ErrorCode::ToolCancelled,
+        ErrorCode::ToolRejected,
+        ErrorCode::NotPending,
+        ErrorCode::DecisionInvalid,
         ErrorCode::OutputInvalid,
         ErrorCode::Store,
         ErrorCode::StoreLocked,
@@ -138,6 +147,9 @@ impl ErrorCode {
             ErrorCode::ToolPanicked => "KEEL_TOOL_PANICKED",
             ErrorCode::ToolBudgetExhausted => "KEEL_TOOL_BUDGET_EXHAUSTED",
             ErrorCode::ToolCancelled => "KEEL_TOOL_CANCELLED",
+            ErrorCode::ToolRejected => "KEEL_TOOL_REJECTED",
+            ErrorCode::NotPending => "KEEL_NOT_PENDING",
+            ErrorCode::DecisionInvalid => "KEEL_DECISION_INVALID",
             ErrorCode::OutputInvalid => "KEEL_OUTPUT_INVALID",
             ErrorCode::Store => "KEEL_STORE",
             ErrorCode::StoreLocked => "KEEL_STORE_LOCKED",

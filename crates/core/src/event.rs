@@ -42,6 +42,9 @@ pub enum StopReason {
     Budget,
     /// The run was cancelled.
     Cancelled,
+    /// The run is paused until a human decides its pending approvals or answers its questions.
+    /// Never on `run.done` (a paused run is not done); only in a run's result.
+    AwaitingInput,
 }
 
 impl StopReason {
@@ -53,6 +56,7 @@ impl StopReason {
             StopReason::StopCondition => "stop_condition",
             StopReason::Budget => "budget",
             StopReason::Cancelled => "cancelled",
+            StopReason::AwaitingInput => "awaiting_input",
         }
     }
 
@@ -64,6 +68,7 @@ impl StopReason {
             StopReason::StopCondition,
             StopReason::Budget,
             StopReason::Cancelled,
+            StopReason::AwaitingInput,
         ]
         .into_iter()
         .find(|r| r.as_str() == name)
@@ -112,6 +117,24 @@ pub enum Event {
         call_id: String,
         /// What went wrong.
         error: String,
+    },
+    /// A tool call waits for a human's approval; the run pauses once nothing else is running.
+    ApprovalRequested {
+        /// What a decision names.
+        approval_id: String,
+        /// The call.
+        call_id: String,
+        /// The tool.
+        tool: String,
+        /// Its input.
+        input: Value,
+    },
+    /// The agent asks the human a question (the `ask_question` tool); the run pauses.
+    QuestionAsked {
+        /// What an answer names.
+        question_id: String,
+        /// The question.
+        question: String,
     },
     /// Usage of one model call.
     Usage(Usage),

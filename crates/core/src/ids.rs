@@ -91,6 +91,10 @@ pub enum StepName {
         /// The call id.
         call_id: String,
     },
+    /// A human's decision on a tool call that needs approval.
+    Approval(String),
+    /// A human's answer to an `ask_question` call.
+    Question(String),
 }
 
 impl StepName {
@@ -98,6 +102,12 @@ impl StepName {
     pub fn parse(text: &str) -> Option<StepName> {
         if let Some(turn) = text.strip_prefix("llm:turn:") {
             return turn.parse().ok().map(StepName::ModelTurn);
+        }
+        if let Some(call_id) = text.strip_prefix("approval:") {
+            return Some(StepName::Approval(call_id.to_owned()));
+        }
+        if let Some(call_id) = text.strip_prefix("question:") {
+            return Some(StepName::Question(call_id.to_owned()));
         }
         let rest = text.strip_prefix("tool:")?;
         // Tool names cannot contain `:` (see `tool::validate_tool_name`), call ids can.
@@ -111,7 +121,7 @@ impl StepName {
     /// formatting machinery: it is made for every tool call.
     pub fn idempotency_key(&self, run: &RunId) -> String {
         match self {
-            StepName::ModelTurn(turn) => format!("{run}:llm:turn:{turn}"),
+            StepName::ModelTurn(_) | StepName::Approval(_) | StepName::Question(_) => format!("{run}:{self}"),
             StepName::Tool { name, call_id } => {
                 let mut key = String::with_capacity(run.0.len() + name.len() + call_id.len() + 7);
                 for piece in [&*run.0, ":tool:", name, ":", call_id] {
@@ -128,6 +138,8 @@ impl fmt::Display for StepName {
         match self {
             StepName::ModelTurn(turn) => write!(f, "llm:turn:{turn}"),
             StepName::Tool { name, call_id } => write!(f, "tool:{name}:{call_id}"),
+            StepName::Approval(call_id) => write!(f, "approval:{call_id}"),
+            StepName::Question(call_id) => write!(f, "question:{call_id}"),
         }
     }
 }
@@ -152,6 +164,8 @@ mod tests {
             StepName::ModelTurn(0),
             StepName::ModelTurn(41),
             StepName::Tool { name: "day-name".into(), call_id: "call:1".into() },
+            StepName::Approval("call_0_1".into()),
+            StepName::Question("toolu:9".into()),
         ] {
             assert_eq!(StepName::parse(&step.to_string()), Some(step.clone()));
             let run = RunId::from_suffix("r");

@@ -4,6 +4,7 @@
 //! instead of running again, so a model call is never paid twice and a completed tool never
 //! re-runs. The persisted encoding of these records is versioned: see [`crate::persist`].
 
+use crate::human::Decision;
 use crate::ids::StepName;
 use crate::provider::ModelReply;
 use crate::tool::ToolOutcome;
@@ -15,6 +16,8 @@ pub enum JournalRecord {
     ModelReply(ModelReply),
     /// A tool call's outcome (step `tool:NAME:CALL_ID`), before the output cap is applied.
     ToolResult(ToolOutcome),
+    /// A human's decision (step `approval:CALL_ID` or `question:CALL_ID`).
+    Decision(Decision),
 }
 
 /// One journal entry.

@@ -16,6 +16,7 @@
 pub mod agent;
 pub mod error;
 pub mod event;
+pub mod human;
 pub mod ids;
 pub mod journal;
 pub mod machine;
@@ -32,11 +33,12 @@ pub use agent::{
 };
 pub use error::{ErrorCode, RunFailure};
 pub use event::{Event, StopReason, Usage};
+pub use human::{Decision, PendingInput, PendingKind};
 pub use ids::{RunId, SessionId, StepName};
 pub use message::{Message, Part, Role};
 pub use provider::{DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind};
 pub use store::{Fence, RunRecord, RunState, SessionSummary, StepCommit, Store, StoreError};
-pub use tool::{Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
+pub use tool::{ApprovalRule, Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
 
 /// A boxed, sendable future: what the [`Provider`], [`Tool`] and [`Store`] traits return.
 pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;

@@ -26,6 +26,7 @@ use serde_json::Value;
 use crate::agent::AgentDef;
 use crate::error::{ErrorCode, RunFailure};
 use crate::event::{Event, StopReason, Usage};
+use crate::human::{Decision, PendingKind, pending_id};
 use crate::ids::{RunId, SessionId, StepName};
 use crate::message::{Message, Part, Role, ToolCall, ToolResult, output_to_text};
 use crate::provider::{ModelReply, ModelRequest, ProviderError};
@@ -49,6 +50,13 @@ pub enum Input {
         call_id: String,
         /// Its outcome, before the output cap.
         outcome: ToolOutcome,
+    },
+    /// A human decided a pending approval or question of the current turn.
+    Decision {
+        /// The call the decision is for.
+        call_id: String,
+        /// The decision.
+        decision: Decision,
     },
     /// Stop the run now.
     Cancel,
@@ -78,6 +86,19 @@ pub enum Action {
         step: StepName,
         /// The call, its input already validated.
         call: ToolCall,
+    },
+    /// The call waits for a human: feed back [`Input::Decision`] once there is one (from the
+    /// journal, or after the run paused and a human decided). An approved call then comes back
+    /// as [`Action::CallTool`].
+    AwaitHuman {
+        /// The step the decision is journaled as (`approval:CALL_ID` or `question:CALL_ID`).
+        step: StepName,
+        /// The pending input's id (see [`crate::human::pending_id`]).
+        id: String,
+        /// The call.
+        call_id: String,
+        /// What is asked.
+        kind: PendingKind,
     },
     /// The run is over.
     Finish(RunOutcome),
@@ -113,8 +134,16 @@ enum Phase {
 #[derive(Debug)]
 struct PendingCall {
     call_id: String,
-    /// The outcome after the output cap; `None` while the call runs.
+    /// The outcome after the output cap; `None` while the call runs or waits.
     result: Option<ToolOutcome>,
+    /// What the call waits for before it can run (or, for a question, before it has a result).
+    human: Option<HumanWait>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HumanWait {
+    Approval,
+    Question,
 }
 
 /// One run's loop state. See the module docs.
@@ -221,6 +250,9 @@ impl Machine {
             (Phase::AwaitingTools, Input::ToolDone { call_id, outcome }) => {
                 self.on_tool_done(&call_id, outcome, &mut actions);
             }
+            (Phase::AwaitingTools, Input::Decision { call_id, decision }) => {
+                self.on_decision(&call_id, decision, &mut actions);
+            }
             (phase, input) => {
                 let failure = RunFailure::new(
                     ErrorCode::Internal,
@@ -313,13 +345,38 @@ impl Machine {
                         call_id: call.call_id.clone(),
                         error: error.message.clone(),
                     }));
-                    pending.push(PendingCall { call_id: call.call_id.clone(), result: Some(Err(error)) });
+                    pending.push(PendingCall {
+                        call_id: call.call_id.clone(),
+                        result: Some(Err(error)),
+                        human: None,
+                    });
                 }
                 None => {
                     self.tool_calls += 1;
-                    let step = StepName::Tool { name: call.name.clone(), call_id: call.call_id.clone() };
-                    actions.push(Action::CallTool { step, call: call.clone() });
-                    pending.push(PendingCall { call_id: call.call_id.clone(), result: None });
+                    let human = if self.agent.tools.asks_human(&call.name) {
+                        let question = match call.input.get("question") {
+                            Some(Value::String(question)) => question.clone(),
+                            Some(other) => other.to_string(),
+                            None => call.input.to_string(),
+                        };
+                        let step = StepName::Question(call.call_id.clone());
+                        let id = pending_id(&step, &self.run_id);
+                        let kind = PendingKind::Question { question };
+                        actions.push(Action::AwaitHuman { step, id, call_id: call.call_id.clone(), kind });
+                        Some(HumanWait::Question)
+                    } else if self.agent.tools.needs_approval(&call.name, &call.input) {
+                        let step = StepName::Approval(call.call_id.clone());
+                        let id = pending_id(&step, &self.run_id);
+                        let kind =
+                            PendingKind::Approval { tool: call.name.clone(), input: call.input.clone() };
+                        actions.push(Action::AwaitHuman { step, id, call_id: call.call_id.clone(), kind });
+                        Some(HumanWait::Approval)
+                    } else {
+                        let step = StepName::Tool { name: call.name.clone(), call_id: call.call_id.clone() };
+                        actions.push(Action::CallTool { step, call: call.clone() });
+                        None
+                    };
+                    pending.push(PendingCall { call_id: call.call_id.clone(), result: None, human });
                 }
             }
         }
@@ -345,6 +402,71 @@ impl Machine {
         }));
         pending.result = Some(outcome);
         self.complete_turn_if_done(actions);
+    }
+
+    fn on_decision(&mut self, call_id: &str, decision: Decision, actions: &mut Vec<Action>) {
+        let waiting = self.calls.iter_mut().find(|p| p.call_id == call_id && p.result.is_none());
+        let Some(human) = waiting.and_then(|p| p.human.take()) else {
+            let failure = RunFailure::new(
+                ErrorCode::Internal,
+                format!(
+                    "the run loop got a decision for call `{call_id}`, which waits for none; please report this bug"
+                ),
+            );
+            return self.fail(failure, actions);
+        };
+        let timeout = humantime::format_duration(self.agent.approval_timeout);
+        let outcome = match (human, decision) {
+            (HumanWait::Approval, Decision::Approve { .. }) => {
+                let call = self
+                    .transcript
+                    .iter()
+                    .rev()
+                    .find(|m| m.role == Role::Assistant)
+                    .and_then(|m| m.tool_calls().find(|c| c.call_id == call_id).cloned());
+                let Some(call) = call else {
+                    let failure = RunFailure::new(
+                        ErrorCode::Internal,
+                        format!("approved call `{call_id}` is not in the turn; please report this bug"),
+                    );
+                    return self.fail(failure, actions);
+                };
+                let step = StepName::Tool { name: call.name.clone(), call_id: call.call_id.clone() };
+                actions.push(Action::CallTool { step, call });
+                return;
+            }
+            (HumanWait::Approval, Decision::Reject { note }) => Err(ToolError::with_code(
+                ErrorCode::ToolRejected,
+                match note {
+                    Some(note) if !note.trim().is_empty() => {
+                        format!("not run: the user rejected this call: {}", note.trim())
+                    }
+                    _ => "not run: the user rejected this call".to_owned(),
+                },
+                false,
+            )),
+            (HumanWait::Approval, Decision::TimedOut) => Err(ToolError::with_code(
+                ErrorCode::ToolRejected,
+                format!("not run: approval timed out (nobody approved this call within {timeout})"),
+                false,
+            )),
+            (HumanWait::Question, Decision::Answer(answer)) => Ok(Value::String(answer)),
+            (HumanWait::Question, Decision::TimedOut) => Err(ToolError::with_code(
+                ErrorCode::ToolRejected,
+                format!("the user did not answer within {timeout}"),
+                false,
+            )),
+            (human, decision) => {
+                let failure = RunFailure::new(
+                    ErrorCode::Internal,
+                    format!(
+                        "the run loop got {decision:?} for a call waiting for {human:?}; please report this bug"
+                    ),
+                );
+                return self.fail(failure, actions);
+            }
+        };
+        self.on_tool_done(call_id, outcome, actions);
     }
 
     fn complete_turn_if_done(&mut self, actions: &mut Vec<Action>) {

@@ -23,6 +23,7 @@ use serde_json::Value;
 
 use crate::error::ErrorCode;
 use crate::event::Usage;
+use crate::human::{Decision, PendingKind};
 use crate::journal::JournalRecord;
 use crate::message::{Message, Part, Role, ToolCall, ToolResult};
 use crate::provider::ModelReply;
@@ -104,6 +105,36 @@ enum RecordBodyV1 {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<ToolErrorV1>,
     },
+    Decision {
+        decision: DecisionV1,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        note: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        answer: Option<String>,
+    },
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy)]
+#[serde(rename_all = "snake_case")]
+enum DecisionV1 {
+    Approve,
+    Reject,
+    Answer,
+    TimedOut,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum PendingKindV1 {
+    Approval { tool: String, input: Value },
+    Question { question: String },
+}
+
+#[derive(Serialize, Deserialize)]
+struct PendingV1 {
+    v: u32,
+    #[serde(flatten)]
+    kind: PendingKindV1,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -214,6 +245,15 @@ pub fn encode_record(record: &JournalRecord) -> String {
                 transient: error.transient,
             }),
         },
+        JournalRecord::Decision(decision) => {
+            let (decision, note, answer) = match decision {
+                Decision::Approve { note } => (DecisionV1::Approve, note.clone(), None),
+                Decision::Reject { note } => (DecisionV1::Reject, note.clone(), None),
+                Decision::Answer(answer) => (DecisionV1::Answer, None, Some(answer.clone())),
+                Decision::TimedOut => (DecisionV1::TimedOut, None, None),
+            };
+            RecordBodyV1::Decision { decision, note, answer }
+        }
     };
     serde_json::to_string(&RecordV1 { v: FORMAT_VERSION, body }).expect("record JSON always serializes")
 }
@@ -243,6 +283,37 @@ pub fn decode_record(json: &str) -> Result<JournalRecord, DecodeError> {
                 transient: error.transient,
             }))
         }
+        RecordBodyV1::Decision { decision, note, answer } => JournalRecord::Decision(match decision {
+            DecisionV1::Approve => Decision::Approve { note },
+            DecisionV1::Reject => Decision::Reject { note },
+            DecisionV1::Answer => Decision::Answer(answer.unwrap_or_default()),
+            DecisionV1::TimedOut => Decision::TimedOut,
+        }),
+    })
+}
+
+/// Encodes what a pending input asks (the tool and input of an approval, or a question).
+pub fn encode_pending_kind(kind: &PendingKind) -> String {
+    let kind = match kind {
+        PendingKind::Approval { tool, input } => {
+            PendingKindV1::Approval { tool: tool.clone(), input: input.clone() }
+        }
+        PendingKind::Question { question } => PendingKindV1::Question { question: question.clone() },
+    };
+    serde_json::to_string(&PendingV1 { v: FORMAT_VERSION, kind }).expect("pending JSON always serializes")
+}
+
+/// Decodes what [`encode_pending_kind`] wrote.
+pub fn decode_pending_kind(json: &str) -> Result<PendingKind, DecodeError> {
+    let what = "pending input";
+    let raw: Value = serde_json::from_str(json).map_err(|e| DecodeError { what, reason: e.to_string() })?;
+    let version = raw.get("v").and_then(Value::as_u64).unwrap_or(0);
+    check_version(u32::try_from(version).unwrap_or(u32::MAX), what)?;
+    let v1: PendingV1 =
+        serde_json::from_value(raw).map_err(|e| DecodeError { what, reason: e.to_string() })?;
+    Ok(match v1.kind {
+        PendingKindV1::Approval { tool, input } => PendingKind::Approval { tool, input },
+        PendingKindV1::Question { question } => PendingKind::Question { question },
     })
 }
 
@@ -288,6 +359,15 @@ mod tests {
             JournalRecord::ToolResult(Err(ToolError::with_code(ErrorCode::ToolTimeout, "timed out", true)));
         expect_test::expect![[r#"{"v":1,"kind":"tool_result","ok":false,"error":{"code":"KEEL_TOOL_TIMEOUT","message":"timed out","transient":true}}"#]]
             .assert_eq(&encode_record(&failed));
+        let decision = JournalRecord::Decision(Decision::Reject { note: Some("too risky".into()) });
+        expect_test::expect![[r#"{"v":1,"kind":"decision","decision":"reject","note":"too risky"}"#]]
+            .assert_eq(&encode_record(&decision));
+        let kind = PendingKind::Approval { tool: "shell".into(), input: json!({"command": "ls"}) };
+        expect_test::expect![[r#"{"v":1,"kind":"approval","tool":"shell","input":{"command":"ls"}}"#]]
+            .assert_eq(&encode_pending_kind(&kind));
+        assert_eq!(decode_pending_kind(&encode_pending_kind(&kind)).unwrap(), kind);
+        let question = PendingKind::Question { question: "Which city?".into() };
+        assert_eq!(decode_pending_kind(&encode_pending_kind(&question)).unwrap(), question);
     }
 
     #[test]
@@ -299,6 +379,10 @@ mod tests {
             }),
             JournalRecord::ToolResult(Ok(json!({"x": [1, 2]}))),
             JournalRecord::ToolResult(Err(ToolError::failed("boom"))),
+            JournalRecord::Decision(Decision::Approve { note: Some("ok".into()) }),
+            JournalRecord::Decision(Decision::Reject { note: None }),
+            JournalRecord::Decision(Decision::Answer("Paris".into())),
+            JournalRecord::Decision(Decision::TimedOut),
         ];
         for record in records {
             assert_eq!(decode_record(&encode_record(&record)).unwrap(), record);

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::BoxFuture;
 use crate::error::ErrorCode;
+use crate::human::{Decision, PendingInput};
 use crate::ids::{RunId, SessionId};
 use crate::journal::JournalEntry;
 use crate::message::Message;
@@ -89,6 +90,9 @@ pub enum StoreError {
     /// The session has another run in flight (with a live lease), perhaps in another process.
     #[error("{0}")]
     Busy(String),
+    /// The approval or question is not pending (unknown id, already decided, or its run ended).
+    #[error("{0}")]
+    NotPending(String),
     /// The database was written by a newer keel.
     #[error(
         "the store's schema version {found} is newer than this keel supports ({supported}); upgrade keel"
@@ -102,6 +106,14 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// The error for a decision on `id`, which is not pending.
+    pub fn not_pending(id: &str) -> StoreError {
+        StoreError::NotPending(format!(
+            "{id} is not pending: it was decided already, its run ended, or no approval or question has \
+             this id (`keel approvals list` shows what is pending)"
+        ))
+    }
+
     /// The stable code of this failure.
     pub fn code(&self) -> ErrorCode {
         match self {
@@ -111,6 +123,7 @@ impl StoreError {
             StoreError::NewerSchema { .. } => ErrorCode::StoreSchemaNewer,
             StoreError::LeaseLost(_) => ErrorCode::LeaseLost,
             StoreError::Busy(_) => ErrorCode::SessionBusy,
+            StoreError::NotPending(_) => ErrorCode::NotPending,
             StoreError::Conflict(_) | StoreError::NotFound(_) | StoreError::Unavailable(_) => {
                 ErrorCode::Store
             }
@@ -151,8 +164,12 @@ pub struct StepCommit<'a> {
     pub first_position: u64,
     /// The messages to append (idempotently, as [`Store::append_messages`]).
     pub messages: &'a [Arc<Message>],
-    /// The run's new state, if it changes.
+    /// The run's new state, if it changes. Leaving `running` (pausing or ending) releases the
+    /// lease; ending also drops the run's pending inputs.
     pub state: Option<RunState>,
+    /// Inputs the run now waits for (with a pause): stored unless already stored or decided
+    /// (a decision journaled for their step), so a repeated pause never re-asks.
+    pub pending: &'a [PendingInput],
     /// The writer's lease: the commit is refused ([`StoreError::LeaseLost`]) unless the run's lease
     /// still has this owner and epoch. A new run is created holding it.
     pub fence: Option<Fence<'a>>,
@@ -215,8 +232,27 @@ pub trait Store: Send + Sync {
         ttl: std::time::Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
-    /// Runs still `running` whose lease has expired (their process died or stalled): the runs to
-    /// re-drive. Only `session`'s when given; oldest first.
+    /// The approvals and questions waiting for a human: all of them, or `session`'s; oldest
+    /// first.
+    fn pending_inputs<'a>(
+        &'a self,
+        session: Option<&'a SessionId>,
+    ) -> BoxFuture<'a, Result<Vec<PendingInput>, StoreError>>;
+
+    /// Records a human's decision, atomically: the pending input `id` is removed, the decision
+    /// is journaled as its step, and a run paused in `awaiting_input` becomes `running` with an
+    /// expired lease (so any process may re-drive it; [`Store::interrupted_runs`] lists it).
+    /// Fails with [`StoreError::NotPending`] when `id` is not pending (never pending, decided
+    /// already, or its run ended): a second decision changes nothing.
+    fn decide<'a>(
+        &'a self,
+        id: &'a str,
+        decision: &'a Decision,
+    ) -> BoxFuture<'a, Result<PendingInput, StoreError>>;
+
+    /// Runs still `running` whose lease has expired (their process died or stalled, or a
+    /// decision arrived for a paused run): the runs to re-drive. Only `session`'s when given;
+    /// oldest first.
     fn interrupted_runs<'a>(
         &'a self,
         session: Option<&'a SessionId>,

@@ -75,11 +75,22 @@ pub trait Tool: Send + Sync {
 
     /// Runs the tool. `input` has already been validated against the input schema.
     fn call<'a>(&'a self, input: Value, ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome>;
+
+    /// Whether this tool is a question to the human (the built-in `ask_question`): instead of
+    /// calling it, the run pauses until the question (the input's `question`) is answered, and
+    /// the answer is the call's output.
+    fn asks_human(&self) -> bool {
+        false
+    }
 }
 
 impl<T: Tool + ?Sized> Tool for Arc<T> {
     fn spec(&self) -> &ToolSpec {
         (**self).spec()
+    }
+
+    fn asks_human(&self) -> bool {
+        (**self).asks_human()
     }
 
     fn call<'a>(&'a self, input: Value, ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
@@ -97,6 +108,9 @@ pub enum ToolSetError {
     /// A name has characters models reject.
     #[error("invalid tool name {0:?}: use 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`")]
     InvalidName(String),
+    /// An approval rule names a tool the set does not have.
+    #[error("approvals name tool `{0}`, which the agent does not have")]
+    Unknown(String),
     /// An input schema is not a valid JSON Schema.
     #[error("the input schema of tool `{name}` is not a valid JSON Schema: {reason}")]
     InvalidSchema {
@@ -114,6 +128,24 @@ pub fn validate_tool_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// When a tool call needs a human's approval before it runs.
+#[derive(Clone)]
+pub enum ApprovalRule {
+    /// Every call.
+    Always,
+    /// The calls whose (validated) input makes the predicate true.
+    When(Arc<dyn Fn(&Value) -> bool + Send + Sync>),
+}
+
+impl fmt::Debug for ApprovalRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ApprovalRule::Always => f.write_str("Always"),
+            ApprovalRule::When(_) => f.write_str("When(..)"),
+        }
+    }
+}
+
 /// An agent's tools, with their input schemas compiled once.
 #[derive(Default)]
 pub struct ToolSet {
@@ -121,6 +153,8 @@ pub struct ToolSet {
     specs: Vec<ToolSpec>,
     validators: Vec<jsonschema::Validator>,
     index: HashMap<String, usize>,
+    /// Approval rules, by tool index (empty when no tool needs approval).
+    approvals: Vec<Option<ApprovalRule>>,
 }
 
 impl fmt::Debug for ToolSet {
@@ -169,6 +203,29 @@ impl ToolSet {
     /// Whether there is a tool called `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
+    }
+
+    /// Makes calls of tool `name` wait for a human's approval, per `rule`.
+    pub fn require_approval(&mut self, name: &str, rule: ApprovalRule) -> Result<(), ToolSetError> {
+        let &i = self.index.get(name).ok_or_else(|| ToolSetError::Unknown(name.to_owned()))?;
+        self.approvals.resize(self.tools.len(), None);
+        self.approvals[i] = Some(rule);
+        Ok(())
+    }
+
+    /// Whether this call of tool `name` (its input already validated) needs approval.
+    pub fn needs_approval(&self, name: &str, input: &Value) -> bool {
+        let Some(&i) = self.index.get(name) else { return false };
+        match self.approvals.get(i) {
+            Some(Some(ApprovalRule::Always)) => true,
+            Some(Some(ApprovalRule::When(predicate))) => predicate(input),
+            _ => false,
+        }
+    }
+
+    /// Whether tool `name` is a question to the human (see [`Tool::asks_human`]).
+    pub fn asks_human(&self, name: &str) -> bool {
+        self.get(name).is_some_and(|tool| tool.asks_human())
     }
 
     /// Checks an input against the tool's schema, describing every problem found.

@@ -9,6 +9,8 @@
 //! {"type":"tool.start","callId":"call_0_0","name":"add","input":{"a":2,"b":3}}
 //! {"type":"tool.done","callId":"call_0_0","output":5}
 //! {"type":"tool.error","callId":"call_0_1","error":"..."}
+//! {"type":"approval.requested","approvalId":"ap_...","callId":"call_0_2","tool":"shell","input":{}}
+//! {"type":"question.asked","questionId":"qu_...","question":"Which city?"}
 //! {"type":"usage","inputTokens":12,"outputTokens":3}
 //! {"type":"text.delta","delta":"5"}
 //! {"type":"run.done","text":"5","stopped":"final","usage":{"inputTokens":30,"outputTokens":6}}
@@ -51,6 +53,10 @@ enum EventJson<'a> {
     ToolDone { call_id: &'a str, output: &'a Value },
     #[serde(rename = "tool.error", rename_all = "camelCase")]
     ToolError { call_id: &'a str, error: &'a str },
+    #[serde(rename = "approval.requested", rename_all = "camelCase")]
+    ApprovalRequested { approval_id: &'a str, call_id: &'a str, tool: &'a str, input: &'a Value },
+    #[serde(rename = "question.asked", rename_all = "camelCase")]
+    QuestionAsked { question_id: &'a str, question: &'a str },
     #[serde(rename = "usage")]
     Usage(UsageJson),
     #[serde(rename = "run.done")]
@@ -74,6 +80,8 @@ pub fn event_type(event: &Event) -> &'static str {
         Event::ToolStart { .. } => "tool.start",
         Event::ToolDone { .. } => "tool.done",
         Event::ToolError { .. } => "tool.error",
+        Event::ApprovalRequested { .. } => "approval.requested",
+        Event::QuestionAsked { .. } => "question.asked",
         Event::Usage(_) => "usage",
         Event::RunDone { .. } => "run.done",
         Event::RunError { .. } => "run.error",
@@ -91,6 +99,10 @@ pub fn event_to_json(event: &Event) -> String {
         Event::ToolStart { call_id, name, input } => EventJson::ToolStart { call_id, name, input },
         Event::ToolDone { call_id, output } => EventJson::ToolDone { call_id, output },
         Event::ToolError { call_id, error } => EventJson::ToolError { call_id, error },
+        Event::ApprovalRequested { approval_id, call_id, tool, input } => {
+            EventJson::ApprovalRequested { approval_id, call_id, tool, input }
+        }
+        Event::QuestionAsked { question_id, question } => EventJson::QuestionAsked { question_id, question },
         Event::Usage(usage) => EventJson::Usage((*usage).into()),
         Event::RunDone { text, output, stopped, usage } => EventJson::RunDone {
             text,
@@ -120,6 +132,13 @@ mod tests {
             Event::ToolStart { call_id: "c".into(), name: "add".into(), input: json!({"a": 2}) },
             Event::ToolDone { call_id: "c".into(), output: json!(5) },
             Event::ToolError { call_id: "c".into(), error: "boom".into() },
+            Event::ApprovalRequested {
+                approval_id: "ap_1".into(),
+                call_id: "c".into(),
+                tool: "shell".into(),
+                input: json!({"command": "ls"}),
+            },
+            Event::QuestionAsked { question_id: "qu_1".into(), question: "Which city?".into() },
             Event::Usage(Usage { input_tokens: 1, output_tokens: 2 }),
             Event::RunDone {
                 text: "5".into(),
@@ -146,6 +165,8 @@ mod tests {
             {"type":"tool.start","callId":"c","name":"add","input":{"a":2}}
             {"type":"tool.done","callId":"c","output":5}
             {"type":"tool.error","callId":"c","error":"boom"}
+            {"type":"approval.requested","approvalId":"ap_1","callId":"c","tool":"shell","input":{"command":"ls"}}
+            {"type":"question.asked","questionId":"qu_1","question":"Which city?"}
             {"type":"usage","inputTokens":1,"outputTokens":2}
             {"type":"run.done","text":"5","stopped":"final","usage":{"inputTokens":0,"outputTokens":0}}
             {"type":"run.done","text":"{}","output":{},"stopped":"budget","usage":{"inputTokens":0,"outputTokens":0}}

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use keel_core::agent::OutputSchema;
 use keel_core::tool::ToolSetError;
 use keel_core::{
-    AgentDef, Concurrency, ErrorCode, Limits, Message, MockScript, Provider, RetryPolicy, RunFailure, RunId,
-    SessionId, Store, Tool, ToolSet,
+    AgentDef, ApprovalRule, Concurrency, Decision, ErrorCode, Limits, Message, MockScript, PendingInput,
+    Provider, RetryPolicy, RunFailure, RunId, SessionId, Store, Tool, ToolSet,
 };
 use keel_runtime::{Engine, RunHandle};
 use keel_spec::{AgentSpec, Diagnostic, LoadOptions};
@@ -106,8 +106,12 @@ impl Agent {
             .limits(spec.limits)
             .retry(spec.retry)
             .concurrency(spec.concurrency)
+            .approval_timeout(spec.approval_timeout)
             .store(store)
             .tools(tools);
+        for name in spec.approval_tools {
+            builder = builder.require_approval(name);
+        }
         if let Some(script) = spec.mock {
             builder = builder.mock_script(script);
         }
@@ -137,6 +141,19 @@ impl Agent {
     pub async fn recover(&self, session: Option<&str>) -> Result<Vec<RunHandle>, RunFailure> {
         let session = session.map(SessionId::new).transpose()?;
         self.engine.recover(session.as_ref()).await
+    }
+
+    /// The approvals and questions waiting for a human: all of the store's, or `session`'s.
+    pub async fn pending(&self, session: Option<&str>) -> Result<Vec<PendingInput>, RunFailure> {
+        let session = session.map(SessionId::new).transpose()?;
+        self.engine.pending(session.as_ref()).await
+    }
+
+    /// Decides a pending approval (`Decision::Approve` / `Decision::Reject`) or answers a
+    /// question (`Decision::Answer`), and continues the run: the handle streams the rest of it.
+    /// `KEEL_NOT_PENDING` when `id` is not pending; a second decision changes nothing.
+    pub async fn decide(&self, id: &str, decision: Decision) -> Result<RunHandle, RunFailure> {
+        self.engine.decide(id, decision).await
     }
 
     /// The agent's definition.
@@ -171,6 +188,8 @@ pub struct AgentBuilder {
     output_schema: Option<Value>,
     stop_on_tools: Vec<String>,
     concurrency: Concurrency,
+    approvals: Vec<(String, ApprovalRule)>,
+    approval_timeout: Option<std::time::Duration>,
     mock_script: Option<MockScript>,
     provider: Option<Arc<dyn Provider>>,
     store: Option<Arc<dyn Store>>,
@@ -239,6 +258,30 @@ impl AgentBuilder {
         self
     }
 
+    /// Every call of tool `name` waits for a human's approval before it runs.
+    pub fn require_approval(mut self, name: impl Into<String>) -> Self {
+        self.approvals.push((name.into(), ApprovalRule::Always));
+        self
+    }
+
+    /// Calls of tool `name` whose input makes `predicate` true wait for a human's approval
+    /// (say, a payment over some amount); the others run at once.
+    pub fn require_approval_when(
+        mut self,
+        name: impl Into<String>,
+        predicate: impl Fn(&Value) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.approvals.push((name.into(), ApprovalRule::When(Arc::new(predicate))));
+        self
+    }
+
+    /// How long approvals and questions wait for a human (default: 3 days); past that an
+    /// approval counts as rejected and a question as unanswered, and the run goes on.
+    pub fn approval_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.approval_timeout = Some(timeout);
+        self
+    }
+
     /// The script the `mock` model plays.
     pub fn mock_script(mut self, script: MockScript) -> Self {
         self.mock_script = Some(script);
@@ -270,7 +313,10 @@ impl AgentBuilder {
                 ));
             }
         };
-        let tools = ToolSet::new(self.tools).map_err(|error: ToolSetError| invalid(error.to_string()))?;
+        let mut tools = ToolSet::new(self.tools).map_err(|error: ToolSetError| invalid(error.to_string()))?;
+        for (name, rule) in self.approvals {
+            tools.require_approval(&name, rule).map_err(|error| invalid(error.to_string()))?;
+        }
         for name in &self.stop_on_tools {
             if !tools.contains(name) {
                 return Err(invalid(format!(
@@ -299,6 +345,7 @@ impl AgentBuilder {
             output_schema,
             stop_on_tools: self.stop_on_tools,
             concurrency: self.concurrency,
+            approval_timeout: self.approval_timeout.unwrap_or(AgentDef::DEFAULT_APPROVAL_TIMEOUT),
         };
         let store = self.store.unwrap_or_else(|| Arc::new(MemoryStore::new()));
         Ok(Agent { engine: Engine::new(Arc::new(definition), provider, store) })

@@ -16,9 +16,9 @@ use keel_core::machine::{Action, Input, Machine, RunOutcome};
 use keel_core::message::ToolCall;
 use keel_core::provider::ProviderErrorKind;
 use keel_core::{
-    BoxFuture, DeltaSink, ErrorCode, Event, Fence, Message, ModelReply, Part, ProviderError, Role,
-    RunFailure, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, StopReason, StoreError,
-    ToolContext, ToolError, ToolOutcome,
+    BoxFuture, DeltaSink, ErrorCode, Event, Fence, Message, ModelReply, Part, PendingInput, PendingKind,
+    ProviderError, Role, RunFailure, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, StopReason,
+    StoreError, ToolContext, ToolError, ToolOutcome,
 };
 use tokio::sync::mpsc::UnboundedSender;
 use tokio_util::sync::CancellationToken;
@@ -30,8 +30,9 @@ use crate::handle::RunResult;
 pub(crate) enum Plan {
     /// A new run of `session` answering `input`.
     Fresh { run_id: RunId, session: SessionId, input: Message, admission: Admission },
-    /// Re-drive a stored run from its journal.
-    Resume { run_id: RunId },
+    /// Re-drive a stored run from its journal. `session_held`: the caller already holds the
+    /// run's session in this process (a `replace` cancelling the paused run it replaces).
+    Resume { run_id: RunId, session_held: bool },
 }
 
 type ToolFuture = BoxFuture<'static, (StepName, String, ToolOutcome)>;
@@ -51,6 +52,7 @@ pub(crate) async fn run(
                 shared,
                 run_id: prepared.run_id,
                 session: prepared.session,
+                replay: (!prepared.journal.is_empty()).then(Vec::new),
                 journal: prepared.journal,
                 new_run: prepared.new_run,
                 epoch: prepared.epoch,
@@ -84,7 +86,7 @@ struct Prepared {
     /// The lease epoch this driver writes under (`None`: replaying a finished run, which writes
     /// nothing new).
     epoch: Option<u64>,
-    claim: SessionClaim,
+    claim: Option<SessionClaim>,
 }
 
 fn store_failure(error: StoreError) -> RunFailure {
@@ -114,6 +116,9 @@ async fn prepare(
                     ))?,
                 },
             };
+            if shared.agent.concurrency == keel_core::Concurrency::Replace {
+                cancel_paused_runs(shared, &session).await?;
+            }
             let history = store.load_messages(&session).await.map_err(store_failure)?;
             // Each completed model call appends exactly one assistant message.
             let call_base = history.iter().filter(|m| m.role == Role::Assistant).count() as u64;
@@ -141,14 +146,27 @@ async fn prepare(
                 journal: HashMap::new(),
                 new_run: Some(record),
                 epoch: Some(1),
-                claim,
+                claim: Some(claim),
             })
         }
-        Plan::Resume { run_id } => {
+        Plan::Resume { run_id, session_held } => {
             let record = store.load_run(&run_id).await.map_err(store_failure)?.ok_or_else(|| {
                 RunFailure::new(ErrorCode::RunNotFound, format!("no run {run_id} in the store"))
             })?;
-            let claim = shared.claim(&record.session_id, cancel)?;
+            let claim = if session_held {
+                None
+            } else {
+                Some(shared.claim(&record.session_id, cancel).map_err(|_| {
+                    RunFailure::new(
+                        ErrorCode::RunLeased,
+                        format!(
+                            "session {} already has a run in flight in this process; run {run_id} goes on there \
+                             (a decision recorded for it is applied when that run gets to it)",
+                            record.session_id
+                        ),
+                    )
+                })?)
+            };
             let epoch = match store
                 .claim_run(&run_id, &shared.owner, shared.lease_ttl)
                 .await
@@ -200,10 +218,34 @@ async fn prepare(
     }
 }
 
+/// Cancels the runs of `session` paused for a human (a `replace` input replaces them too): each
+/// is re-driven to its pause with a cancelled token, so its open calls get "cancelled" results
+/// and it ends `cancelled`. The caller holds the session in this process.
+async fn cancel_paused_runs(shared: &Arc<Shared>, session: &SessionId) -> Result<(), RunFailure> {
+    let pending = shared.store.pending_inputs(Some(session)).await.map_err(store_failure)?;
+    let mut runs: Vec<RunId> = pending.into_iter().map(|p| p.run_id).collect();
+    runs.sort();
+    runs.dedup();
+    for run_id in runs {
+        let cancel = CancellationToken::new();
+        cancel.cancel();
+        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        let plan = Plan::Resume { run_id: run_id.clone(), session_held: true };
+        match Box::pin(run(Arc::clone(shared), plan, events, cancel)).await {
+            Ok(_) => tracing::info!(run = %run_id, "cancelled a paused run: a new input replaces it"),
+            Err(failure) => return Err(failure),
+        }
+    }
+    Ok(())
+}
+
 struct Driver {
     shared: Arc<Shared>,
     run_id: RunId,
     session: SessionId,
+    /// While a resumed run replays its journal: the events of the turn being replayed, shown
+    /// once the run reaches new work (see [`Driver::emit`]). `None` once live.
+    replay: Option<Vec<Event>>,
     /// Journaled steps not replayed yet.
     journal: HashMap<StepName, JournalRecord>,
     /// The record of a new run, stored with its first commit.
@@ -216,18 +258,31 @@ struct Driver {
     cancel: CancellationToken,
     /// Whether the machine already emitted `run.error` for the run's failure.
     reported: bool,
-    _claim: SessionClaim,
+    _claim: Option<SessionClaim>,
 }
 
 impl Driver {
     async fn drive(&mut self, mut machine: Machine) -> Result<RunResult, RunFailure> {
         let mut inputs: VecDeque<(Input, Option<JournalEntry>)> = VecDeque::from([(Input::Start, None)]);
         let mut tools: FuturesUnordered<ToolFuture> = FuturesUnordered::new();
+        // The calls waiting for a human, with no decision journaled yet.
+        let mut waiting: Vec<PendingInput> = Vec::new();
         loop {
             // An input with a journal entry is a fresh result: the entry is committed with what
             // the machine makes of it, before any new model call or tool call starts.
             let (input, entry) = match inputs.pop_front() {
                 Some(next) => next,
+                // Nothing runs and only humans can move the run on: cancel or pause.
+                None if tools.is_empty() && self.cancel.is_cancelled() => (Input::Cancel, None),
+                None if tools.is_empty() && !waiting.is_empty() => {
+                    match self.pause(&machine, &mut waiting).await? {
+                        Pause::Paused(pending) => return Ok(self.paused_result(&machine, pending)),
+                        Pause::Decided(decisions) => {
+                            inputs.extend(decisions.into_iter().map(|input| (input, None)));
+                            continue;
+                        }
+                    }
+                }
                 None if tools.is_empty() => {
                     return Err(RunFailure::new(
                         ErrorCode::Internal,
@@ -277,9 +332,23 @@ impl Driver {
                             Some(JournalRecord::ToolResult(outcome)) => {
                                 inputs.push_back((Input::ToolDone { call_id: call.call_id, outcome }, None));
                             }
-                            Some(JournalRecord::ModelReply(_)) => return Err(self.corrupt(&step)),
+                            Some(_) => return Err(self.corrupt(&step)),
                             None if self.epoch.is_none() => return Err(self.finished(&step)),
-                            None => tools.push(self.spawn_tool(step, call)),
+                            None => {
+                                self.go_live();
+                                tools.push(self.spawn_tool(step, call));
+                            }
+                        }
+                    }
+                    Action::AwaitHuman { step, id, call_id, kind } => {
+                        self.commit(&machine, &mut pending, None).await?;
+                        match self.journal.remove(&step) {
+                            Some(JournalRecord::Decision(decision)) => {
+                                inputs.push_back((Input::Decision { call_id, decision }, None));
+                            }
+                            Some(_) => return Err(self.corrupt(&step)),
+                            None if self.epoch.is_none() => return Err(self.finished(&step)),
+                            None => waiting.push(self.ask_human(id, call_id, kind).await?),
                         }
                     }
                     Action::Finish(outcome) => return self.finish(&machine, &mut pending, outcome).await,
@@ -315,6 +384,7 @@ impl Driver {
             first_position: first_position as u64,
             messages: &machine.transcript()[first_position..first_position + count],
             state,
+            pending: &[],
         };
         let step = entry.as_ref().map(|e| &e.step);
         if let Some(step) = step {
@@ -325,6 +395,134 @@ impl Driver {
             crate::fault::point("after_commit", step);
         }
         Ok(())
+    }
+
+    /// Asks a human: stores the pending input at once (so it can be decided while the run's
+    /// other calls still run), then tells the observers.
+    async fn ask_human(
+        &mut self,
+        id: String,
+        call_id: String,
+        kind: PendingKind,
+    ) -> Result<PendingInput, RunFailure> {
+        self.go_live();
+        let now = now_ms();
+        let timeout = u64::try_from(self.shared.agent.approval_timeout.as_millis()).unwrap_or(u64::MAX);
+        let asked = PendingInput {
+            id,
+            run_id: self.run_id.clone(),
+            session_id: self.session.clone(),
+            call_id,
+            kind,
+            created_at_ms: now,
+            expires_at_ms: now.saturating_add(timeout),
+        };
+        let commit = StepCommit {
+            session: &self.session,
+            run: &self.run_id,
+            new_run: None,
+            fence: self.epoch.map(|epoch| Fence {
+                owner: &self.shared.owner,
+                epoch,
+                ttl: self.shared.lease_ttl,
+            }),
+            entry: None,
+            first_position: 0,
+            messages: &[],
+            state: None,
+            pending: std::slice::from_ref(&asked),
+        };
+        self.shared.store.commit_step(commit).await.map_err(store_failure)?;
+        self.emit(match &asked.kind {
+            PendingKind::Approval { tool, input } => Event::ApprovalRequested {
+                approval_id: asked.id.clone(),
+                call_id: asked.call_id.clone(),
+                tool: tool.clone(),
+                input: input.clone(),
+            },
+            PendingKind::Question { question } => {
+                Event::QuestionAsked { question_id: asked.id.clone(), question: question.clone() }
+            }
+        });
+        Ok(asked)
+    }
+
+    /// Pauses the run for the humans it waits for: the state `awaiting_input`, which releases
+    /// the lease (the pending inputs were stored when asked; storing them again is a no-op). A
+    /// decision that arrived while the run was still busy continues the run at once.
+    async fn pause(
+        &mut self,
+        machine: &Machine,
+        waiting: &mut Vec<PendingInput>,
+    ) -> Result<Pause, RunFailure> {
+        let store = Arc::clone(&self.shared.store);
+        let step = waiting[0].step();
+        crate::fault::point("before_commit", &step);
+        let commit = StepCommit {
+            session: &self.session,
+            run: &self.run_id,
+            // The run was stored with its input, before its first model call.
+            new_run: None,
+            fence: self.epoch.map(|epoch| Fence {
+                owner: &self.shared.owner,
+                epoch,
+                ttl: self.shared.lease_ttl,
+            }),
+            entry: None,
+            first_position: 0,
+            messages: &machine.transcript()[..0],
+            state: Some(RunState::AwaitingInput),
+            pending: waiting,
+        };
+        store.commit_step(commit).await.map_err(store_failure)?;
+        crate::fault::point("after_commit", &step);
+
+        let mut decisions = Vec::new();
+        for entry in store.load_journal(&self.run_id).await.map_err(store_failure)? {
+            if let JournalRecord::Decision(decision) = entry.record
+                && let Some(index) = waiting.iter().position(|p| p.step() == entry.step)
+            {
+                let decided = waiting.remove(index);
+                decisions.push(Input::Decision { call_id: decided.call_id, decision });
+            }
+        }
+        if !decisions.is_empty() {
+            let shared = &self.shared;
+            if let Some(epoch) =
+                store.claim_run(&self.run_id, &shared.owner, shared.lease_ttl).await.map_err(store_failure)?
+            {
+                self.epoch = Some(epoch);
+                let resume = StepCommit {
+                    session: &self.session,
+                    run: &self.run_id,
+                    new_run: None,
+                    fence: Some(Fence { owner: &shared.owner, epoch, ttl: shared.lease_ttl }),
+                    entry: None,
+                    first_position: 0,
+                    messages: &[],
+                    state: Some(RunState::Running),
+                    pending: &[],
+                };
+                store.commit_step(resume).await.map_err(store_failure)?;
+                return Ok(Pause::Decided(decisions));
+            }
+            // The process that decided took the run over first; it goes on there.
+        }
+        let pending = store.pending_inputs(Some(&self.session)).await.map_err(store_failure)?;
+        Ok(Pause::Paused(pending.into_iter().filter(|p| p.run_id == self.run_id).collect()))
+    }
+
+    fn paused_result(&mut self, machine: &Machine, pending: Vec<PendingInput>) -> RunResult {
+        self.go_live();
+        RunResult {
+            run_id: self.run_id.clone(),
+            session_id: self.session.clone(),
+            text: String::new(),
+            output: None,
+            stopped: StopReason::AwaitingInput,
+            usage: machine.usage(),
+            pending,
+        }
     }
 
     /// Renews the run's lease. A lost lease cancels the run here: another process has taken it
@@ -343,9 +541,36 @@ impl Driver {
         }
     }
 
-    fn emit(&self, event: Event) {
+    /// Sends an event to the run's observers. While a resumed run replays its journal, the
+    /// events are held: an observer of the resumed run sees `run.start`, then the calls of the
+    /// turn it resumes in (not the older turns, nor text and usage it was shown before), then
+    /// the new work.
+    fn emit(&mut self, event: Event) {
+        if let Some(held) = &mut self.replay {
+            match event {
+                Event::RunStart { .. } => {}
+                Event::RunDone { .. } | Event::RunError { .. } => self.go_live(),
+                Event::TextDelta { .. } | Event::Usage(_) => return,
+                Event::TurnStart { .. } => {
+                    held.clear();
+                    held.push(event);
+                    return;
+                }
+                _ => {
+                    held.push(event);
+                    return;
+                }
+            }
+        }
         // The caller may have stopped listening; the run goes on.
         let _ = self.events.send(event);
+    }
+
+    /// Ends the replay: the run reached work that is not in its journal.
+    fn go_live(&mut self) {
+        for event in self.replay.take().unwrap_or_default() {
+            let _ = self.events.send(event);
+        }
     }
 
     /// A finished run is only ever replayed: a step missing from its journal (compacted) is not
@@ -387,9 +612,9 @@ impl Driver {
                 }
                 return Ok((Input::ModelReply(reply), None));
             }
-            Some(JournalRecord::ToolResult(_)) => return Err(self.corrupt(&step)),
+            Some(_) => return Err(self.corrupt(&step)),
             None if self.epoch.is_none() => return Err(self.finished(&step)),
-            None => {}
+            None => self.go_live(),
         }
         let call = call_model(&self.shared, machine, &self.events);
         tokio::pin!(call);
@@ -469,6 +694,7 @@ impl Driver {
                     output,
                     stopped,
                     usage,
+                    pending: Vec::new(),
                 })
             }
             RunOutcome::Failed(failure) => {
@@ -478,6 +704,21 @@ impl Driver {
             }
         }
     }
+}
+
+/// How a pause ended.
+enum Pause {
+    /// The run is paused; these are what it waits for.
+    Paused(Vec<PendingInput>),
+    /// Decisions came while the run was busy: feed them and go on.
+    Decided(Vec<Input>),
+}
+
+/// Milliseconds since the Unix epoch: when a pending input was asked, for its expiry.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Why a driver waiting on tools woke up.

@@ -5,7 +5,10 @@ use std::collections::VecDeque;
 use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 
-use keel_core::{AgentDef, Concurrency, ErrorCode, Message, Provider, RunFailure, RunId, SessionId, Store};
+use keel_core::{
+    AgentDef, Concurrency, Decision, ErrorCode, Message, PendingInput, Provider, RunFailure, RunId,
+    SessionId, Store,
+};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -167,6 +170,23 @@ fn new_run_id() -> RunId {
     RunId::from_suffix(id.simple().encode_lower(&mut buffer))
 }
 
+/// Records a human's decision on pending input `id` in `store` (checking that it fits what is
+/// asked), without driving the run: it goes on when a process re-drives it (see
+/// [`Engine::recover`]). What `keel approvals` does without an agent. Returns what was decided.
+pub async fn record_decision(
+    store: &dyn Store,
+    id: &str,
+    decision: Decision,
+) -> Result<PendingInput, RunFailure> {
+    let failure = |error: keel_core::StoreError| RunFailure::new(error.code(), error.to_string());
+    let pending = store.pending_inputs(None).await.map_err(failure)?;
+    let Some(found) = pending.into_iter().find(|p| p.id == id) else {
+        return Err(failure(keel_core::StoreError::not_pending(id)));
+    };
+    keel_core::human::check_decision(&found, &decision)?;
+    store.decide(id, &decision).await.map_err(failure)
+}
+
 /// An agent bound to a model provider and a store.
 ///
 /// Cheap to clone; clones share the same "session busy" bookkeeping.
@@ -229,16 +249,69 @@ impl Engine {
     /// Re-drives a run from its journal (after a crash, a restart, or to replay it). Journaled
     /// steps are not executed again; the run continues from the first step without a record.
     pub fn resume(&self, run_id: RunId) -> RunHandle {
-        self.spawn(run_id.clone(), Plan::Resume { run_id }, CancellationToken::new())
+        self.spawn(run_id.clone(), Plan::Resume { run_id, session_held: false }, CancellationToken::new())
     }
 
-    /// Re-drives every run left `running` by a process that died (its lease expired): all of
-    /// them, or `session`'s only. Each gets a handle, like [`Engine::resume`].
+    /// Re-drives every run left `running` by a process that died (its lease expired), or whose
+    /// pause a human decided: all of them, or `session`'s only. Approvals and questions past
+    /// their expiry are decided first (an approval is rejected, a question unanswered), so
+    /// their runs go on too. Each run gets a handle, like [`Engine::resume`].
     pub async fn recover(&self, session: Option<&SessionId>) -> Result<Vec<RunHandle>, RunFailure> {
+        self.expire_overdue(session).await?;
         let runs = self.shared.store.interrupted_runs(session).await.map_err(|error| {
             RunFailure::new(error.code(), format!("cannot list interrupted runs: {error}"))
         })?;
         Ok(runs.into_iter().map(|run| self.resume(run)).collect())
+    }
+
+    /// The approvals and questions waiting for a human: all, or `session`'s; oldest first.
+    pub async fn pending(&self, session: Option<&SessionId>) -> Result<Vec<PendingInput>, RunFailure> {
+        self.shared
+            .store
+            .pending_inputs(session)
+            .await
+            .map_err(|error| RunFailure::new(error.code(), format!("cannot list pending approvals: {error}")))
+    }
+
+    /// Decides a pending approval or question and continues its run, returning its handle.
+    ///
+    /// The decision is recorded first, durably: if the run is driven by another process at the
+    /// moment (it still had other calls to finish), that process applies it and the handle
+    /// ends with `KEEL_RUN_LEASED`. Fails with `KEEL_NOT_PENDING` when `id` is not pending
+    /// (a second decision changes nothing) and `KEEL_DECISION_INVALID` when the decision does
+    /// not fit (an answer to an approval).
+    pub async fn decide(&self, id: &str, decision: Decision) -> Result<RunHandle, RunFailure> {
+        let pending = record_decision(self.shared.store.as_ref(), id, decision).await?;
+        Ok(self.resume(pending.run_id))
+    }
+
+    /// Decides the approvals and questions of `session` (or all) whose expiry has passed, as
+    /// [`Decision::TimedOut`]. Returns how many.
+    async fn expire_overdue(&self, session: Option<&SessionId>) -> Result<usize, RunFailure> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let mut expired = 0;
+        for pending in self.pending(session).await? {
+            if pending.expires_at_ms > now {
+                continue;
+            }
+            match self.shared.store.decide(&pending.id, &Decision::TimedOut).await {
+                Ok(_) => {
+                    tracing::info!(id = %pending.id, run = %pending.run_id, "nobody decided in time: timed out");
+                    expired += 1;
+                }
+                // A human decided first.
+                Err(keel_core::StoreError::NotPending(_)) => {}
+                Err(error) => {
+                    return Err(RunFailure::new(
+                        error.code(),
+                        format!("cannot time out {}: {error}", pending.id),
+                    ));
+                }
+            }
+        }
+        Ok(expired)
     }
 
     /// Keeps recovering interrupted runs in the background: now, then every `every`. For

@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use futures::Stream;
-use keel_core::{ErrorCode, Event, RunFailure, RunId, SessionId, StopReason, Usage};
+use keel_core::{ErrorCode, Event, PendingInput, RunFailure, RunId, SessionId, StopReason, Usage};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -23,10 +23,13 @@ pub struct RunResult {
     pub text: String,
     /// The structured output, when the agent has an output schema (or a stop tool ended it).
     pub output: Option<Value>,
-    /// Why the run stopped.
+    /// Why the run stopped: [`StopReason::AwaitingInput`] when it paused for a human.
     pub stopped: StopReason,
-    /// Tokens used by the run.
+    /// Tokens used by the run (so far, when it paused).
     pub usage: Usage,
+    /// What a paused run waits for (empty unless `stopped` is `AwaitingInput`): decide each with
+    /// `Engine::decide`, from this process or any other sharing the store.
+    pub pending: Vec<PendingInput>,
 }
 
 /// A run in flight: a [`Stream`] of its [`Event`]s, then its result.

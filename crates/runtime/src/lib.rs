@@ -20,5 +20,5 @@ mod engine;
 mod fault;
 mod handle;
 
-pub use engine::Engine;
+pub use engine::{Engine, record_decision};
 pub use handle::{RunHandle, RunResult};

@@ -104,6 +104,7 @@ fn agent(tools: Vec<Arc<dyn Tool>>, edit: impl FnOnce(&mut AgentDef)) -> Arc<Age
         output_schema: None,
         stop_on_tools: Vec::new(),
         concurrency: keel_core::Concurrency::Reject,
+        approval_timeout: AgentDef::DEFAULT_APPROVAL_TIMEOUT,
     };
     edit(&mut def);
     Arc::new(def)
@@ -216,8 +217,11 @@ async fn re_driving_a_finished_run_calls_nothing_and_appends_nothing() {
         transcript,
         "the replay changed the transcript"
     );
-    // The replay still tells its observers the whole story, text included.
-    assert!(replay_events.contains(&Event::TextDelta { delta: "finished: recorded b".into() }));
+    // An observer of the replay is not shown again what the run showed before (text, usage, the
+    // older turns): it gets the run's start, its last turn, and its end.
+    let kinds: Vec<&str> = replay_events.iter().map(keel_core::wire::event_type).collect();
+    assert_eq!(kinds, ["run.start", "turn.start", "run.done"], "{replay_events:#?}");
+    assert!(matches!(&replay_events[2], Event::RunDone { text, .. } if text == "finished: recorded b"));
 }
 
 #[tokio::test]

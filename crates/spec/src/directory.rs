@@ -361,6 +361,26 @@ pub(crate) fn finish(
             );
         }
     }
+    for (name, pos) in &spec.approval_tools {
+        if !builtin_tools.contains(name) && !command_names.contains(&name.as_str()) {
+            let candidates: Vec<&str> =
+                builtin_tools.iter().map(String::as_str).chain(command_names.iter().copied()).collect();
+            let hint = match did_you_mean(name, &candidates) {
+                Some(close) => format!("did you mean `{close}`?"),
+                None if candidates.is_empty() => "the agent has no tools; list them under `tools`".to_owned(),
+                None => format!("the agent's tools: {}", candidates.join(", ")),
+            };
+            diagnostics.push(
+                Diagnostic::error(
+                    ErrorCode::SpecInvalid,
+                    file,
+                    *pos,
+                    format!("`approvals.tools` names `{name}`, which the agent does not have"),
+                )
+                .with_hint(hint),
+            );
+        }
+    }
     let mock = spec.mock.map(|(script, called)| {
         for (name, pos) in called {
             let known = builtin_tools.contains(&name) || command_names.contains(&name.as_str());
@@ -390,6 +410,8 @@ pub(crate) fn finish(
         limits: spec.limits,
         retry: spec.retry,
         concurrency: spec.concurrency,
+        approval_tools: spec.approval_tools.into_iter().map(|(name, _)| name).collect(),
+        approval_timeout: spec.approval_timeout.unwrap_or(keel_core::AgentDef::DEFAULT_APPROVAL_TIMEOUT),
         output_schema: spec.output_schema,
         mock,
         skills,

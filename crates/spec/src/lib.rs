@@ -50,6 +50,10 @@ pub struct AgentSpec {
     pub retry: RetryPolicy,
     /// What a second input to a busy session does.
     pub concurrency: Concurrency,
+    /// Tools whose calls wait for a human's approval (`approvals.tools`).
+    pub approval_tools: Vec<String>,
+    /// How long approvals and questions wait (`approvals.timeout`, default 3 days).
+    pub approval_timeout: std::time::Duration,
     /// The JSON Schema of the final answer (`output.schema`).
     pub output_schema: Option<Value>,
     /// The mock provider's script (`mock.script`).

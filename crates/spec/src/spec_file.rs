@@ -37,7 +37,7 @@ pub(crate) const KEYS: &[&str] = &[
 
 /// Keys of the design this build does not implement yet: refusing them is safer than ignoring
 /// them (an ignored `approvals` would run risky tools without asking).
-const NOT_YET: &[&str] = &["http", "approvals", "workspace", "compaction", "mcp", "triggers", "memory"];
+const NOT_YET: &[&str] = &["http", "workspace", "compaction", "mcp", "triggers", "memory"];
 
 const LIMIT_KEYS: &[&str] = &[
     "max_turns",
@@ -47,6 +47,7 @@ const LIMIT_KEYS: &[&str] = &[
     "max_tool_output_chars",
     "provider_timeout",
 ];
+const APPROVAL_KEYS: &[&str] = &["tools", "timeout"];
 const RETRY_KEYS: &[&str] = &["max_attempts", "initial_backoff", "max_backoff"];
 const MOCK_ENTRY_KEYS: &[&str] = &["text", "tool_calls", "delay_ms", "error"];
 
@@ -60,6 +61,10 @@ pub(crate) struct FileSpec {
     pub(crate) limits: Limits,
     pub(crate) retry: RetryPolicy,
     pub(crate) concurrency: Concurrency,
+    /// `approvals.tools`, with their positions.
+    pub(crate) approval_tools: Vec<(String, Pos)>,
+    /// `approvals.timeout`.
+    pub(crate) approval_timeout: Option<std::time::Duration>,
     pub(crate) output_schema: Option<Value>,
     pub(crate) mock: Option<(MockScript, Vec<(String, Pos)>)>,
     pub(crate) skills: Option<Vec<(String, Pos)>>,
@@ -102,6 +107,8 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         limits: Limits::default(),
         retry: RetryPolicy::default(),
         concurrency: Concurrency::Reject,
+        approval_tools: Vec::new(),
+        approval_timeout: None,
         output_schema: None,
         mock: None,
         skills: None,
@@ -158,6 +165,17 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
                 }
             }
         }
+    }
+    if let Some(node) = map.take("approvals")
+        && let Some(mut approvals) = d.map(node, "approvals")
+    {
+        if let Some(tools) = approvals.take("tools") {
+            spec.approval_tools = d.string_list(tools, "approvals.tools").unwrap_or_default();
+        }
+        if let Some(timeout) = approvals.take("timeout") {
+            spec.approval_timeout = d.duration(timeout, "approvals.timeout");
+        }
+        approvals.finish(d, "approvals", APPROVAL_KEYS);
     }
     if let Some(node) = map.take("skills") {
         spec.skills = d.string_list(node, "skills");

@@ -8,7 +8,7 @@ use serde_json::json;
 use super::*;
 
 const OPTIONS: LoadOptions<'static> = LoadOptions {
-    builtin_tools: &["current-date", "day-name"],
+    builtin_tools: &["current-date", "day-name", "ask_question"],
     providers: &["mock", "openai", "anthropic", "ollama", "openrouter"],
 };
 
@@ -147,7 +147,7 @@ fn unknown_tools_and_providers_get_suggestions() {
               hint: did you mean `day-name`?
             error[KEEL_SPEC_INVALID]: unknown tool `weather`
               --> agent.toml:2:21
-              hint: available tools: current-date, day-name
+              hint: available tools: current-date, day-name, ask_question
         "#]],
     );
     check(
@@ -159,7 +159,7 @@ fn unknown_tools_and_providers_get_suggestions() {
               hint: did you mean `day-name`?
             error[KEEL_SPEC_INVALID]: unknown tool `weather`
               --> agent.toml:2:21
-              hint: available tools: current-date, day-name
+              hint: available tools: current-date, day-name, ask_question
         "#]],
     );
 }
@@ -298,12 +298,37 @@ fn skills_problems() {
 #[test]
 fn features_of_later_versions_are_refused_not_ignored() {
     check(
-        &[("a.yaml", "model: mock\napprovals: { tools: [shell] }\nconcurrency: queue\n")],
+        &[("a.yaml", "model: mock\nworkspace: { path: . }\nconcurrency: queue\n")],
         "a.yaml",
         expect![[r#"
-            error[KEEL_SPEC_UNSUPPORTED]: `approvals` is not supported by this version of keel yet
+            error[KEEL_SPEC_UNSUPPORTED]: `workspace` is not supported by this version of keel yet
               --> a.yaml:2:1
-              hint: remove `approvals` to run the agent with this version
+              hint: remove `workspace` to run the agent with this version
+        "#]],
+    );
+}
+
+#[test]
+fn approvals_name_the_agents_tools_and_take_a_duration() {
+    check(
+        &[(
+            "a.yaml",
+            "model: mock\ntools: [day-name, ask_question]\napprovals:\n  tools: [day-nam, shell]\n  timeout: soon\n  timout: 3d\n",
+        )],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `approvals.tools` names `day-nam`, which the agent does not have
+              --> a.yaml:4:11
+              hint: did you mean `day-name`?
+            error[KEEL_SPEC_INVALID]: `approvals.tools` names `shell`, which the agent does not have
+              --> a.yaml:4:20
+              hint: the agent's tools: day-name, ask_question
+            error[KEEL_SPEC_INVALID]: `approvals.timeout` is not a duration (expected number at 0): "soon"
+              --> a.yaml:5:12
+              hint: write durations like `500ms`, `30s`, `5m`, `2h` or `3d`
+            error[KEEL_SPEC_INVALID]: unknown key `timout` in `approvals`
+              --> a.yaml:6:3
+              hint: did you mean `timeout`?
         "#]],
     );
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::{
-    Fence, Message, ModelReply, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, Store,
-    StoreError, Usage,
+    Decision, Fence, Message, ModelReply, PendingInput, PendingKind, RunId, RunRecord, RunState, SessionId,
+    StepCommit, StepName, Store, StoreError, Usage,
 };
 use serde_json::json;
 
@@ -24,6 +24,8 @@ pub async fn run_all(store: &dyn Store) {
     finished_runs_journals_compact(store).await;
     one_live_run_per_session(store).await;
     schedule_ticks_fire_once(store).await;
+    pending_inputs_are_decided_once(store).await;
+    a_paused_run_holds_its_session(store).await;
 }
 
 /// Writes through [`Store::commit_step`], the one write path, one part at a time: the suite's
@@ -67,6 +69,7 @@ fn bare<'a>(session: &'a SessionId, run: &'a RunId) -> StepCommit<'a> {
         messages: &[],
         state: None,
         fence: None,
+        pending: &[],
     }
 }
 
@@ -198,6 +201,7 @@ pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
         messages: &messages,
         state: Some(RunState::Done),
         fence: None,
+        pending: &[],
     };
     store.commit_step(commit).await.unwrap();
     // The replay of a step: the run exists by now.
@@ -234,6 +238,7 @@ pub async fn leases_fence_stale_writers(store: &dyn Store) {
         messages: &messages,
         state: None,
         fence: Some(first),
+        pending: &[],
     };
     store.commit_step(create).await.unwrap();
 
@@ -306,6 +311,7 @@ fn new_run_commit<'a>(
         messages,
         state: None,
         fence: Some(Fence { owner, epoch: 1, ttl: std::time::Duration::from_secs(60) }),
+        pending: &[],
     }
 }
 
@@ -335,4 +341,142 @@ pub async fn schedule_ticks_fire_once(store: &dyn Store) {
     assert!(store.claim_schedule_tick("conformance-weekly", 2_000).await.unwrap());
     assert_eq!(store.schedule_last_fire("conformance-weekly").await.unwrap(), Some(2_000));
     assert!(store.claim_schedule_tick("conformance-daily", 1_000).await.unwrap(), "schedules share ticks");
+}
+
+fn pending(id: &str, record: &RunRecord, call_id: &str, kind: PendingKind) -> PendingInput {
+    PendingInput {
+        id: id.into(),
+        run_id: record.run_id.clone(),
+        session_id: record.session_id.clone(),
+        call_id: call_id.into(),
+        kind,
+        created_at_ms: 1_000,
+        expires_at_ms: 2_000,
+    }
+}
+
+/// A pause stores the run's pending inputs and releases its lease; a decision is journaled as
+/// its step, once: the second is refused, and a later pause does not ask again. The run becomes
+/// re-drivable only when the decision comes.
+pub async fn pending_inputs_are_decided_once(store: &dyn Store) {
+    let session = SessionId::new("conformance-pending").unwrap();
+    let record = run_record("pending", &session, 0);
+    let input = [Arc::new(Message::user("go"))];
+    store.commit_step(new_run_commit(&record, "process-a", &input, 0)).await.unwrap();
+    let approval = pending(
+        "ap_conformance1",
+        &record,
+        "c1",
+        PendingKind::Approval { tool: "shell".into(), input: json!({"command": "ls"}) },
+    );
+    let question =
+        pending("qu_conformance2", &record, "c2", PendingKind::Question { question: "Why?".into() });
+    let both = [approval.clone(), question.clone()];
+    let fence = Some(Fence { owner: "process-a", epoch: 1, ttl: std::time::Duration::from_secs(60) });
+    let pause = StepCommit {
+        state: Some(RunState::AwaitingInput),
+        pending: &both,
+        fence,
+        ..bare(&session, &record.run_id)
+    };
+    store.commit_step(pause).await.unwrap();
+    assert_eq!(store.pending_inputs(Some(&session)).await.unwrap(), both, "pending inputs round trip");
+    assert_eq!(store.pending_inputs(None).await.unwrap(), both);
+    let other = SessionId::new("conformance-none").unwrap();
+    assert!(store.pending_inputs(Some(&other)).await.unwrap().is_empty());
+    assert_eq!(store.load_run(&record.run_id).await.unwrap().unwrap().state, RunState::AwaitingInput);
+    assert!(
+        store.interrupted_runs(Some(&session)).await.unwrap().is_empty(),
+        "a paused run with no decision is not re-driven"
+    );
+    // Paused: the lease is released, so the process that decides may drive the run.
+    assert!(
+        store
+            .claim_run(&record.run_id, "process-b", std::time::Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_some()
+    );
+    set_run_state(store, &record.run_id, RunState::AwaitingInput).await.unwrap();
+
+    let decision = Decision::Reject { note: Some("no".into()) };
+    assert_eq!(store.decide(&question.id, &Decision::Answer("because".into())).await.unwrap(), question);
+    let again = store.decide(&question.id, &Decision::Answer("twice".into())).await.unwrap_err();
+    assert!(matches!(again, StoreError::NotPending(_)), "a second decision: {again:?}");
+    let unknown = store.decide("ap_nope", &decision).await.unwrap_err();
+    assert!(matches!(unknown, StoreError::NotPending(_)), "an unknown id: {unknown:?}");
+    let journal = store.load_journal(&record.run_id).await.unwrap();
+    assert_eq!(
+        journal,
+        [JournalEntry {
+            step: StepName::Question("c2".into()),
+            record: JournalRecord::Decision(Decision::Answer("because".into()))
+        }],
+        "the first decision is journaled, the second changes nothing"
+    );
+    assert_eq!(store.load_run(&record.run_id).await.unwrap().unwrap().state, RunState::Running);
+    assert_eq!(
+        store.interrupted_runs(Some(&session)).await.unwrap(),
+        std::slice::from_ref(&record.run_id),
+        "a decided run is re-drivable by any process"
+    );
+    assert_eq!(store.pending_inputs(Some(&session)).await.unwrap(), std::slice::from_ref(&approval));
+
+    // The re-driven run pauses again on the approval: the decided question is not asked again.
+    let epoch =
+        store.claim_run(&record.run_id, "process-c", std::time::Duration::from_secs(60)).await.unwrap();
+    let repause = StepCommit {
+        state: Some(RunState::AwaitingInput),
+        pending: &both,
+        fence: Some(Fence {
+            owner: "process-c",
+            epoch: epoch.unwrap(),
+            ttl: std::time::Duration::from_secs(60),
+        }),
+        ..bare(&session, &record.run_id)
+    };
+    store.commit_step(repause).await.unwrap();
+    assert_eq!(
+        store.pending_inputs(Some(&session)).await.unwrap(),
+        std::slice::from_ref(&approval),
+        "a decided input was re-asked"
+    );
+
+    // Ending the run drops what it still waited for.
+    set_run_state(store, &record.run_id, RunState::Cancelled).await.unwrap();
+    assert!(store.pending_inputs(None).await.unwrap().is_empty(), "an ended run left pending inputs");
+    let late = store.decide(&approval.id, &Decision::Approve { note: None }).await.unwrap_err();
+    assert!(matches!(late, StoreError::NotPending(_)), "a decision for an ended run: {late:?}");
+}
+
+/// A run paused for a human owns its session, lease or not: a new run is refused until it is
+/// decided and finished, and deleting the session drops its pending inputs.
+pub async fn a_paused_run_holds_its_session(store: &dyn Store) {
+    let session = SessionId::new("conformance-paused").unwrap();
+    let record = run_record("paused-first", &session, 0);
+    let input = [Arc::new(Message::user("go"))];
+    store.commit_step(new_run_commit(&record, "process-a", &input, 0)).await.unwrap();
+    let approval = [pending(
+        "ap_conformance3",
+        &record,
+        "c1",
+        PendingKind::Approval { tool: "t".into(), input: json!({}) },
+    )];
+    let fence = Some(Fence { owner: "process-a", epoch: 1, ttl: std::time::Duration::from_secs(60) });
+    let pause = StepCommit {
+        state: Some(RunState::AwaitingInput),
+        pending: &approval,
+        fence,
+        ..bare(&session, &record.run_id)
+    };
+    store.commit_step(pause).await.unwrap();
+    let second = run_record("paused-second", &session, 1);
+    let two = [Arc::new(Message::user("two"))];
+    let error = store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap_err();
+    assert!(matches!(&error, StoreError::Busy(m) if m.contains("waiting for a human")), "{error:?}");
+    assert!(store.delete_session(&session).await.unwrap());
+    assert!(
+        store.pending_inputs(Some(&session)).await.unwrap().is_empty(),
+        "a deleted session left pending inputs"
+    );
 }

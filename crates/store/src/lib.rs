@@ -26,6 +26,24 @@ pub(crate) fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// Why a new run of `session` is refused: `other` owns the session.
+pub(crate) fn busy_error(
+    session: &keel_core::SessionId,
+    other: &keel_core::RunId,
+    state: keel_core::RunState,
+) -> StoreError {
+    if state == keel_core::RunState::AwaitingInput {
+        StoreError::Busy(format!(
+            "session {session} has a run waiting for a human ({other}); decide its pending approvals or \
+             questions first (`keel approvals list`), or cancel it"
+        ))
+    } else {
+        StoreError::Busy(format!(
+            "session {session} already has a run in flight ({other}); wait for it to finish or cancel it"
+        ))
+    }
+}
+
 /// Opens the store a `--store` / `KEEL_STORE` value names: `memory`, or `sqlite:<path>`.
 pub fn open(spec: &str) -> Result<Arc<dyn Store>, StoreError> {
     if spec == "memory" {

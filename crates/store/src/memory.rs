@@ -10,8 +10,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use keel_core::journal::JournalEntry;
+use keel_core::journal::JournalRecord;
 use keel_core::{
-    BoxFuture, Message, RunId, RunRecord, RunState, SessionId, SessionSummary, StepCommit, Store, StoreError,
+    BoxFuture, Decision, Message, PendingInput, RunId, RunRecord, RunState, SessionId, SessionSummary,
+    StepCommit, Store, StoreError,
 };
 
 #[derive(Default)]
@@ -36,6 +38,9 @@ struct Inner {
     schedules: HashMap<String, u64>,
     runs: HashMap<RunId, RunRecord>,
     journals: HashMap<RunId, Vec<JournalEntry>>,
+    /// Approvals and questions waiting for a human, by id, with the order they were asked in.
+    pending: HashMap<String, (u64, PendingInput)>,
+    pending_asked: u64,
 }
 
 impl Inner {
@@ -87,14 +92,17 @@ impl Inner {
         Ok(())
     }
 
-    /// A run of `session` in flight under a live lease.
-    fn live_run(&self, session: &SessionId) -> Option<&RunId> {
+    /// A run of `session` in flight under a live lease, or paused for a human.
+    fn live_run(&self, session: &SessionId) -> Option<&RunRecord> {
         let now = crate::now_ms();
-        self.runs
-            .values()
-            .filter(|r| &r.session_id == session && !r.state.is_terminal())
-            .find(|r| self.leases.get(&r.run_id).is_some_and(|l| l.expires_ms > now))
-            .map(|r| &r.run_id)
+        self.runs.values().filter(|r| &r.session_id == session && !r.state.is_terminal()).find(|r| {
+            r.state == RunState::AwaitingInput
+                || self.leases.get(&r.run_id).is_some_and(|l| l.expires_ms > now)
+        })
+    }
+
+    fn has_step(&self, run: &RunId, step: &keel_core::StepName) -> bool {
+        self.journals.get(run).is_some_and(|journal| journal.iter().any(|e| &e.step == step))
     }
 
     /// Records a journal entry; the first record of a step wins.
@@ -153,10 +161,7 @@ impl Store for MemoryStore {
                     Err(StoreError::Conflict(format!("run {} already exists", run.run_id)))
                 }
                 Some(run) => match inner.live_run(&run.session_id) {
-                    Some(other) => Err(StoreError::Busy(format!(
-                        "session {} already has a run in flight ({other}); wait for it to finish or cancel it",
-                        run.session_id
-                    ))),
+                    Some(other) => Err(crate::busy_error(&run.session_id, &other.run_id, other.state)),
                     None => Ok(()),
                 },
                 None if commit.state.is_some() && !inner.runs.contains_key(commit.run) => {
@@ -196,10 +201,27 @@ impl Store for MemoryStore {
                     inner.append_journal(commit.run, entry);
                 }
                 inner.append_messages(commit.session, commit.run, commit.first_position, commit.messages)?;
+                for pending in commit.pending {
+                    if !inner.pending.contains_key(&pending.id)
+                        && !inner.has_step(commit.run, &pending.step())
+                    {
+                        inner.pending_asked += 1;
+                        let asked = inner.pending_asked;
+                        inner.pending.insert(pending.id.clone(), (asked, pending.clone()));
+                    }
+                }
                 if let Some(state) = commit.state
                     && let Some(record) = inner.runs.get_mut(commit.run)
                 {
                     record.state = state;
+                    if state != RunState::Running
+                        && let Some(lease) = inner.leases.get_mut(commit.run)
+                    {
+                        lease.expires_ms = 0;
+                    }
+                    if state.is_terminal() && !inner.pending.is_empty() {
+                        inner.pending.retain(|_, (_, p)| &p.run_id != commit.run);
+                    }
                 }
                 Ok(())
             });
@@ -279,6 +301,39 @@ impl Store for MemoryStore {
         ready(Ok(runs))
     }
 
+    fn pending_inputs<'a>(
+        &'a self,
+        session: Option<&'a SessionId>,
+    ) -> BoxFuture<'a, Result<Vec<PendingInput>, StoreError>> {
+        let inner = self.lock();
+        let mut pending: Vec<&(u64, PendingInput)> =
+            inner.pending.values().filter(|(_, p)| session.is_none_or(|s| &p.session_id == s)).collect();
+        pending.sort_by_key(|(asked, p)| (p.created_at_ms, *asked));
+        ready(Ok(pending.into_iter().map(|(_, p)| p.clone()).collect()))
+    }
+
+    fn decide<'a>(
+        &'a self,
+        id: &'a str,
+        decision: &'a Decision,
+    ) -> BoxFuture<'a, Result<PendingInput, StoreError>> {
+        let mut inner = self.lock();
+        let Some((_, pending)) = inner.pending.remove(id) else {
+            return ready(Err(StoreError::not_pending(id)));
+        };
+        let entry = JournalEntry { step: pending.step(), record: JournalRecord::Decision(decision.clone()) };
+        inner.append_journal(&pending.run_id, &entry);
+        if let Some(record) = inner.runs.get_mut(&pending.run_id)
+            && record.state == RunState::AwaitingInput
+        {
+            record.state = RunState::Running;
+            if let Some(lease) = inner.leases.get_mut(&pending.run_id) {
+                lease.expires_ms = 0;
+            }
+        }
+        ready(Ok(pending))
+    }
+
     fn claim_schedule_tick<'a>(
         &'a self,
         name: &'a str,
@@ -337,6 +392,7 @@ impl Store for MemoryStore {
             inner.journals.remove(run);
             inner.leases.remove(run);
         }
+        inner.pending.retain(|_, (_, p)| &p.session_id != session);
         ready(Ok(existed || !runs.is_empty()))
     }
 }

@@ -24,10 +24,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use keel_core::journal::JournalEntry;
-use keel_core::persist::{decode_message, decode_record, encode_message, encode_record};
+use keel_core::journal::JournalRecord;
+use keel_core::persist::{
+    decode_message, decode_pending_kind, decode_record, encode_message, encode_pending_kind, encode_record,
+};
 use keel_core::{
-    BoxFuture, Message, RunId, RunRecord, RunState, SessionId, SessionSummary, StepCommit, StepName, Store,
-    StoreError,
+    BoxFuture, Decision, Message, PendingInput, RunId, RunRecord, RunState, SessionId, SessionSummary,
+    StepCommit, StepName, Store, StoreError,
 };
 use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
 
@@ -75,6 +78,20 @@ const MIGRATIONS: &[&str] = &[
         name TEXT PRIMARY KEY,
         last_fire INTEGER NOT NULL
     ) WITHOUT ROWID;",
+    // Version 4: approvals and questions waiting for a human (a rowid table: the rowid keeps the
+    // order they were asked in, which is the calls' order within a turn).
+    "CREATE TABLE pending_inputs (
+        id TEXT PRIMARY KEY,
+        run_id TEXT NOT NULL,
+        session_id TEXT NOT NULL,
+        call_id TEXT NOT NULL,
+        step TEXT NOT NULL,
+        body TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        expires_at INTEGER NOT NULL
+    );
+    CREATE INDEX pending_by_session ON pending_inputs (session_id);
+    CREATE INDEX pending_by_run ON pending_inputs (run_id);",
 ];
 
 /// The schema version this build writes.
@@ -345,6 +362,7 @@ impl Store for SqliteStore {
         let messages = commit.messages.to_vec();
         let (first_position, state) = (commit.first_position, commit.state);
         let fence = commit.fence.map(|f| (f.owner.to_owned(), f.epoch, f.ttl));
+        let pending = commit.pending.to_vec();
         let write = self.submit(Box::new(move |c| {
             if let Some(record) = &new_run {
                 refuse_if_busy(c, &record.session_id)?;
@@ -358,6 +376,9 @@ impl Store for SqliteStore {
             }
             if !messages.is_empty() {
                 insert_messages(c, &session, &run, first_position, &messages)?;
+            }
+            for pending in &pending {
+                insert_pending(c, pending)?;
             }
             if let Some(state) = state {
                 update_state(c, &run, state)?;
@@ -505,6 +526,71 @@ impl Store for SqliteStore {
         ready(result)
     }
 
+    fn pending_inputs<'a>(
+        &'a self,
+        session: Option<&'a SessionId>,
+    ) -> BoxFuture<'a, Result<Vec<PendingInput>, StoreError>> {
+        let connection = self.lock();
+        let result = (|| {
+            let mut statement = connection
+                .prepare_cached(
+                    "SELECT id, run_id, session_id, call_id, body, created_at, expires_at FROM pending_inputs
+                     WHERE ?1 IS NULL OR session_id = ?1 ORDER BY created_at, rowid",
+                )
+                .map_err(map_error)?;
+            let rows = statement
+                .query_map(params![session.map(SessionId::as_str)], pending_from_row)
+                .map_err(map_error)?;
+            rows.map(|row| row.map_err(map_error)?).collect()
+        })();
+        ready(result)
+    }
+
+    fn decide<'a>(
+        &'a self,
+        id: &'a str,
+        decision: &'a Decision,
+    ) -> BoxFuture<'a, Result<PendingInput, StoreError>> {
+        // Read the pending input first: rows never change, they are only deleted, and the write
+        // below deletes it only if it is still there, so two racing decisions cannot both win.
+        let found = {
+            let connection = self.lock();
+            connection
+                .prepare_cached(
+                    "SELECT id, run_id, session_id, call_id, body, created_at, expires_at FROM pending_inputs
+                     WHERE id = ?1",
+                )
+                .and_then(|mut s| s.query_row([id], pending_from_row).optional())
+                .map_err(map_error)
+        };
+        let pending = match found {
+            Ok(Some(Ok(pending))) => pending,
+            Ok(Some(Err(error))) | Err(error) => return ready(Err(error)),
+            Ok(None) => return ready(Err(StoreError::not_pending(id))),
+        };
+        let entry = JournalEntry { step: pending.step(), record: JournalRecord::Decision(decision.clone()) };
+        let run = pending.run_id.clone();
+        let id = id.to_owned();
+        let write = self.submit(Box::new(move |c| {
+            let removed = c
+                .prepare_cached("DELETE FROM pending_inputs WHERE id = ?1")
+                .and_then(|mut s| s.execute([id.as_str()]))
+                .map_err(map_error)?;
+            if removed == 0 {
+                return Err(StoreError::not_pending(&id));
+            }
+            insert_journal(c, &run, &entry)?;
+            c.prepare_cached(
+                "UPDATE runs SET state = 'running', lease_expires_at = 0, updated_at = ?2
+                 WHERE id = ?1 AND state = 'awaiting_input'",
+            )
+            .and_then(|mut s| s.execute(params![run.as_str(), crate::now_ms() as i64]))
+            .map_err(map_error)?;
+            Ok(0)
+        }));
+        Box::pin(async move { write.await.map(|_| pending) })
+    }
+
     fn claim_schedule_tick<'a>(
         &'a self,
         name: &'a str,
@@ -590,6 +676,7 @@ impl Store for SqliteStore {
                 [id],
             )
             .map_err(map_error)?;
+            c.execute("DELETE FROM pending_inputs WHERE session_id = ?1", [id]).map_err(map_error)?;
             let runs = c.execute("DELETE FROM runs WHERE session_id = ?1", [id]).map_err(map_error)?;
             c.execute("DELETE FROM messages WHERE session_id = ?1", [id]).map_err(map_error)?;
             let sessions = c.execute("DELETE FROM sessions WHERE id = ?1", [id]).map_err(map_error)?;
@@ -657,23 +744,71 @@ fn insert_messages(
     Ok(())
 }
 
-/// Refuses a new run while another run of the session is in flight under a live lease.
+/// Refuses a new run while another run of the session is in flight under a live lease, or
+/// paused for a human.
 fn refuse_if_busy(connection: &Connection, session: &SessionId) -> Result<(), StoreError> {
-    let other: Option<String> = connection
+    let other: Option<(String, String)> = connection
         .prepare_cached(
-            "SELECT id FROM runs WHERE session_id = ?1 AND state IN ('running', 'awaiting_input')
-               AND lease_owner IS NOT NULL AND lease_expires_at > ?2 LIMIT 1",
+            "SELECT id, state FROM runs WHERE session_id = ?1 AND (state = 'awaiting_input'
+               OR (state = 'running' AND lease_owner IS NOT NULL AND lease_expires_at > ?2)) LIMIT 1",
         )
         .and_then(|mut s| {
-            s.query_row(params![session.as_str(), crate::now_ms() as i64], |row| row.get(0)).optional()
+            s.query_row(params![session.as_str(), crate::now_ms() as i64], |row| {
+                Ok((row.get(0)?, row.get(1)?))
+            })
+            .optional()
         })
         .map_err(map_error)?;
     match other {
-        Some(other) => Err(StoreError::Busy(format!(
-            "session {session} already has a run in flight ({other}); wait for it to finish or cancel it"
-        ))),
+        Some((other, state)) => {
+            let other = RunId::parse(&other).ok_or_else(|| corrupt(format!("bad run id {other:?}")))?;
+            Err(crate::busy_error(session, &other, parse_state(&state)?))
+        }
         None => Ok(()),
     }
+}
+
+/// Stores a pending input, unless it is stored already or its decision is journaled.
+fn insert_pending(connection: &Connection, pending: &PendingInput) -> Result<(), StoreError> {
+    connection
+        .prepare_cached(
+            "INSERT INTO pending_inputs (id, run_id, session_id, call_id, step, body, created_at, expires_at)
+             SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8
+             WHERE NOT EXISTS (SELECT 1 FROM journal WHERE run_id = ?2 AND step = ?5)
+             ON CONFLICT (id) DO NOTHING",
+        )
+        .and_then(|mut s| {
+            s.execute(params![
+                pending.id,
+                pending.run_id.as_str(),
+                pending.session_id.as_str(),
+                pending.call_id,
+                pending.step().to_string(),
+                encode_pending_kind(&pending.kind),
+                pending.created_at_ms as i64,
+                pending.expires_at_ms as i64,
+            ])
+        })
+        .map(drop)
+        .map_err(map_error)
+}
+
+/// Reads a `pending_inputs` row (the columns of [`Store::pending_inputs`]'s query).
+fn pending_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Result<PendingInput, StoreError>> {
+    let (id, run, session, call_id, body): (String, String, String, String, String) =
+        (row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?);
+    let (created_at, expires_at): (i64, i64) = (row.get(5)?, row.get(6)?);
+    Ok((|| {
+        Ok(PendingInput {
+            id,
+            run_id: RunId::parse(&run).ok_or_else(|| corrupt(format!("bad run id {run:?}")))?,
+            session_id: SessionId::new(session).map_err(corrupt)?,
+            call_id,
+            kind: decode_pending_kind(&body).map_err(corrupt)?,
+            created_at_ms: created_at as u64,
+            expires_at_ms: expires_at as u64,
+        })
+    })())
 }
 
 fn insert_run(connection: &Connection, run: &RunRecord) -> Result<(), StoreError> {
@@ -746,12 +881,26 @@ fn insert_journal(connection: &Connection, run: &RunId, entry: &JournalEntry) ->
         .map_err(map_error)
 }
 
+/// Sets a run's state; leaving `running` releases its lease, ending drops its pending inputs.
 fn update_state(connection: &Connection, run: &RunId, state: RunState) -> Result<(), StoreError> {
     let changed = connection
-        .prepare_cached("UPDATE runs SET state = ?2, updated_at = ?3 WHERE id = ?1")
+        .prepare_cached(
+            "UPDATE runs SET state = ?2, updated_at = ?3,
+               lease_expires_at = CASE WHEN ?2 = 'running' THEN lease_expires_at ELSE 0 END
+             WHERE id = ?1",
+        )
         .and_then(|mut s| s.execute(params![run.as_str(), state.as_str(), crate::now_ms() as i64]))
         .map_err(map_error)?;
-    if changed == 0 { Err(StoreError::NotFound(format!("run {run}"))) } else { Ok(()) }
+    if changed == 0 {
+        return Err(StoreError::NotFound(format!("run {run}")));
+    }
+    if state.is_terminal() {
+        connection
+            .prepare_cached("DELETE FROM pending_inputs WHERE run_id = ?1")
+            .and_then(|mut s| s.execute([run.as_str()]))
+            .map_err(map_error)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -57,6 +57,7 @@ fn agent(edit: impl FnOnce(&mut AgentDef)) -> Arc<AgentDef> {
         output_schema: None,
         stop_on_tools: Vec::new(),
         concurrency: crate::agent::Concurrency::Reject,
+        approval_timeout: AgentDef::DEFAULT_APPROVAL_TIMEOUT,
     };
     edit(&mut def);
     Arc::new(def)
@@ -105,6 +106,7 @@ fn check(mut machine: Machine, inputs: Vec<Input>, expected: Expect) {
             Input::ModelReply(_) => "model reply".to_owned(),
             Input::ModelFailed(e) => format!("model failed: {e}"),
             Input::ToolDone { call_id, .. } => format!("tool done {call_id}"),
+            Input::Decision { call_id, decision } => format!("decision {call_id} {decision:?}"),
             Input::Cancel => "cancel".to_owned(),
         };
         writeln!(out, "> {label}").unwrap();
@@ -129,6 +131,9 @@ fn check(mut machine: Machine, inputs: Vec<Input>, expected: Expect) {
                     )
                 }
                 Action::CallTool { step, call } => writeln!(out, "  call tool {step} {}", call.input),
+                Action::AwaitHuman { step, id, call_id, kind } => {
+                    writeln!(out, "  await human {step} {id} {call_id} {kind:?}")
+                }
                 Action::Finish(outcome) => writeln!(out, "  finish {outcome:?}"),
             }
             .unwrap();
@@ -477,4 +482,148 @@ fn a_run_cancelled_before_any_reply_has_no_text_from_earlier_runs() {
     };
     // The history's last assistant message ("ok") belongs to an earlier run.
     assert_eq!((text.as_str(), *stopped), ("", StopReason::Cancelled));
+}
+
+/// The built-in question tool, as far as the machine can tell.
+struct Question(ToolSpec);
+
+impl Tool for Question {
+    fn spec(&self) -> &ToolSpec {
+        &self.0
+    }
+    fn call<'a>(&'a self, _: Value, _: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
+        unreachable!("questions are answered, not called")
+    }
+    fn asks_human(&self) -> bool {
+        true
+    }
+}
+
+fn decide(call_id: &str, decision: Decision) -> Input {
+    Input::Decision { call_id: call_id.into(), decision }
+}
+
+#[test]
+fn parallel_approvals_are_routed_by_call_and_a_rejection_is_a_result() {
+    let agent = agent(|def| {
+        def.tools.require_approval("echo", crate::tool::ApprovalRule::Always).unwrap();
+        let big = |input: &Value| input["a"].as_f64().is_some_and(|a| a > 100.0);
+        def.tools.require_approval("add", crate::tool::ApprovalRule::When(Arc::new(big))).unwrap();
+    });
+    check(
+        machine(agent),
+        vec![
+            Input::Start,
+            calls(&[
+                ("c1", "add", json!({"a": 1, "b": 1})),
+                ("c2", "echo", json!({"n": 2})),
+                ("c3", "add", json!({"a": 500, "b": 1})),
+            ]),
+            // Decisions come in any order, interleaved with the free call's result.
+            decide("c3", Decision::Reject { note: Some("too big".into()) }),
+            done("c1", Ok(json!(2))),
+            decide("c2", Decision::Approve { note: None }),
+            done("c2", Ok(json!({"n": 2}))),
+        ],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"add","input":{"a":1,"b":1}},{"type":"tool_call","call_id":"c2","name":"echo","input":{"n":2}},{"type":"tool_call","call_id":"c3","name":"add","input":{"a":500,"b":1}}]}
+              emit {"type":"tool.start","callId":"c1","name":"add","input":{"a":1,"b":1}}
+              call tool tool:add:c1 {"a":1,"b":1}
+              emit {"type":"tool.start","callId":"c2","name":"echo","input":{"n":2}}
+              await human approval:c2 ap_7b514529d26d3b46 c2 Approval { tool: "echo", input: Object {"n": Number(2)} }
+              emit {"type":"tool.start","callId":"c3","name":"add","input":{"a":500,"b":1}}
+              await human approval:c3 ap_d835c43eb5415e7c c3 Approval { tool: "add", input: Object {"a": Number(500), "b": Number(1)} }
+            > decision c3 Reject { note: Some("too big") }
+              emit {"type":"tool.error","callId":"c3","error":"not run: the user rejected this call: too big"}
+            > tool done c1
+              emit {"type":"tool.done","callId":"c1","output":2}
+            > decision c2 Approve { note: None }
+              call tool tool:echo:c2 {"n":2}
+            > tool done c2
+              emit {"type":"tool.done","callId":"c2","output":{"n":2}}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"add","output":2,"is_error":false},{"type":"tool_result","call_id":"c2","name":"echo","output":{"n":2},"is_error":false},{"type":"tool_result","call_id":"c3","name":"add","output":"not run: the user rejected this call: too big","is_error":true}]}
+              emit {"type":"turn.start","turn":1}
+              call model llm:turn:1 (call_index 2, 5 messages)
+        "#]],
+    );
+}
+
+#[test]
+fn a_question_is_answered_by_the_human_and_timeouts_are_results() {
+    let ask: Arc<dyn Tool> = Arc::new(Question(ToolSpec {
+        name: "ask_question".into(),
+        description: "Asks".into(),
+        input_schema: json!({"type": "object", "properties": {"question": {"type": "string"}}, "required": ["question"]}),
+    }));
+    let agent = agent(|def| {
+        def.tools = ToolSet::new(vec![add_tool(), ask]).unwrap();
+        def.tools.require_approval("add", crate::tool::ApprovalRule::Always).unwrap();
+        def.approval_timeout = std::time::Duration::from_secs(3600);
+    });
+    check(
+        machine(agent),
+        vec![
+            Input::Start,
+            calls(&[
+                ("q1", "ask_question", json!({"question": "Which city?"})),
+                ("c2", "add", json!({"a": 1, "b": 2})),
+            ]),
+            decide("q1", Decision::Answer("Paris".into())),
+            decide("c2", Decision::TimedOut),
+        ],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"q1","name":"ask_question","input":{"question":"Which city?"}},{"type":"tool_call","call_id":"c2","name":"add","input":{"a":1,"b":2}}]}
+              emit {"type":"tool.start","callId":"q1","name":"ask_question","input":{"question":"Which city?"}}
+              await human question:q1 qu_aa3189b8275505ec q1 Question { question: "Which city?" }
+              emit {"type":"tool.start","callId":"c2","name":"add","input":{"a":1,"b":2}}
+              await human approval:c2 ap_7b514529d26d3b46 c2 Approval { tool: "add", input: Object {"a": Number(1), "b": Number(2)} }
+            > decision q1 Answer("Paris")
+              emit {"type":"tool.done","callId":"q1","output":"Paris"}
+            > decision c2 TimedOut
+              emit {"type":"tool.error","callId":"c2","error":"not run: approval timed out (nobody approved this call within 1h)"}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"q1","name":"ask_question","output":"Paris","is_error":false},{"type":"tool_result","call_id":"c2","name":"add","output":"not run: approval timed out (nobody approved this call within 1h)","is_error":true}]}
+              emit {"type":"turn.start","turn":1}
+              call model llm:turn:1 (call_index 2, 5 messages)
+        "#]],
+    );
+}
+
+#[test]
+fn cancelling_a_paused_run_gives_the_waiting_calls_results() {
+    let agent = agent(|def| def.tools.require_approval("echo", crate::tool::ApprovalRule::Always).unwrap());
+    check(
+        machine(agent),
+        vec![Input::Start, calls(&[("c1", "echo", json!({}))]), Input::Cancel],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"echo","input":{}}]}
+              emit {"type":"tool.start","callId":"c1","name":"echo","input":{}}
+              await human approval:c1 ap_6c77cc5bb60284f0 c1 Approval { tool: "echo", input: Object {} }
+            > cancel
+              emit {"type":"tool.error","callId":"c1","error":"cancelled: the run was cancelled before this call finished"}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":"cancelled: the run was cancelled before this call finished","is_error":true}]}
+              emit {"type":"run.done","text":"","stopped":"cancelled","usage":{"inputTokens":10,"outputTokens":5}}
+              finish Done { text: "", output: None, stopped: Cancelled, usage: Usage { input_tokens: 10, output_tokens: 5 } }
+        "#]],
+    );
 }

@@ -1,6 +1,7 @@
 //! The CLI: arguments (clap), settings, and the commands. The only place that prints.
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "the CLI is where output belongs")]
 
+mod approvals;
 mod check;
 mod render;
 mod run;
@@ -17,6 +18,7 @@ pub(crate) mod exit {
     pub const INVALID_AGENT: u8 = 1;
     pub const RUN_FAILED: u8 = 3;
     pub const STOPPED_AT_LIMIT: u8 = 4;
+    pub const AWAITING_INPUT: u8 = 5;
     pub const INTERRUPTED: u8 = 130;
 }
 
@@ -27,6 +29,7 @@ Exit codes:
   2    bad command-line usage
   3    the run failed (run.error)
   4    the run stopped at a limit (max_turns, max_total_tokens, max_tool_calls)
+  5    the run is paused, waiting for a human (an approval or a question)
   130  interrupted (Ctrl-C)";
 
 /// keel: run durable AI agents.
@@ -48,6 +51,54 @@ enum Command {
     /// List, show and remove the sessions of a store.
     #[command(subcommand)]
     Sessions(SessionsCommand),
+    /// List and decide the approvals and questions paused runs wait for.
+    #[command(subcommand, after_help = EXIT_CODES)]
+    Approvals(ApprovalsCommand),
+}
+
+/// `keel approvals ...`
+#[derive(Subcommand)]
+pub(crate) enum ApprovalsCommand {
+    /// List what paused runs wait for, oldest first.
+    List {
+        /// Only this session's.
+        #[arg(long)]
+        session: Option<String>,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Approve a tool call: it runs, and the run goes on.
+    Approve {
+        /// The approval id (`ap_...`), from `keel approvals list` or the `approval.requested` event.
+        id: String,
+        /// Why, for the record.
+        #[arg(long)]
+        note: Option<String>,
+        #[command(flatten)]
+        target: approvals::DecisionTarget,
+    },
+    /// Reject a tool call: the model is told (with the note), and the run goes on.
+    Reject {
+        /// The approval id (`ap_...`).
+        id: String,
+        /// Why; the model sees it.
+        #[arg(long)]
+        note: Option<String>,
+        #[command(flatten)]
+        target: approvals::DecisionTarget,
+    },
+    /// Answer a question the agent asked (`ask_question`).
+    Answer {
+        /// The question id (`qu_...`).
+        id: String,
+        /// The answer.
+        answer: String,
+        #[command(flatten)]
+        target: approvals::DecisionTarget,
+    },
 }
 
 /// `keel sessions ...`
@@ -108,8 +159,9 @@ pub(crate) struct StoreArgs {
 pub(crate) struct RunArgs {
     /// The agent: a directory with agent.yaml, or a spec file (.yaml, .toml, .json).
     pub(crate) agent: PathBuf,
-    /// What to ask the agent.
-    pub(crate) input: String,
+    /// What to ask the agent. Without it, only the session's unfinished run (interrupted, or
+    /// paused and decided since) is continued.
+    pub(crate) input: Option<String>,
     /// The session (conversation) id: 1-128 characters of A-Z, a-z, 0-9, `_`, `-`.
     #[arg(long, default_value = "default")]
     pub(crate) session: String,
@@ -140,6 +192,7 @@ pub(crate) fn main() -> ExitCode {
         Command::Run(args) => run::run(args),
         Command::Check(args) => check::check(&args),
         Command::Sessions(command) => sessions::sessions(command),
+        Command::Approvals(command) => approvals::approvals(command),
     };
     match code {
         Ok(code) => ExitCode::from(code),

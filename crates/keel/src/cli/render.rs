@@ -146,6 +146,14 @@ impl Render for HumanRenderer {
             Event::ToolError { call_id, error } => {
                 self.tool_line("✗", call_id, &format!("failed: {error}"))?
             }
+            Event::ApprovalRequested { approval_id, call_id, .. } => {
+                self.tool_line("?", call_id, &format!("needs approval ({approval_id})"))?
+            }
+            Event::QuestionAsked { question_id, question } => {
+                self.stop_spinner();
+                self.end_line()?;
+                writeln!(std::io::stderr().lock(), "? {question} ({question_id})")?;
+            }
             Event::RunDone { text, stopped, .. } => {
                 self.stop_spinner();
                 if *stopped == StopReason::StopCondition || (!self.streamed && !text.is_empty()) {
@@ -156,7 +164,7 @@ impl Render for HumanRenderer {
                 }
                 self.end_line()?;
                 let note = match stopped {
-                    StopReason::Final | StopReason::StopCondition => None,
+                    StopReason::Final | StopReason::StopCondition | StopReason::AwaitingInput => None,
                     StopReason::MaxTurns => Some("stopped: the run used all its turns (`limits.max_turns`)"),
                     StopReason::Budget => Some(
                         "stopped: the run spent its budget (`limits.max_total_tokens` or `limits.max_tool_calls`)",

@@ -208,3 +208,152 @@ async fn a_dropped_handle_does_not_stop_the_run() {
     }
     panic!("the run stopped when its handle was dropped");
 }
+
+#[derive(Deserialize, JsonSchema)]
+struct PayInput {
+    amount: u64,
+}
+
+/// A payment tool that counts its executions; approvals above 100 are asked by predicate.
+fn payments(paid: Arc<std::sync::Mutex<Vec<u64>>>) -> Arc<dyn keel::Tool> {
+    keel::function_tool("pay", "Pays an amount", move |input: PayInput| {
+        let paid = Arc::clone(&paid);
+        async move {
+            paid.lock().unwrap().push(input.amount);
+            Ok::<_, std::convert::Infallible>(format!("paid {}", input.amount))
+        }
+    })
+}
+
+fn calls(list: &[(&str, serde_json::Value)]) -> MockEntry {
+    MockEntry {
+        tool_calls: list
+            .iter()
+            .map(|(name, input)| MockToolCall { name: (*name).into(), input: input.clone() })
+            .collect(),
+        ..MockEntry::default()
+    }
+}
+
+#[tokio::test]
+async fn a_rust_predicate_decides_which_calls_need_approval() {
+    let paid = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let agent = Agent::builder()
+        .model("mock")
+        .mock_script(script(vec![
+            calls(&[("pay", json!({"amount": 20})), ("pay", json!({"amount": 500}))]),
+            say("{{last_tool_output}}"),
+        ]))
+        .tool(payments(Arc::clone(&paid)))
+        .require_approval_when("pay", |input| input["amount"].as_u64().is_some_and(|amount| amount > 100))
+        .build()
+        .unwrap();
+    let mut run = agent.run("s", "pay both").unwrap();
+    let mut requested = Vec::new();
+    while let Some(event) = run.next().await {
+        if let Event::ApprovalRequested { approval_id, input, .. } = event {
+            requested.push((approval_id, input));
+        }
+    }
+    let paused = run.result().await.unwrap();
+    assert_eq!(paused.stopped, StopReason::AwaitingInput);
+    assert_eq!(requested.len(), 1, "only the large payment asks: {requested:?}");
+    assert_eq!(requested[0].1, json!({"amount": 500}));
+    assert_eq!(*paid.lock().unwrap(), [20], "the small payment ran, the large one waits");
+    assert_eq!(paused.pending.len(), 1);
+    assert_eq!(paused.pending[0].id, requested[0].0);
+    assert_eq!(agent.pending(Some("s")).await.unwrap(), paused.pending);
+
+    let result = agent
+        .decide(&requested[0].0, keel::Decision::Approve { note: None })
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap();
+    assert_eq!(result.stopped, StopReason::Final);
+    assert_eq!(result.text, "paid 500");
+    assert_eq!(*paid.lock().unwrap(), [20, 500]);
+    let twice = agent.decide(&requested[0].0, keel::Decision::Approve { note: None }).await.unwrap_err();
+    assert_eq!(twice.code, ErrorCode::NotPending);
+    assert_eq!(*paid.lock().unwrap(), [20, 500], "a second approval ran the call again");
+}
+
+#[tokio::test]
+async fn decisions_made_while_the_run_is_still_busy_are_not_lost() {
+    // `slow` runs while both approvals are decided: the run applies the decisions when it gets
+    // to them, instead of pausing and waiting forever.
+    let paid = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let slow = keel::function_tool("slow", "Takes a while", |_: serde_json::Value| async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        Ok::<_, std::convert::Infallible>("slept")
+    });
+    let agent = Agent::builder()
+        .model("mock")
+        .mock_script(script(vec![
+            calls(&[("slow", json!({})), ("pay", json!({"amount": 1})), ("pay", json!({"amount": 2}))]),
+            say("done"),
+        ]))
+        .tool(slow)
+        .tool(payments(Arc::clone(&paid)))
+        .require_approval("pay")
+        .build()
+        .unwrap();
+    let mut run = agent.run("s", "go").unwrap();
+    let mut ids = Vec::new();
+    while ids.len() < 2 {
+        if let Some(Event::ApprovalRequested { approval_id, .. }) = run.next().await {
+            ids.push(approval_id);
+        }
+    }
+    // Decided from "another process" (straight in the store) while `slow` still runs.
+    keel::record_decision(agent.store().as_ref(), &ids[1], keel::Decision::Approve { note: None })
+        .await
+        .unwrap();
+    keel::record_decision(agent.store().as_ref(), &ids[0], keel::Decision::Reject { note: None })
+        .await
+        .unwrap();
+    let result = run.result().await.unwrap();
+    assert_eq!(result.stopped, StopReason::Final, "{result:?}");
+    assert_eq!(*paid.lock().unwrap(), [2]);
+    assert!(agent.pending(None).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_new_input_replaces_a_paused_run_in_replace_mode_and_is_refused_in_reject_mode() {
+    for mode in [keel::Concurrency::Reject, keel::Concurrency::Replace] {
+        let paid = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let agent = Agent::builder()
+            .model("mock")
+            .mock_script(script(vec![call("pay", json!({"amount": 9}))]))
+            .tool(payments(Arc::clone(&paid)))
+            .require_approval("pay")
+            .concurrency(mode)
+            .build()
+            .unwrap();
+        let paused = agent.run("s", "pay").unwrap().result().await.unwrap();
+        assert_eq!(paused.stopped, StopReason::AwaitingInput);
+        let second = agent.run("s", "never mind").unwrap().result().await;
+        let messages = agent.store().load_messages(&keel::SessionId::new("s").unwrap()).await.unwrap();
+        match mode {
+            keel::Concurrency::Reject => {
+                let error = second.unwrap_err();
+                assert_eq!(error.code, ErrorCode::SessionBusy);
+                assert!(error.message.contains("waiting for a human"), "{error}");
+                assert_eq!(agent.pending(Some("s")).await.unwrap().len(), 1, "the paused run is intact");
+            }
+            _ => {
+                let result = second.unwrap();
+                assert_eq!(result.stopped, StopReason::Final);
+                assert!(agent.pending(None).await.unwrap().is_empty(), "the replaced run's approval is gone");
+                let run = agent.store().load_run(&paused.run_id).await.unwrap().unwrap();
+                assert_eq!(run.state, keel::RunState::Cancelled);
+                // The replaced turn is closed: its call has a "cancelled" result before the new input.
+                let roles: Vec<keel::Role> = messages.iter().map(|m| m.role).collect();
+                use keel::Role::{Assistant, Tool, User};
+                assert_eq!(roles, [User, Assistant, Tool, User, Assistant], "{messages:#?}");
+            }
+        }
+        assert!(paid.lock().unwrap().is_empty(), "an unapproved call ran");
+    }
+}

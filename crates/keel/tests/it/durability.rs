@@ -118,7 +118,7 @@ fn the_next_keel_run_of_the_session_finishes_the_interrupted_turn_first() {
         .unwrap();
     assert!(output.status.success(), "{output:?}");
     let stderr = String::from_utf8(output.stderr).unwrap();
-    assert!(stderr.contains("resuming interrupted run run_"), "{stderr}");
+    assert!(stderr.contains("resuming run run_"), "{stderr}");
     // The interrupted turn's answer, then the new input's (the mock's script is used up: echo).
     assert_eq!(String::from_utf8(output.stdout).unwrap(), "done: rested\nand now?\n");
     assert_eq!(std::fs::read_to_string(dir.path().join("log.txt")).unwrap(), "one\n", "append ran twice");

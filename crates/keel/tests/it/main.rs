@@ -1,6 +1,7 @@
 //! End-to-end tests: the `keel` binary (`cli`) and the Rust API (`api`).
 
 mod api;
+mod approvals;
 mod cli;
 mod durability;
 mod support;
