@@ -38,7 +38,7 @@ pub use ids::{RunId, SessionId, StepName};
 pub use message::{Message, Part, Role};
 pub use provider::{DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind};
 pub use store::{Fence, RunRecord, RunState, SessionSummary, StepCommit, Store, StoreError};
-pub use tool::{ApprovalRule, Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
+pub use tool::{ApprovalRule, SessionState, Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
 
 /// A boxed, sendable future: what the [`Provider`], [`Tool`] and [`Store`] traits return.
 pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;

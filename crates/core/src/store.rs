@@ -167,6 +167,9 @@ pub struct StepCommit<'a> {
     /// The run's new state, if it changes. Leaving `running` (pausing or ending) releases the
     /// lease; ending also drops the run's pending inputs.
     pub state: Option<RunState>,
+    /// The session's new state object, written by the step's tool call (see
+    /// `tool::SessionState`).
+    pub session_state: Option<&'a serde_json::Value>,
     /// Inputs the run now waits for (with a pause): stored unless already stored or decided
     /// (a decision journaled for their step), so a repeated pause never re-asks.
     pub pending: &'a [PendingInput],
@@ -197,6 +200,12 @@ pub trait Store: Send + Sync {
         &'a self,
         session: &'a SessionId,
     ) -> BoxFuture<'a, Result<Vec<Arc<Message>>, StoreError>>;
+
+    /// The session's state object (`None` when no tool ever set one).
+    fn load_session_state<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Option<serde_json::Value>, StoreError>>;
 
     /// Reads a run.
     fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>>;

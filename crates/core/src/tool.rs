@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 
@@ -24,6 +24,60 @@ pub struct ToolSpec {
     pub input_schema: Value,
 }
 
+/// The session's state object, as one tool call sees it: a JSON value the session's tools can
+/// read and replace (a shopping cart, a form being filled, notes), kept with the session.
+///
+/// A replacement is written with the call's result, in the same store commit: it is durable
+/// exactly when the call is, and a call that fails or is cancelled changes nothing. Parallel calls
+/// of one turn see the state as it was when they started plus their own replacement; the last to
+/// finish wins.
+#[derive(Clone, Debug, Default)]
+pub struct SessionState {
+    /// The run's view of the state, as committed.
+    committed: Arc<Mutex<Value>>,
+    /// This call's replacement, not committed yet.
+    staged: Arc<Mutex<Option<Value>>>,
+}
+
+impl SessionState {
+    /// The state of a run's session as stored (`Value::Null` for none).
+    pub fn new(current: Value) -> SessionState {
+        SessionState { committed: Arc::new(Mutex::new(current)), staged: Arc::default() }
+    }
+
+    /// A view for one call: the same committed state, its own replacement slot.
+    pub fn for_call(&self) -> SessionState {
+        SessionState { committed: Arc::clone(&self.committed), staged: Arc::default() }
+    }
+
+    /// The state: this call's replacement if it made one, else the committed state.
+    pub fn get(&self) -> Value {
+        let staged = lock(&self.staged);
+        match &*staged {
+            Some(value) => value.clone(),
+            None => lock(&self.committed).clone(),
+        }
+    }
+
+    /// Replaces the state (committed with the call's result).
+    pub fn replace(&self, value: Value) {
+        *lock(&self.staged) = Some(value);
+    }
+
+    /// Takes this call's replacement, making it the run's committed view. For the runtime,
+    /// which writes it with the call's result.
+    pub fn commit_staged(&self) -> Option<Value> {
+        let value = lock(&self.staged).take()?;
+        lock(&self.committed).clone_from(&value);
+        Some(value)
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The values are replaced whole, so a panic while holding the lock leaves nothing half-done.
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// What a tool call knows about where it runs.
 #[derive(Clone, Debug)]
 pub struct ToolContext {
@@ -36,6 +90,8 @@ pub struct ToolContext {
     /// `<run_id>:<step>`: the same on every attempt of this call, so a tool can dedupe side
     /// effects when a crash makes the call run again.
     pub idempotency_key: String,
+    /// The session's state object (see [`SessionState`]).
+    pub state: SessionState,
 }
 
 /// A tool failure. It goes back to the model as an error result; it does not fail the run.

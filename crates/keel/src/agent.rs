@@ -156,6 +156,14 @@ impl Agent {
         self.engine.decide(id, decision).await
     }
 
+    /// The session's state object (`Value::Null` when no tool set one): what its tools read
+    /// and replace through `ToolContext::state`.
+    pub async fn session_state(&self, session: &str) -> Result<Value, RunFailure> {
+        let session = SessionId::new(session)?;
+        let state = self.engine.store().load_session_state(&session).await;
+        state.map(Option::unwrap_or_default).map_err(|error| RunFailure::new(error.code(), error.to_string()))
+    }
+
     /// The agent's definition.
     pub fn definition(&self) -> &AgentDef {
         self.engine.agent()

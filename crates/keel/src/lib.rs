@@ -54,8 +54,8 @@ pub use keel_core::{
     AgentDef, BoxFuture, CommandToolDef, Concurrency, Decision, DeltaSink, ErrorCode, Event, Limits, Message,
     MockEntry, MockFailure, MockScript, MockToolCall, ModelReply, ModelRequest, Part, PendingInput,
     PendingKind, Provider, ProviderError, RetryPolicy, Role, RunFailure, RunId, RunState, SessionId,
-    SessionSummary, StopReason, Store, StoreError, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec,
-    Usage,
+    SessionState, SessionSummary, StopReason, Store, StoreError, Tool, ToolContext, ToolError, ToolOutcome,
+    ToolSpec, Usage,
 };
 pub use keel_providers::MockProvider;
 pub use keel_runtime::{RunHandle, RunResult, record_decision};

@@ -17,9 +17,10 @@ use keel_core::message::ToolCall;
 use keel_core::provider::ProviderErrorKind;
 use keel_core::{
     BoxFuture, DeltaSink, ErrorCode, Event, Fence, Message, ModelReply, Part, PendingInput, PendingKind,
-    ProviderError, Role, RunFailure, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, StopReason,
-    StoreError, ToolContext, ToolError, ToolOutcome,
+    ProviderError, Role, RunFailure, RunId, RunRecord, RunState, SessionId, SessionState, StepCommit,
+    StepName, StopReason, StoreError, ToolContext, ToolError, ToolOutcome,
 };
+use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio_util::sync::CancellationToken;
 
@@ -35,7 +36,9 @@ pub(crate) enum Plan {
     Resume { run_id: RunId, session_held: bool },
 }
 
-type ToolFuture = BoxFuture<'static, (StepName, String, ToolOutcome)>;
+/// A tool call in flight: its step, call id, outcome and, when it succeeded and replaced the
+/// session's state object, the new state.
+type ToolFuture = BoxFuture<'static, (StepName, String, ToolOutcome, Option<Value>)>;
 
 /// Runs a run to its end and returns its result. Every failure is also sent as `run.error`.
 pub(crate) async fn run(
@@ -60,6 +63,7 @@ pub(crate) async fn run(
                 events: events.clone(),
                 cancel,
                 reported: false,
+                state: SessionState::new(prepared.state),
                 _claim: prepared.claim,
             };
             let result = driver.drive(prepared.machine).await;
@@ -87,6 +91,8 @@ struct Prepared {
     /// nothing new).
     epoch: Option<u64>,
     claim: Option<SessionClaim>,
+    /// The session's state object, as stored.
+    state: Value,
 }
 
 fn store_failure(error: StoreError) -> RunFailure {
@@ -120,6 +126,7 @@ async fn prepare(
                 cancel_paused_runs(shared, &session).await?;
             }
             let history = store.load_messages(&session).await.map_err(store_failure)?;
+            let state = store.load_session_state(&session).await.map_err(store_failure)?.unwrap_or_default();
             // Each completed model call appends exactly one assistant message.
             let call_base = history.iter().filter(|m| m.role == Role::Assistant).count() as u64;
             let record = RunRecord {
@@ -147,6 +154,7 @@ async fn prepare(
                 new_run: Some(record),
                 epoch: Some(1),
                 claim: Some(claim),
+                state,
             })
         }
         Plan::Resume { run_id, session_held } => {
@@ -185,6 +193,11 @@ async fn prepare(
                 }
             };
             let mut history = store.load_messages(&record.session_id).await.map_err(store_failure)?;
+            let state = store
+                .load_session_state(&record.session_id)
+                .await
+                .map_err(store_failure)?
+                .unwrap_or_default();
             let history_len = record.history_len as usize;
             if history.len() < history_len {
                 return Err(RunFailure::new(
@@ -213,7 +226,16 @@ async fn prepare(
                 record.input,
                 record.call_base,
             );
-            Ok(Prepared { run_id, session: record.session_id, machine, journal, new_run: None, epoch, claim })
+            Ok(Prepared {
+                run_id,
+                session: record.session_id,
+                machine,
+                journal,
+                new_run: None,
+                epoch,
+                claim,
+                state,
+            })
         }
     }
 }
@@ -258,6 +280,8 @@ struct Driver {
     cancel: CancellationToken,
     /// Whether the machine already emitted `run.error` for the run's failure.
     reported: bool,
+    /// The session's state object, as this run's tools see it.
+    state: SessionState,
     _claim: Option<SessionClaim>,
 }
 
@@ -267,6 +291,8 @@ impl Driver {
         let mut tools: FuturesUnordered<ToolFuture> = FuturesUnordered::new();
         // The calls waiting for a human, with no decision journaled yet.
         let mut waiting: Vec<PendingInput> = Vec::new();
+        // The session state a finished tool call set, committed with its result.
+        let mut session_state: Option<Value> = None;
         loop {
             // An input with a journal entry is a fresh result: the entry is committed with what
             // the machine makes of it, before any new model call or tool call starts.
@@ -295,12 +321,12 @@ impl Driver {
                         () = self.cancel.cancelled() => {
                             // Dropping the futures aborts the tool tasks.
                             tools.clear();
-                            Wake::Input(Input::Cancel, None)
+                            Wake::Input(Input::Cancel, None, None)
                         }
                         () = next_beat(&mut self.beat) => Wake::Heartbeat,
-                        Some((step, call_id, outcome)) = tools.next() => {
+                        Some((step, call_id, outcome, state)) = tools.next() => {
                             let entry = JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) };
-                            Wake::Input(Input::ToolDone { call_id, outcome }, Some(entry))
+                            Wake::Input(Input::ToolDone { call_id, outcome }, Some(entry), state)
                         }
                     };
                     match woken {
@@ -308,11 +334,14 @@ impl Driver {
                             self.renew_lease().await;
                             continue;
                         }
-                        Wake::Input(input, entry) => (input, entry),
+                        Wake::Input(input, entry, state) => {
+                            session_state = state;
+                            (input, entry)
+                        }
                     }
                 }
             };
-            let mut pending = PendingCommit { entry, messages: None };
+            let mut pending = PendingCommit { entry, messages: None, session_state: session_state.take() };
             for action in machine.step(input) {
                 match action {
                     Action::Emit(event) => self.emit(event),
@@ -368,7 +397,8 @@ impl Driver {
         let entry = pending.entry.take();
         let (first_position, count) = pending.messages.take().unwrap_or((0, 0));
         let new_run = self.new_run.take();
-        if entry.is_none() && count == 0 && state.is_none() && new_run.is_none() {
+        let session_state = pending.session_state.take();
+        if entry.is_none() && count == 0 && state.is_none() && new_run.is_none() && session_state.is_none() {
             return Ok(());
         }
         let commit = StepCommit {
@@ -385,6 +415,7 @@ impl Driver {
             messages: &machine.transcript()[first_position..first_position + count],
             state,
             pending: &[],
+            session_state: session_state.as_ref(),
         };
         let step = entry.as_ref().map(|e| &e.step);
         if let Some(step) = step {
@@ -431,6 +462,7 @@ impl Driver {
             messages: &[],
             state: None,
             pending: std::slice::from_ref(&asked),
+            session_state: None,
         };
         self.shared.store.commit_step(commit).await.map_err(store_failure)?;
         self.emit(match &asked.kind {
@@ -473,6 +505,7 @@ impl Driver {
             messages: &machine.transcript()[..0],
             state: Some(RunState::AwaitingInput),
             pending: waiting,
+            session_state: None,
         };
         store.commit_step(commit).await.map_err(store_failure)?;
         crate::fault::point("after_commit", &step);
@@ -502,6 +535,7 @@ impl Driver {
                     messages: &[],
                     state: Some(RunState::Running),
                     pending: &[],
+                    session_state: None,
                 };
                 store.commit_step(resume).await.map_err(store_failure)?;
                 return Ok(Pause::Decided(decisions));
@@ -646,13 +680,15 @@ impl Driver {
         let Some(tool) = self.shared.agent.tools.get(&name).cloned() else {
             // The machine checked the name; this is a bug, reported to the model as a failure.
             let error = ToolError::with_code(ErrorCode::Internal, format!("tool `{name}` vanished"), false);
-            return Box::pin(std::future::ready((step, call_id, Err(error))));
+            return Box::pin(std::future::ready((step, call_id, Err(error), None)));
         };
+        let state = self.state.for_call();
         let ctx = ToolContext {
             run_id: self.run_id.clone(),
             session_id: self.session.clone(),
             call_id: call_id.clone(),
             idempotency_key: step.idempotency_key(&self.run_id),
+            state: state.clone(),
         };
         let timeout = self.shared.agent.limits.tool_timeout;
         let mut task = AbortOnDrop(tokio::spawn(async move { tool.call(input, &ctx).await }));
@@ -672,7 +708,9 @@ impl Driver {
                     true,
                 )),
             };
-            (step, call_id, outcome)
+            // A failed call's state replacement is dropped with it.
+            let new_state = if outcome.is_ok() { state.commit_staged() } else { None };
+            (step, call_id, outcome, new_state)
         })
     }
 
@@ -725,13 +763,16 @@ fn now_ms() -> u64 {
 enum Wake {
     /// Time to renew the lease.
     Heartbeat,
-    /// The next input, with its journal entry when it is a fresh result.
-    Input(Input, Option<JournalEntry>),
+    /// The next input, with its journal entry when it is a fresh result, and the session state
+    /// a finished tool call set.
+    Input(Input, Option<JournalEntry>, Option<Value>),
 }
 
 /// What a step has produced and not yet committed.
 struct PendingCommit {
     entry: Option<JournalEntry>,
+    /// The session's new state object, set by the step's tool call.
+    session_state: Option<Value>,
     /// A contiguous range of transcript positions (first, count).
     messages: Option<(usize, usize)>,
 }

@@ -26,6 +26,7 @@ pub async fn run_all(store: &dyn Store) {
     schedule_ticks_fire_once(store).await;
     pending_inputs_are_decided_once(store).await;
     a_paused_run_holds_its_session(store).await;
+    session_state_commits_with_its_step(store).await;
 }
 
 /// Writes through [`Store::commit_step`], the one write path, one part at a time: the suite's
@@ -70,6 +71,7 @@ fn bare<'a>(session: &'a SessionId, run: &'a RunId) -> StepCommit<'a> {
         state: None,
         fence: None,
         pending: &[],
+        session_state: None,
     }
 }
 
@@ -202,6 +204,7 @@ pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
         state: Some(RunState::Done),
         fence: None,
         pending: &[],
+        session_state: None,
     };
     store.commit_step(commit).await.unwrap();
     // The replay of a step: the run exists by now.
@@ -239,6 +242,7 @@ pub async fn leases_fence_stale_writers(store: &dyn Store) {
         state: None,
         fence: Some(first),
         pending: &[],
+        session_state: None,
     };
     store.commit_step(create).await.unwrap();
 
@@ -312,6 +316,7 @@ fn new_run_commit<'a>(
         state: None,
         fence: Some(Fence { owner, epoch: 1, ttl: std::time::Duration::from_secs(60) }),
         pending: &[],
+        session_state: None,
     }
 }
 
@@ -479,4 +484,55 @@ pub async fn a_paused_run_holds_its_session(store: &dyn Store) {
         store.pending_inputs(Some(&session)).await.unwrap().is_empty(),
         "a deleted session left pending inputs"
     );
+}
+
+/// The session's state object is written with its step, all or nothing, and goes with the
+/// session.
+pub async fn session_state_commits_with_its_step(store: &dyn Store) {
+    let session = SessionId::new("conformance-state").unwrap();
+    assert_eq!(store.load_session_state(&session).await.unwrap(), None, "a new session has no state");
+    let record = run_record("state", &session, 0);
+    let input = [Arc::new(Message::user("add to cart"))];
+    store.commit_step(new_run_commit(&record, "process-a", &input, 0)).await.unwrap();
+    let entry = JournalEntry {
+        step: StepName::Tool { name: "cart".into(), call_id: "c1".into() },
+        record: JournalRecord::ToolResult(Ok(json!("added"))),
+    };
+    let cart = json!({"items": ["tea"], "total": 4.5});
+    let ttl = std::time::Duration::from_secs(60);
+    let step = StepCommit {
+        entry: Some(&entry),
+        session_state: Some(&cart),
+        fence: Some(Fence { owner: "process-a", epoch: 1, ttl }),
+        ..bare(&session, &record.run_id)
+    };
+    store.commit_step(step).await.unwrap();
+    assert_eq!(store.load_session_state(&session).await.unwrap(), Some(cart.clone()));
+    assert_eq!(store.load_messages(&session).await.unwrap().len(), 1, "the state write touched the messages");
+
+    // A stale writer's commit writes neither its journal entry nor its state.
+    let stale_entry = JournalEntry {
+        step: StepName::Tool { name: "cart".into(), call_id: "c2".into() },
+        record: JournalRecord::ToolResult(Ok(json!("emptied"))),
+    };
+    let emptied = json!({"items": []});
+    let stale = StepCommit {
+        entry: Some(&stale_entry),
+        session_state: Some(&emptied),
+        fence: Some(Fence { owner: "process-b", epoch: 7, ttl }),
+        ..bare(&session, &record.run_id)
+    };
+    let error = store.commit_step(stale).await.unwrap_err();
+    assert!(matches!(error, StoreError::LeaseLost(_)), "{error:?}");
+    assert_eq!(
+        store.load_session_state(&session).await.unwrap(),
+        Some(cart),
+        "a refused commit changed the state"
+    );
+    assert_eq!(store.load_journal(&record.run_id).await.unwrap(), [entry]);
+
+    let other = SessionId::new("conformance-none").unwrap();
+    assert_eq!(store.load_session_state(&other).await.unwrap(), None);
+    assert!(store.delete_session(&session).await.unwrap());
+    assert_eq!(store.load_session_state(&session).await.unwrap(), None, "a deleted session kept its state");
 }

@@ -21,6 +21,8 @@ struct SessionData {
     /// The transcript, with the run that wrote each message.
     messages: Vec<(RunId, Arc<Message>)>,
     updated_at_ms: u64,
+    /// The session's state object.
+    state: Option<serde_json::Value>,
 }
 
 /// Who drives a run, until when, at which epoch.
@@ -201,6 +203,11 @@ impl Store for MemoryStore {
                     inner.append_journal(commit.run, entry);
                 }
                 inner.append_messages(commit.session, commit.run, commit.first_position, commit.messages)?;
+                if let Some(state) = commit.session_state {
+                    let data = inner.sessions.entry(commit.session.clone()).or_default();
+                    data.state = Some(state.clone());
+                    data.updated_at_ms = crate::now_ms();
+                }
                 for pending in commit.pending {
                     if !inner.pending.contains_key(&pending.id)
                         && !inner.has_step(commit.run, &pending.step())
@@ -226,6 +233,13 @@ impl Store for MemoryStore {
                 Ok(())
             });
         ready(result)
+    }
+
+    fn load_session_state<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Option<serde_json::Value>, StoreError>> {
+        ready(Ok(self.lock().sessions.get(session).and_then(|data| data.state.clone())))
     }
 
     fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>> {

@@ -92,6 +92,8 @@ const MIGRATIONS: &[&str] = &[
     );
     CREATE INDEX pending_by_session ON pending_inputs (session_id);
     CREATE INDEX pending_by_run ON pending_inputs (run_id);",
+    // Version 5: the session's state object (JSON), which tools read and replace.
+    "ALTER TABLE sessions ADD COLUMN state TEXT;",
 ];
 
 /// The schema version this build writes.
@@ -363,6 +365,7 @@ impl Store for SqliteStore {
         let (first_position, state) = (commit.first_position, commit.state);
         let fence = commit.fence.map(|f| (f.owner.to_owned(), f.epoch, f.ttl));
         let pending = commit.pending.to_vec();
+        let session_state = commit.session_state.map(serde_json::Value::to_string);
         let write = self.submit(Box::new(move |c| {
             if let Some(record) = &new_run {
                 refuse_if_busy(c, &record.session_id)?;
@@ -380,12 +383,38 @@ impl Store for SqliteStore {
             for pending in &pending {
                 insert_pending(c, pending)?;
             }
+            if let Some(state) = &session_state {
+                c.prepare_cached(
+                    "INSERT INTO sessions (id, message_count, created_at, updated_at, state) VALUES (?1, 0, ?2, ?2, ?3)
+                     ON CONFLICT (id) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at",
+                )
+                .and_then(|mut s| s.execute(params![session.as_str(), crate::now_ms() as i64, state]))
+                .map_err(map_error)?;
+            }
             if let Some(state) = state {
                 update_state(c, &run, state)?;
             }
             Ok(0)
         }));
         Box::pin(async move { write.await.map(drop) })
+    }
+
+    fn load_session_state<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Option<serde_json::Value>, StoreError>> {
+        let connection = self.lock();
+        let result = connection
+            .prepare_cached("SELECT state FROM sessions WHERE id = ?1")
+            .and_then(|mut s| {
+                s.query_row([session.as_str()], |row| row.get::<_, Option<String>>(0)).optional()
+            })
+            .map_err(map_error)
+            .and_then(|state| match state.flatten() {
+                Some(json) => serde_json::from_str(&json).map(Some).map_err(corrupt),
+                None => Ok(None),
+            });
+        ready(result)
     }
 
     fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>> {

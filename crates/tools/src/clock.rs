@@ -98,6 +98,7 @@ mod tests {
             session_id: SessionId::new("s").unwrap(),
             call_id: "c".into(),
             idempotency_key: "run_t:tool:day-name:c".into(),
+            state: keel_core::SessionState::default(),
         }
     }
 

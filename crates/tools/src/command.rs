@@ -214,6 +214,7 @@ mod tests {
             session_id: SessionId::new("s1").unwrap(),
             call_id: "c1".into(),
             idempotency_key: "run_r1:tool:t:c1".into(),
+            state: keel_core::SessionState::default(),
         }
     }
 

@@ -124,6 +124,9 @@ async fn show(id: &str, json: bool, args: &StoreArgs) -> Outcome {
             }
         }
     }
+    if !json && let Some(state) = store.load_session_state(&id).await.map_err(|e| store_failed(&e))? {
+        writeln!(out, "state: {state}")?;
+    }
     Ok(exit::OK)
 }
 

@@ -357,3 +357,66 @@ async fn a_new_input_replaces_a_paused_run_in_replace_mode_and_is_refused_in_rej
         assert!(paid.lock().unwrap().is_empty(), "an unapproved call ran");
     }
 }
+
+#[derive(Deserialize, JsonSchema)]
+struct CartInput {
+    item: String,
+}
+
+#[tokio::test]
+async fn tools_keep_a_session_state_object_that_survives_the_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("keel.db");
+    // Adds an item to the session's cart; "poison" is refused after staging a change, which
+    // must then not stick.
+    let cart = || {
+        keel::function_tool_with_context(
+            "cart",
+            "Adds to the cart",
+            |input: CartInput, ctx: ToolContext| async move {
+                let mut state = ctx.state.get();
+                if state.is_null() {
+                    state = json!({"items": []});
+                }
+                state["items"].as_array_mut().unwrap().push(json!(input.item));
+                ctx.state.replace(state.clone());
+                if input.item == "poison" {
+                    return Err("not for sale".to_owned());
+                }
+                Ok(state["items"].as_array().unwrap().len())
+            },
+        )
+    };
+    let agent = |store: Arc<dyn keel::Store>| {
+        Agent::builder()
+            .model("mock")
+            .mock_script(script(vec![
+                call("cart", json!({"item": "tea"})),
+                say("{{last_tool_output}} items"),
+                call("cart", json!({"item": "poison"})),
+                say("refused"),
+                call("cart", json!({"item": "milk"})),
+                say("{{last_tool_output}} items"),
+            ]))
+            .tool(cart())
+            .store(store)
+            .build()
+            .unwrap()
+    };
+    let first = agent(Arc::new(keel::SqliteStore::open(&db).unwrap()));
+    assert_eq!(first.session_state("s").await.unwrap(), serde_json::Value::Null);
+    assert_eq!(first.run("s", "tea").unwrap().result().await.unwrap().text, "1 items");
+    assert_eq!(first.run("s", "poison").unwrap().result().await.unwrap().text, "refused");
+    assert_eq!(
+        first.session_state("s").await.unwrap(),
+        json!({"items": ["tea"]}),
+        "a failed call changed the state"
+    );
+    drop(first);
+
+    // Another process, the same file: the state is there and the next call builds on it.
+    let second = agent(Arc::new(keel::SqliteStore::open(&db).unwrap()));
+    assert_eq!(second.run("s", "milk").unwrap().result().await.unwrap().text, "2 items");
+    assert_eq!(second.session_state("s").await.unwrap(), json!({"items": ["tea", "milk"]}));
+    assert_eq!(second.session_state("other").await.unwrap(), serde_json::Value::Null, "state is per session");
+}
