@@ -123,7 +123,7 @@ async fn prepare(
                 },
             };
             if shared.agent.concurrency == keel_core::Concurrency::Replace {
-                cancel_paused_runs(shared, &session).await?;
+                Box::pin(cancel_paused_runs(shared, &session)).await?;
             }
             let history = store.load_messages(&session).await.map_err(store_failure)?;
             let state = store.load_session_state(&session).await.map_err(store_failure)?.unwrap_or_default();
@@ -301,7 +301,7 @@ impl Driver {
                 // Nothing runs and only humans can move the run on: cancel or pause.
                 None if tools.is_empty() && self.cancel.is_cancelled() => (Input::Cancel, None),
                 None if tools.is_empty() && !waiting.is_empty() => {
-                    match self.pause(&machine, &mut waiting).await? {
+                    match Box::pin(self.pause(&machine, &mut waiting)).await? {
                         Pause::Paused(pending) => return Ok(self.paused_result(&machine, pending)),
                         Pause::Decided(decisions) => {
                             inputs.extend(decisions.into_iter().map(|input| (input, None)));
@@ -377,7 +377,8 @@ impl Driver {
                             }
                             Some(_) => return Err(self.corrupt(&step)),
                             None if self.epoch.is_none() => return Err(self.finished(&step)),
-                            None => waiting.push(self.ask_human(id, call_id, kind).await?),
+                            // Boxed, like the pause: rare paths that should not grow every run's future.
+                            None => waiting.push(Box::pin(self.ask_human(id, call_id, kind)).await?),
                         }
                     }
                     Action::Finish(outcome) => return self.finish(&machine, &mut pending, outcome).await,

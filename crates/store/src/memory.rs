@@ -39,6 +39,9 @@ struct Inner {
     /// Each schedule's last fired tick.
     schedules: HashMap<String, u64>,
     runs: HashMap<RunId, RunRecord>,
+    /// Each session's runs that are not finished (usually none or one): what the "one run per
+    /// session" check looks at, so that it does not scan every run of the store.
+    open_runs: HashMap<SessionId, Vec<RunId>>,
     journals: HashMap<RunId, Vec<JournalEntry>>,
     /// Approvals and questions waiting for a human, by id, with the order they were asked in.
     pending: HashMap<String, (u64, PendingInput)>,
@@ -97,7 +100,7 @@ impl Inner {
     /// A run of `session` in flight under a live lease, or paused for a human.
     fn live_run(&self, session: &SessionId) -> Option<&RunRecord> {
         let now = crate::now_ms();
-        self.runs.values().filter(|r| &r.session_id == session && !r.state.is_terminal()).find(|r| {
+        self.open_runs.get(session)?.iter().filter_map(|run| self.runs.get(run)).find(|r| {
             r.state == RunState::AwaitingInput
                 || self.leases.get(&r.run_id).is_some_and(|l| l.expires_ms > now)
         })
@@ -184,6 +187,9 @@ impl Store for MemoryStore {
             .and_then(|()| {
                 if let Some(run) = commit.new_run {
                     inner.runs.insert(run.run_id.clone(), run.clone());
+                    if !run.state.is_terminal() {
+                        inner.open_runs.entry(run.session_id.clone()).or_default().push(run.run_id.clone());
+                    }
                 }
                 if let Some(fence) = commit.fence {
                     let expires_ms = crate::now_ms().saturating_add(fence.ttl.as_millis() as u64);
@@ -221,10 +227,19 @@ impl Store for MemoryStore {
                     && let Some(record) = inner.runs.get_mut(commit.run)
                 {
                     record.state = state;
+                    let session = record.session_id.clone();
                     if state != RunState::Running
                         && let Some(lease) = inner.leases.get_mut(commit.run)
                     {
                         lease.expires_ms = 0;
+                    }
+                    if state.is_terminal() {
+                        if let Some(open) = inner.open_runs.get_mut(&session) {
+                            open.retain(|run| run != commit.run);
+                            if open.is_empty() {
+                                inner.open_runs.remove(&session);
+                            }
+                        }
                     }
                     if state.is_terminal() && !inner.pending.is_empty() {
                         inner.pending.retain(|_, (_, p)| &p.run_id != commit.run);
@@ -407,6 +422,7 @@ impl Store for MemoryStore {
             inner.leases.remove(run);
         }
         inner.pending.retain(|_, (_, p)| &p.session_id != session);
+        inner.open_runs.remove(session);
         ready(Ok(existed || !runs.is_empty()))
     }
 }
