@@ -415,7 +415,7 @@ impl Machine {
             );
             return self.fail(failure, actions);
         };
-        let timeout = humantime::format_duration(self.agent.approval_timeout);
+        let timeout = short_duration(self.agent.approval_timeout);
         let outcome = match (human, decision) {
             (HumanWait::Approval, Decision::Approve { .. }) => {
                 let call = self
@@ -605,6 +605,20 @@ fn normalize_call_ids(parts: &mut [Part], call_number: u64, seen: &mut std::coll
             call.call_id = id;
         }
         seen.insert(call.call_id.clone());
+    }
+}
+
+/// A duration as people write it in a spec: `3d`, `2h`, `90s`, `250ms`.
+fn short_duration(duration: std::time::Duration) -> String {
+    let secs = duration.as_secs();
+    if duration.subsec_millis() != 0 || secs == 0 {
+        return format!("{}ms", duration.as_millis());
+    }
+    match secs {
+        s if s % 86_400 == 0 => format!("{}d", s / 86_400),
+        s if s % 3_600 == 0 => format!("{}h", s / 3_600),
+        s if s % 60 == 0 => format!("{}m", s / 60),
+        s => format!("{s}s"),
     }
 }
 
