@@ -79,6 +79,18 @@ pub enum ErrorCode {
     /// This process lost the run's lease (it stalled past the lease's expiry and another process
     /// took the run over); it stopped without writing over the new owner's work.
     LeaseLost,
+    /// The process is shutting down: the run stopped between two steps and is resumable.
+    ShuttingDown,
+    /// An HTTP request is malformed: not JSON, a missing field, a value of the wrong type.
+    RequestInvalid,
+    /// An HTTP request body is over the limit (1 MB).
+    BodyTooLarge,
+    /// An HTTP request has no valid credentials.
+    Unauthorized,
+    /// No such route (or the resource is not visible to the caller).
+    NotFound,
+    /// The route exists but not with this HTTP method.
+    MethodNotAllowed,
     /// A bug in keel: please report it.
     Internal,
 }
@@ -120,6 +132,12 @@ impl ErrorCode {
         ErrorCode::RunLeased,
         ErrorCode::RunFinished,
         ErrorCode::LeaseLost,
+        ErrorCode::ShuttingDown,
+        ErrorCode::RequestInvalid,
+        ErrorCode::BodyTooLarge,
+        ErrorCode::Unauthorized,
+        ErrorCode::NotFound,
+        ErrorCode::MethodNotAllowed,
         ErrorCode::Internal,
     ];
 
@@ -160,6 +178,12 @@ impl ErrorCode {
             ErrorCode::RunLeased => "KEEL_RUN_LEASED",
             ErrorCode::RunFinished => "KEEL_RUN_FINISHED",
             ErrorCode::LeaseLost => "KEEL_LEASE_LOST",
+            ErrorCode::ShuttingDown => "KEEL_SHUTTING_DOWN",
+            ErrorCode::RequestInvalid => "KEEL_REQUEST_INVALID",
+            ErrorCode::BodyTooLarge => "KEEL_BODY_TOO_LARGE",
+            ErrorCode::Unauthorized => "KEEL_UNAUTHORIZED",
+            ErrorCode::NotFound => "KEEL_NOT_FOUND",
+            ErrorCode::MethodNotAllowed => "KEEL_METHOD_NOT_ALLOWED",
             ErrorCode::Internal => "KEEL_INTERNAL",
         }
     }

@@ -21,9 +21,11 @@
 //! [`Event`] and are serialize-only: the wire format is pinned by tests, not by the domain enum.
 
 use serde::Serialize;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::event::{Event, Usage};
+use crate::human::{PendingInput, PendingKind};
+use crate::message::{Message, Part, Role};
 
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -113,6 +115,72 @@ pub fn event_to_json(event: &Event) -> String {
         Event::RunError { code, message } => EventJson::RunError { code: code.as_str(), message },
     };
     serde_json::to_string(&json).expect("event JSON always serializes")
+}
+
+/// A message as the HTTP API shows it: `{ "role", "content": [parts] }`, parts camelCase:
+/// `{type:"text",text}`, `{type:"image",mediaType,data}` and `{type:"file",mediaType,name?,data}`
+/// (data in base64), `{type:"toolCall",callId,name,input}`,
+/// `{type:"toolResult",callId,name,output,isError}`.
+pub fn message_to_json(message: &Message) -> Value {
+    use base64::Engine as _;
+    let base64 = &base64::engine::general_purpose::STANDARD;
+    let role = match message.role {
+        Role::User => "user",
+        Role::Assistant => "assistant",
+        Role::Tool => "tool",
+    };
+    let content: Vec<Value> = message
+        .parts
+        .iter()
+        .map(|part| match part {
+            Part::Text(text) => json!({ "type": "text", "text": text }),
+            Part::Image { media_type, data } => {
+                json!({ "type": "image", "mediaType": media_type, "data": base64.encode(data) })
+            }
+            Part::File { media_type, name, data } => {
+                let mut file =
+                    json!({ "type": "file", "mediaType": media_type, "data": base64.encode(data) });
+                if let Some(name) = name {
+                    file["name"] = Value::String(name.clone());
+                }
+                file
+            }
+            Part::ToolCall(call) => {
+                json!({ "type": "toolCall", "callId": call.call_id, "name": call.name, "input": call.input })
+            }
+            Part::ToolResult(result) => json!({
+                "type": "toolResult",
+                "callId": result.call_id,
+                "name": result.name,
+                "output": result.output,
+                "isError": result.is_error,
+            }),
+        })
+        .collect();
+    json!({ "role": role, "content": content })
+}
+
+/// A pending approval or question as the HTTP API and `keel approvals list --json` show it:
+/// `{ id, kind: "approval"|"question", sessionId, runId, callId, tool?, input?, question?,
+/// createdAtMs, expiresAtMs }`.
+pub fn pending_to_json(pending: &PendingInput) -> Value {
+    let mut json = json!({
+        "id": pending.id,
+        "kind": pending.kind.as_str(),
+        "sessionId": pending.session_id.as_str(),
+        "runId": pending.run_id.as_str(),
+        "callId": pending.call_id,
+        "createdAtMs": pending.created_at_ms,
+        "expiresAtMs": pending.expires_at_ms,
+    });
+    match &pending.kind {
+        PendingKind::Approval { tool, input } => {
+            json["tool"] = Value::String(tool.clone());
+            json["input"] = input.clone();
+        }
+        PendingKind::Question { question } => json["question"] = Value::String(question.clone()),
+    }
+    json
 }
 
 #[cfg(test)]

@@ -164,6 +164,11 @@ impl Agent {
         state.map(Option::unwrap_or_default).map_err(|error| RunFailure::new(error.code(), error.to_string()))
     }
 
+    /// The runtime engine under the agent (what `keel serve` drives).
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
     /// The agent's definition.
     pub fn definition(&self) -> &AgentDef {
         self.engine.agent()

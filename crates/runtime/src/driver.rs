@@ -243,7 +243,7 @@ async fn prepare(
 /// Cancels the runs of `session` paused for a human (a `replace` input replaces them too): each
 /// is re-driven to its pause with a cancelled token, so its open calls get "cancelled" results
 /// and it ends `cancelled`. The caller holds the session in this process.
-async fn cancel_paused_runs(shared: &Arc<Shared>, session: &SessionId) -> Result<(), RunFailure> {
+pub(crate) async fn cancel_paused_runs(shared: &Arc<Shared>, session: &SessionId) -> Result<(), RunFailure> {
     let pending = shared.store.pending_inputs(Some(session)).await.map_err(store_failure)?;
     let mut runs: Vec<RunId> = pending.into_iter().map(|p| p.run_id).collect();
     runs.sort();
@@ -364,6 +364,7 @@ impl Driver {
                             Some(_) => return Err(self.corrupt(&step)),
                             None if self.epoch.is_none() => return Err(self.finished(&step)),
                             None => {
+                                self.stop_if_shutting_down().await?;
                                 self.go_live();
                                 tools.push(self.spawn_tool(step, call));
                             }
@@ -560,6 +561,30 @@ impl Driver {
         }
     }
 
+    /// At a step boundary during a shutdown: releases the lease (the next process may take the
+    /// run over at once) and stops, leaving the run resumable.
+    async fn stop_if_shutting_down(&self) -> Result<(), RunFailure> {
+        if !self.shared.stopping.is_cancelled() {
+            return Ok(());
+        }
+        if let Some(epoch) = self.epoch {
+            let shared = &self.shared;
+            if let Err(error) =
+                shared.store.renew_lease(&self.run_id, &shared.owner, epoch, std::time::Duration::ZERO).await
+            {
+                tracing::warn!(run = %self.run_id, %error, "could not release the run's lease");
+            }
+        }
+        Err(RunFailure::new(
+            ErrorCode::ShuttingDown,
+            format!(
+                "the process is shutting down; run {} stopped between two steps and continues when keel \
+                 starts again (or on another instance)",
+                self.run_id
+            ),
+        ))
+    }
+
     /// Renews the run's lease. A lost lease cancels the run here: another process has taken it
     /// over, and this driver's commits would be refused anyway.
     async fn renew_lease(&self) {
@@ -649,7 +674,10 @@ impl Driver {
             }
             Some(_) => return Err(self.corrupt(&step)),
             None if self.epoch.is_none() => return Err(self.finished(&step)),
-            None => self.go_live(),
+            None => {
+                self.stop_if_shutting_down().await?;
+                self.go_live();
+            }
         }
         let call = call_model(&self.shared, machine, &self.events);
         tokio::pin!(call);

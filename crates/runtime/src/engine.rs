@@ -26,6 +26,11 @@ pub(crate) struct Shared {
     pub(crate) lease_ttl: std::time::Duration,
     /// Sessions with a run in flight in this process, and the inputs waiting for them.
     busy: Mutex<HashMap<SessionId, SessionSlot>>,
+    /// Set when the process shuts down: runs stop at their next step boundary, resumable.
+    pub(crate) stopping: CancellationToken,
+    /// Runs whose task is alive in this process, and a way to wait for them to end.
+    active: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
 }
 
 /// A busy session: how to cancel its run, and who waits for it (in `queue` or `replace` mode).
@@ -220,6 +225,9 @@ impl Engine {
                 owner: owner.into(),
                 lease_ttl,
                 busy: Mutex::default(),
+                stopping: CancellationToken::new(),
+                active: std::sync::atomic::AtomicUsize::new(0),
+                idle: tokio::sync::Notify::new(),
             }),
         }
     }
@@ -285,6 +293,54 @@ impl Engine {
         Ok(self.resume(pending.run_id))
     }
 
+    /// Whether `session` has a run in flight in this process.
+    pub fn is_running(&self, session: &SessionId) -> bool {
+        self.shared.busy.lock().unwrap_or_else(|p| p.into_inner()).contains_key(session)
+    }
+
+    /// Cancels `session`'s run: the one in flight in this process (its model call or tool is
+    /// abandoned, open calls get "cancelled" results) or the one paused for a human. Returns
+    /// whether there was one. A run in flight in another process is not reached
+    /// (`KEEL_RUN_LEASED`).
+    pub async fn cancel(&self, session: &SessionId) -> Result<bool, RunFailure> {
+        {
+            let busy = self.shared.busy.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(slot) = busy.get(session) {
+                slot.cancel.cancel();
+                return Ok(true);
+            }
+        }
+        let paused = self.pending(Some(session)).await?;
+        if paused.is_empty() {
+            return Ok(false);
+        }
+        let claim_token = CancellationToken::new();
+        let _claim = self.shared.claim(session, &claim_token)?;
+        driver::cancel_paused_runs(&self.shared, session).await?;
+        Ok(true)
+    }
+
+    /// Stops this engine's runs for a process shutdown: each stops at its next step boundary
+    /// (the step in progress finishes and is committed) and is left resumable, its lease
+    /// released so that the next process takes it over at once; its stream ends with
+    /// `run.error` `KEEL_SHUTTING_DOWN`. Waits up to `grace`; returns how many runs were still
+    /// going then (they are resumable too, once their lease expires).
+    pub async fn shutdown(&self, grace: std::time::Duration) -> usize {
+        use std::sync::atomic::Ordering;
+        self.shared.stopping.cancel();
+        let deadline = tokio::time::Instant::now() + grace;
+        loop {
+            let idle = self.shared.idle.notified();
+            let active = self.shared.active.load(Ordering::SeqCst);
+            if active == 0 {
+                return 0;
+            }
+            if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                return self.shared.active.load(Ordering::SeqCst);
+            }
+        }
+    }
+
     /// Decides the approvals and questions of `session` (or all) whose expiry has passed, as
     /// [`Decision::TimedOut`]. Returns how many.
     async fn expire_overdue(&self, session: Option<&SessionId>) -> Result<usize, RunFailure> {
@@ -345,10 +401,14 @@ impl Engine {
         let shared = Arc::clone(&self.shared);
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
+                shared.active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 runtime.spawn(async move {
-                    let result = driver::run(shared, plan, event_tx, cancel).await;
+                    let result = driver::run(Arc::clone(&shared), plan, event_tx, cancel).await;
                     // The caller may have dropped the handle: the run's outcome is in the store.
                     let _ = result_tx.send(result);
+                    if shared.active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+                        shared.idle.notify_waiters();
+                    }
                 });
             }
             Err(_) => {

@@ -8,7 +8,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use keel::{Agent, Decision, PendingKind, SessionId, record_decision};
+use keel::{Decision, PendingKind, SessionId, record_decision};
 
 use super::run::follow;
 use super::{ApprovalsCommand, StoreArgs, exit};
@@ -71,23 +71,7 @@ async fn list(session: Option<&str>, json: bool, args: &StoreArgs) -> std::io::R
     let mut out = std::io::stdout().lock();
     if json {
         for input in &pending {
-            let mut line = serde_json::json!({
-                "id": input.id,
-                "kind": input.kind.as_str(),
-                "sessionId": input.session_id.as_str(),
-                "runId": input.run_id.as_str(),
-                "callId": input.call_id,
-                "createdAtMs": input.created_at_ms,
-                "expiresAtMs": input.expires_at_ms,
-            });
-            match &input.kind {
-                PendingKind::Approval { tool, input } => {
-                    line["tool"] = tool.as_str().into();
-                    line["input"] = input.clone();
-                }
-                PendingKind::Question { question } => line["question"] = question.as_str().into(),
-            }
-            writeln!(out, "{line}")?;
+            writeln!(out, "{}", keel_core::wire::pending_to_json(input))?;
         }
         return Ok(exit::OK);
     }
@@ -137,19 +121,10 @@ async fn decide(id: &str, decision: Decision, target: &DecisionTarget) -> std::i
             }
         };
     };
-    let spec = match keel::load_spec(agent_path) {
-        Ok(spec) => spec,
-        Err(error) => {
-            eprintln!("{error}");
-            return Ok(exit::INVALID_AGENT);
-        }
-    };
-    let agent = match Agent::from_spec(spec, store) {
+    drop(store);
+    let agent = match super::run::load_agent(agent_path, None, &target.store.store)? {
         Ok(agent) => agent,
-        Err(error) => {
-            eprintln!("error[{}]: {error}", error.code());
-            return Ok(exit::INVALID_AGENT);
-        }
+        Err(code) => return Ok(code),
     };
     let handle = match agent.decide(id, decision).await {
         Ok(handle) => handle,

@@ -5,6 +5,7 @@ mod approvals;
 mod check;
 mod render;
 mod run;
+mod serve;
 mod sessions;
 
 use std::path::PathBuf;
@@ -45,6 +46,8 @@ enum Command {
     /// Run one turn of an agent and stream it to the terminal.
     #[command(after_help = EXIT_CODES)]
     Run(RunArgs),
+    /// Serve an agent over HTTP: chat with SSE streaming, live session events, approvals.
+    Serve(ServeArgs),
     /// Check an agent (spec file or directory) and print every problem.
     #[command(after_help = "Exit codes:\n  0  no error (warnings may be printed)\n  1  the agent has errors")]
     Check(CheckArgs),
@@ -177,6 +180,25 @@ pub(crate) struct RunArgs {
     pub(crate) json: bool,
 }
 
+/// Arguments of `keel serve`.
+#[derive(clap::Args)]
+pub(crate) struct ServeArgs {
+    /// The agent: a directory with agent.yaml, or a spec file (.yaml, .toml, .json).
+    pub(crate) agent: PathBuf,
+    /// The address to listen on. Anything but a loopback address needs KEEL_API_TOKEN.
+    #[arg(long, env = "HOST", default_value = "127.0.0.1")]
+    pub(crate) host: String,
+    /// The port (0 picks a free one).
+    #[arg(long, env = "PORT", default_value_t = 3000)]
+    pub(crate) port: u16,
+    /// Where sessions and journals live (`sqlite:<path>` or `memory`).
+    #[arg(long, env = "KEEL_STORE", default_value = "sqlite:.keel/keel.db")]
+    pub(crate) store: String,
+    /// Use this model instead of the spec's.
+    #[arg(long)]
+    pub(crate) model: Option<String>,
+}
+
 /// Arguments of `keel check`.
 #[derive(clap::Args)]
 pub(crate) struct CheckArgs {
@@ -190,6 +212,7 @@ pub(crate) fn main() -> ExitCode {
     init_logging();
     let code = match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Serve(args) => serve::serve(args),
         Command::Check(args) => check::check(&args),
         Command::Sessions(command) => sessions::sessions(command),
         Command::Approvals(command) => approvals::approvals(command),

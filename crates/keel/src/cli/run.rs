@@ -10,39 +10,51 @@ use super::exit;
 use super::render::{HumanRenderer, JsonRenderer, Render};
 
 pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
+    let agent = match load_agent(&args.agent, args.model.as_deref(), &args.store)? {
+        Ok(agent) => agent,
+        Err(code) => return Ok(code),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(drive(&agent, &args))
+}
+
+/// Loads an agent with its store, printing the spec's diagnostics; `Err(exit code)` when it
+/// cannot be set up.
+pub(crate) fn load_agent(
+    path: &std::path::Path,
+    model: Option<&str>,
+    store: &str,
+) -> std::io::Result<Result<Agent, u8>> {
     let mut stderr = std::io::stderr().lock();
     let options = keel_spec::LoadOptions {
         builtin_tools: keel_tools::BUILTIN_NAMES,
         providers: keel_providers::PROVIDER_NAMES,
     };
-    let loaded = keel_spec::load(&args.agent, &options);
+    let loaded = keel_spec::load(path, &options);
     for diagnostic in &loaded.diagnostics {
         writeln!(stderr, "{diagnostic}")?;
     }
     let Some(mut spec) = loaded.spec else {
-        writeln!(stderr, "the agent has errors; `keel check {}` lists them", args.agent.display())?;
-        return Ok(exit::INVALID_AGENT);
+        writeln!(stderr, "the agent has errors; `keel check {}` lists them", path.display())?;
+        return Ok(Err(exit::INVALID_AGENT));
     };
-    if let Some(model) = &args.model {
-        spec.model.clone_from(model);
+    if let Some(model) = model {
+        spec.model = model.to_owned();
     }
-    let store = match keel_store::open(&args.store) {
+    let store = match keel_store::open(store) {
         Ok(store) => store,
         Err(error) => {
             writeln!(stderr, "error[{}]: {error}", error.code())?;
-            return Ok(exit::INVALID_AGENT);
+            return Ok(Err(exit::INVALID_AGENT));
         }
     };
-    let agent = match Agent::from_spec(spec, store) {
-        Ok(agent) => agent,
+    Ok(match Agent::from_spec(spec, store) {
+        Ok(agent) => Ok(agent),
         Err(error) => {
             writeln!(stderr, "error[{}]: {}", error.code(), error)?;
-            return Ok(exit::INVALID_AGENT);
+            Err(exit::INVALID_AGENT)
         }
-    };
-    drop(stderr);
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(drive(&agent, &args))
+    })
 }
 
 async fn drive(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {

@@ -1,0 +1,74 @@
+//! `keel serve`: the HTTP API (DESIGN.md §5) for an agent, until SIGINT or SIGTERM.
+
+use std::net::SocketAddr;
+
+use super::{ServeArgs, exit};
+
+pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
+    let agent = match super::run::load_agent(&args.agent, args.model.as_deref(), &args.store)? {
+        Ok(agent) => agent,
+        Err(code) => return Ok(code),
+    };
+    let options = keel_server::ServerOptions {
+        api_token: std::env::var("KEEL_API_TOKEN").ok().filter(|t| !t.is_empty()),
+        ..keel_server::ServerOptions::default()
+    };
+    let address: SocketAddr = match format!("{}:{}", args.host, args.port).parse() {
+        Ok(address) => address,
+        Err(_) => match (args.host.as_str(), args.port) {
+            ("localhost", port) => SocketAddr::from(([127, 0, 0, 1], port)),
+            (host, _) => {
+                eprintln!("error: --host {host:?} is not an IP address (use 127.0.0.1, 0.0.0.0, ::1 ...)");
+                return Ok(2);
+            }
+        },
+    };
+    if let Err(message) = keel_server::check_bind(&address, &options) {
+        eprintln!("error: {message}");
+        return Ok(exit::INVALID_AGENT);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let listener = match tokio::net::TcpListener::bind(address).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                eprintln!("error: cannot listen on {address}: {error}");
+                return Ok(exit::INVALID_AGENT);
+            }
+        };
+        let bound = listener.local_addr()?;
+        eprintln!(
+            "keel serve: agent {} on http://{bound} (store {}{})",
+            agent.definition().name,
+            args.store,
+            if options.api_token.is_some() { ", bearer token required" } else { "" }
+        );
+        let server = keel_server::Server::new(agent.engine().clone(), options);
+        server.serve(listener, shutdown_signal()).await?;
+        eprintln!("keel serve: stopped");
+        Ok(exit::OK)
+    })
+}
+
+/// SIGINT (Ctrl-C) or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

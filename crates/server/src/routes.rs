@@ -1,0 +1,403 @@
+//! The handlers of DESIGN.md §5, and how they read requests and stream runs.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::extract::rejection::PathRejection;
+use axum::extract::{FromRequest, Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use futures::Stream;
+use keel_core::human::check_decision;
+use keel_core::wire::{message_to_json, pending_to_json};
+use keel_core::{Decision, ErrorCode, Message, Part, Role, RunId, SessionId};
+use serde_json::{Value, json};
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+use crate::AppState;
+use crate::error::ApiError;
+use crate::feed::{Entry, Item};
+
+/// The largest request body the API reads.
+pub const MAX_BODY: usize = 1024 * 1024;
+
+/// A JSON request body: at most [`MAX_BODY`] bytes (else 413), valid UTF-8 JSON (else 400).
+pub(crate) struct JsonBody(pub(crate) Value);
+
+impl<S: Send + Sync> FromRequest<S> for JsonBody {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, _state: &S) -> Result<JsonBody, ApiError> {
+        let too_large = || {
+            ApiError::new(
+                ErrorCode::BodyTooLarge,
+                format!("the request body is over {MAX_BODY} bytes (1 MB)"),
+            )
+        };
+        let declared = request
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|length| length > MAX_BODY as u64) {
+            return Err(too_large());
+        }
+        let bytes = axum::body::to_bytes(request.into_body(), MAX_BODY).await.map_err(|error| {
+            let over_limit = std::error::Error::source(&error)
+                .is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
+            if over_limit {
+                too_large()
+            } else {
+                ApiError::invalid(format!("the request body could not be read (it ended early?): {error}"))
+            }
+        })?;
+        if bytes.is_empty() {
+            return Err(ApiError::invalid("the request has no body: send a JSON object"));
+        }
+        let value = serde_json::from_slice(&bytes)
+            .map_err(|error| ApiError::invalid(format!("the request body is not valid JSON: {error}")))?;
+        Ok(JsonBody(value))
+    }
+}
+
+/// A session id from the path: 400 when invalid.
+fn session_id(path: Result<Path<String>, PathRejection>) -> Result<SessionId, ApiError> {
+    let Path(id) = path.map_err(|rejection| ApiError::invalid(rejection.body_text()))?;
+    Ok(SessionId::new(id)?)
+}
+
+/// A string field of a JSON object body.
+fn string_field<'a>(body: &'a Value, name: &str) -> Result<Option<&'a str>, ApiError> {
+    match body.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(text)) => Ok(Some(text)),
+        Some(other) => Err(ApiError::invalid(format!("`{name}` must be a string, not {}", json_type(other)))),
+    }
+}
+
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn require_object(body: &Value) -> Result<(), ApiError> {
+    if body.is_object() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(format!("the request body must be a JSON object, not {}", json_type(body))))
+    }
+}
+
+/// `input`: a string, or an array of content parts (text, image or file with base64 data).
+fn parse_input(input: &Value) -> Result<Message, ApiError> {
+    let parts = match input {
+        Value::String(text) if text.trim().is_empty() => return Err(ApiError::invalid("`input` is empty")),
+        Value::String(text) => vec![Part::Text(text.clone())],
+        Value::Array(items) if items.is_empty() => return Err(ApiError::invalid("`input` has no parts")),
+        Value::Array(items) => {
+            items.iter().enumerate().map(|(i, item)| parse_part(i, item)).collect::<Result<_, _>>()?
+        }
+        other => {
+            return Err(ApiError::invalid(format!(
+                "`input` must be a string or an array of content parts, not {}",
+                json_type(other)
+            )));
+        }
+    };
+    Ok(Message { role: Role::User, parts })
+}
+
+fn parse_part(index: usize, item: &Value) -> Result<Part, ApiError> {
+    let at = format!("input[{index}]");
+    let field = |name: &str| -> Result<&str, ApiError> {
+        match item.get(name) {
+            Some(Value::String(text)) => Ok(text),
+            Some(other) => {
+                Err(ApiError::invalid(format!("`{at}.{name}` must be a string, not {}", json_type(other))))
+            }
+            None => Err(ApiError::invalid(format!("`{at}` has no `{name}`"))),
+        }
+    };
+    let data = |media_type: &str| -> Result<std::sync::Arc<[u8]>, ApiError> {
+        let encoded = field("data")?;
+        let bytes = base64::engine::general_purpose::STANDARD.decode(encoded.trim()).map_err(|error| {
+            ApiError::invalid(format!(
+                "`{at}.data` is not base64 ({error}); send the {media_type} bytes base64-encoded"
+            ))
+        })?;
+        Ok(bytes.into())
+    };
+    match field("type")? {
+        "text" => Ok(Part::Text(field("text")?.to_owned())),
+        "image" => {
+            let media_type = field("mediaType")?;
+            if !media_type.starts_with("image/") {
+                return Err(ApiError::invalid(format!(
+                    "`{at}.mediaType` must be an image type such as image/png, not {media_type:?}"
+                )));
+            }
+            Ok(Part::Image { media_type: media_type.to_owned(), data: data(media_type)? })
+        }
+        "file" => {
+            let media_type = field("mediaType")?;
+            let name = match item.get("name") {
+                Some(Value::String(name)) => Some(name.clone()),
+                None | Some(Value::Null) => None,
+                Some(other) => {
+                    return Err(ApiError::invalid(format!(
+                        "`{at}.name` must be a string, not {}",
+                        json_type(other)
+                    )));
+                }
+            };
+            Ok(Part::File { media_type: media_type.to_owned(), name, data: data(media_type)? })
+        }
+        other => Err(ApiError::invalid(format!("`{at}.type` {other:?} is not one of text, image, file"))),
+    }
+}
+
+pub(crate) async fn health() -> &'static str {
+    "ok"
+}
+
+/// `POST /chat`: one turn, streamed as SSE; or, with the legacy `{ "message" }` body, its result
+/// as JSON.
+pub(crate) async fn chat(
+    State(state): State<Arc<AppState>>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    require_object(&body)?;
+    let session = string_field(&body, "sessionId")?;
+    let input = body.get("input").filter(|v| !v.is_null());
+    if input.is_none()
+        && let Some(message) = string_field(&body, "message")?
+    {
+        return legacy_chat(&state, session, message).await;
+    }
+    let session = SessionId::new(session.ok_or_else(|| ApiError::invalid("missing `sessionId`"))?)?;
+    let input =
+        parse_input(input.ok_or_else(|| ApiError::invalid("missing `input` (a string or content parts)"))?)?;
+    let feed = state.feeds.feed(&session);
+    // Subscribe before the run starts: its first event is not missed.
+    let (_, receiver) = feed.subscribe(None);
+    let handle = state.engine.start(session.clone(), input)?;
+    let run = handle.run_id().clone();
+    drop(state.feeds.forward(&session, handle));
+    Ok(sse(subscription(VecDeque::new(), receiver, Some(run), state.closing.clone())))
+}
+
+/// The deprecated single-turn form: waits for the run and answers with its result.
+async fn legacy_chat(state: &AppState, session: Option<&str>, message: &str) -> Result<Response, ApiError> {
+    if message.trim().is_empty() {
+        return Err(ApiError::invalid("`message` is empty"));
+    }
+    let session = match session {
+        Some(id) => SessionId::new(id)?,
+        // A single turn with no session: a fresh one, so that it sees no earlier conversation.
+        None => SessionId::new(state.legacy_session_id())?,
+    };
+    let handle = state.engine.start(session.clone(), Message::user(message))?;
+    let result =
+        state.feeds.forward(&session, handle).await.map_err(|error| {
+            ApiError::new(ErrorCode::Internal, format!("the run's task failed: {error}"))
+        })??;
+    let mut body = json!({
+        "runId": result.run_id.as_str(),
+        "sessionId": result.session_id.as_str(),
+        "text": result.text,
+        "stopped": result.stopped.as_str(),
+        "usage": { "inputTokens": result.usage.input_tokens, "outputTokens": result.usage.output_tokens },
+        "pending": result.pending.iter().map(pending_to_json).collect::<Vec<_>>(),
+    });
+    if let Some(output) = result.output {
+        body["output"] = output;
+    }
+    let mut response = axum::Json(body).into_response();
+    response.headers_mut().insert("deprecation", HeaderValue::from_static("true"));
+    Ok(response)
+}
+
+/// `GET /chat/:sessionId`: the transcript and what the session waits for.
+pub(crate) async fn transcript(
+    State(state): State<Arc<AppState>>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let session = session_id(path)?;
+    let messages = state.engine.store().load_messages(&session).await?;
+    let pending = state.engine.pending(Some(&session)).await?;
+    if messages.is_empty() && pending.is_empty() {
+        return Err(ApiError::new(ErrorCode::SessionNotFound, format!("no session {session}")));
+    }
+    let body = json!({
+        "sessionId": session.as_str(),
+        "messages": messages.iter().map(|m| message_to_json(m)).collect::<Vec<_>>(),
+        "pending": pending.iter().map(pending_to_json).collect::<Vec<_>>(),
+    });
+    Ok(axum::Json(body).into_response())
+}
+
+/// `GET /chat/:sessionId/events`: the session's live events, resumable with `Last-Event-ID`.
+pub(crate) async fn events(
+    State(state): State<Arc<AppState>>,
+    path: Result<Path<String>, PathRejection>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let session = session_id(path)?;
+    let after = match headers.get("last-event-id") {
+        None => None,
+        Some(value) => {
+            Some(value.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()).ok_or_else(|| {
+                ApiError::invalid("`Last-Event-ID` must be the id of an event this API sent (a number)")
+            })?)
+        }
+    };
+    let (backlog, receiver) = state.feeds.feed(&session).subscribe(after);
+    Ok(sse(subscription(backlog.into(), receiver, None, state.closing.clone())))
+}
+
+/// `POST /chat/:sessionId/approvals/:id`: decides a pending approval or answers a question, and
+/// streams the continued run.
+pub(crate) async fn decide(
+    State(state): State<Arc<AppState>>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let Path((session, id)) = path.map_err(|rejection| ApiError::invalid(rejection.body_text()))?;
+    let session = SessionId::new(session)?;
+    require_object(&body)?;
+    let decision = match (body.get("answer"), body.get("approved")) {
+        (Some(Value::String(answer)), _) => Decision::Answer(answer.clone()),
+        (Some(other), _) => {
+            return Err(ApiError::invalid(format!("`answer` must be a string, not {}", json_type(other))));
+        }
+        (None, Some(Value::Bool(approved))) => {
+            let note = string_field(&body, "note")?.map(str::to_owned);
+            if *approved { Decision::Approve { note } } else { Decision::Reject { note } }
+        }
+        (None, Some(other)) => {
+            return Err(ApiError::invalid(format!(
+                "`approved` must be true or false, not {}",
+                json_type(other)
+            )));
+        }
+        (None, None) => {
+            return Err(ApiError::invalid(
+                "give `approved` (true or false, with an optional `note`) or `answer`",
+            ));
+        }
+    };
+    let pending = state.engine.pending(Some(&session)).await?;
+    let Some(pending) = pending.into_iter().find(|p| p.id == id) else {
+        return Err(keel_core::StoreError::not_pending(&id).into());
+    };
+    check_decision(&pending, &decision)?;
+    let feed = state.feeds.feed(&session);
+    let (_, receiver) = feed.subscribe(None);
+    if state.engine.is_running(&session) {
+        // The run is still busy with its other calls here: it applies the decision itself.
+        keel_runtime::record_decision(state.engine.store().as_ref(), &id, decision).await?;
+    } else {
+        let handle = state.engine.decide(&id, decision).await?;
+        drop(state.feeds.forward(&session, handle));
+    }
+    Ok(sse(subscription(VecDeque::new(), receiver, Some(pending.run_id), state.closing.clone())))
+}
+
+/// `DELETE /chat/:sessionId/run`: cancels the session's run in flight (or paused).
+pub(crate) async fn cancel(
+    State(state): State<Arc<AppState>>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let session = session_id(path)?;
+    if state.engine.cancel(&session).await? {
+        Ok(axum::Json(json!({ "cancelled": true })).into_response())
+    } else {
+        Err(ApiError::new(ErrorCode::RunNotFound, format!("session {session} has no run in flight")))
+    }
+}
+
+pub(crate) async fn not_found() -> ApiError {
+    ApiError::new(ErrorCode::NotFound, "no such route; see docs/http.md for the API")
+}
+
+pub(crate) async fn method_not_allowed() -> ApiError {
+    ApiError::new(ErrorCode::MethodNotAllowed, "this route does not take this HTTP method")
+}
+
+/// What a subscriber reads: the backlog, then live entries, in id order, without repeats; only
+/// `run`'s when given, ending with its end (`event: done`).
+struct Subscription {
+    backlog: VecDeque<Arc<Entry>>,
+    receiver: broadcast::Receiver<Arc<Entry>>,
+    run: Option<RunId>,
+    last: u64,
+    closing: CancellationToken,
+    done: bool,
+}
+
+fn subscription(
+    backlog: VecDeque<Arc<Entry>>,
+    receiver: broadcast::Receiver<Arc<Entry>>,
+    run: Option<RunId>,
+    closing: CancellationToken,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static {
+    let state = Subscription { backlog, receiver, run, last: 0, closing, done: false };
+    futures::stream::unfold(state, |mut sub| async move {
+        loop {
+            if sub.done {
+                return None;
+            }
+            let entry = match sub.backlog.pop_front() {
+                Some(entry) => entry,
+                None => tokio::select! {
+                    biased;
+                    () = sub.closing.cancelled() => return None,
+                    received = sub.receiver.recv() => match received {
+                        Ok(entry) => entry,
+                        // Fell behind (a slow client): cut; it resumes with Last-Event-ID.
+                        Err(broadcast::error::RecvError::Lagged(_)) | Err(broadcast::error::RecvError::Closed) => {
+                            return None;
+                        }
+                    },
+                },
+            };
+            if entry.id <= sub.last {
+                continue;
+            }
+            sub.last = entry.id;
+            if sub.run.as_ref().is_some_and(|run| run != &entry.run) {
+                continue;
+            }
+            match &entry.item {
+                Item::Event(json) => {
+                    let event = SseEvent::default().id(entry.id.to_string()).data(&**json);
+                    return Some((Ok(event), sub));
+                }
+                Item::RunEnded if sub.run.is_some() => {
+                    sub.done = true;
+                    let data = json!({ "runId": entry.run.as_str() }).to_string();
+                    return Some((Ok(SseEvent::default().event("done").data(data)), sub));
+                }
+                Item::RunEnded => {}
+            }
+        }
+    })
+}
+
+fn sse(stream: impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static) -> Response {
+    let mut response = Sse::new(stream).keep_alive(KeepAlive::default()).into_response();
+    // Proxies must not buffer the stream.
+    response.headers_mut().insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response.headers_mut().insert(axum::http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
