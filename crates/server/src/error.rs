@@ -63,6 +63,10 @@ impl IntoResponse for ApiError {
         if self.code == ErrorCode::Unauthorized {
             response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        if self.code == ErrorCode::BodyTooLarge {
+            // The rest of the body is not read: the connection cannot carry another request.
+            response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         response
     }
 }

@@ -4,5 +4,6 @@ mod api;
 mod approvals;
 mod cli;
 mod durability;
+mod serve;
 mod support;
 mod tidy;

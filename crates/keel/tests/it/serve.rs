@@ -1,0 +1,555 @@
+//! `keel serve` over real HTTP: the real binary on a free port, a real client.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use crate::support::agent_dir;
+
+/// A `keel serve` process, killed when dropped.
+struct Served {
+    child: Child,
+    base: String,
+}
+
+impl Served {
+    fn start(agent: &Path, store: &str, env: &[(&str, &str)]) -> Served {
+        let mut command = Command::new(assert_cmd::cargo::cargo_bin("keel"));
+        command
+            .arg("serve")
+            .arg(agent)
+            .args(["--port", "0", "--store", store])
+            .current_dir(agent)
+            .env_remove("KEEL_API_TOKEN")
+            .env_remove("KEEL_STORE")
+            .env_remove("HOST")
+            .env_remove("PORT")
+            .env("KEEL_LOG", "error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut base = None;
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            if let Some(at) = line.find("http://") {
+                let address = line[at..].split_whitespace().next().unwrap().to_owned();
+                base = Some(address);
+                break;
+            }
+        }
+        // Keep draining stderr so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Served { child, base: base.expect("keel serve printed its address") }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn pid(&self) -> nix::unistd::Pid {
+        nix::unistd::Pid::from_raw(self.child.id() as i32)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One SSE message.
+#[derive(Debug, Clone, PartialEq)]
+struct Sse {
+    id: Option<String>,
+    event: Option<String>,
+    data: String,
+}
+
+impl Sse {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.data).unwrap()
+    }
+    fn kind(&self) -> String {
+        self.json()["type"].as_str().unwrap_or_default().to_owned()
+    }
+}
+
+/// Parses complete SSE messages out of `buffer`, leaving an incomplete tail.
+fn parse_sse(buffer: &mut String) -> Vec<Sse> {
+    let mut messages = Vec::new();
+    while let Some(end) = buffer.find("\n\n") {
+        let block: String = buffer.drain(..end + 2).collect();
+        let mut message = Sse { id: None, event: None, data: String::new() };
+        let mut has_data = false;
+        for line in block.lines() {
+            if let Some(id) = line.strip_prefix("id: ").or_else(|| line.strip_prefix("id:")) {
+                message.id = Some(id.to_owned());
+            } else if let Some(event) = line.strip_prefix("event: ").or_else(|| line.strip_prefix("event:")) {
+                message.event = Some(event.to_owned());
+            } else if let Some(data) = line.strip_prefix("data: ").or_else(|| line.strip_prefix("data:")) {
+                if has_data {
+                    message.data.push('\n');
+                }
+                message.data.push_str(data);
+                has_data = true;
+            }
+        }
+        if has_data {
+            messages.push(message);
+        }
+    }
+    messages
+}
+
+/// Reads a whole SSE response.
+async fn read_sse(response: reqwest::Response) -> Vec<Sse> {
+    let mut text = response.text().await.unwrap();
+    parse_sse(&mut text)
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
+}
+
+async fn error_of(response: reqwest::Response) -> (u16, String) {
+    let status = response.status().as_u16();
+    let body: Value = response.json().await.unwrap();
+    (status, body["error"]["code"].as_str().unwrap().to_owned())
+}
+
+const DAY_AGENT: &str = "model: mock
+tools: [day-name]
+mock:
+  script:
+    - tool_calls: [{ name: day-name, input: {} }]
+    - text: 'Today is {{last_tool_output}}.'
+";
+
+fn sqlite(dir: &Path) -> String {
+    format!("sqlite:{}", dir.join("keel.db").display())
+}
+
+#[tokio::test]
+async fn a_turn_streams_as_sse_and_the_transcript_follows() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let server = Served::start(dir.path(), &sqlite(dir.path()), &[]);
+    let http = client();
+    assert_eq!(http.get(server.url("/health")).send().await.unwrap().text().await.unwrap(), "ok");
+
+    let response = http
+        .post(server.url("/chat"))
+        .json(&json!({"sessionId": "s1", "input": "What day is it?"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let messages = read_sse(response).await;
+    let (last, events) = messages.split_last().unwrap();
+    assert_eq!(last.event.as_deref(), Some("done"), "{messages:#?}");
+    let kinds: Vec<String> = events.iter().map(Sse::kind).collect();
+    assert_eq!(kinds.first().map(String::as_str), Some("run.start"));
+    assert_eq!(kinds.last().map(String::as_str), Some("run.done"));
+    assert!(kinds.contains(&"tool.done".to_owned()) && kinds.contains(&"text.delta".to_owned()), "{kinds:?}");
+    let ids: Vec<u64> = events.iter().map(|m| m.id.as_deref().unwrap().parse().unwrap()).collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids must increase: {ids:?}");
+    let done = events.last().unwrap().json();
+    assert!(done["text"].as_str().unwrap().starts_with("Today is "), "{done}");
+
+    let transcript: Value = http.get(server.url("/chat/s1")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(transcript["sessionId"], "s1");
+    let roles: Vec<&str> =
+        transcript["messages"].as_array().unwrap().iter().map(|m| m["role"].as_str().unwrap()).collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"]);
+    assert_eq!(transcript["messages"][0]["content"][0], json!({"type": "text", "text": "What day is it?"}));
+    assert_eq!(transcript["pending"], json!([]));
+}
+
+#[tokio::test]
+async fn bad_requests_get_json_errors_with_codes_and_never_a_500() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[]);
+    let http = client();
+    let chat = server.url("/chat");
+    let cases: Vec<(&str, reqwest::RequestBuilder, u16, &str)> = vec![
+        ("not JSON", http.post(&chat).body("{nope"), 400, "KEEL_REQUEST_INVALID"),
+        ("invalid UTF-8", http.post(&chat).body(vec![b'{', 0xff, 0xfe, b'}']), 400, "KEEL_REQUEST_INVALID"),
+        ("no body", http.post(&chat), 400, "KEEL_REQUEST_INVALID"),
+        ("an array", http.post(&chat).json(&json!([1])), 400, "KEEL_REQUEST_INVALID"),
+        ("no session", http.post(&chat).json(&json!({"input": "hi"})), 400, "KEEL_REQUEST_INVALID"),
+        ("no input", http.post(&chat).json(&json!({"sessionId": "s"})), 400, "KEEL_REQUEST_INVALID"),
+        ("session a number", http.post(&chat).json(&json!({"sessionId": 7, "input": "hi"})), 400, "KEEL_REQUEST_INVALID"),
+        ("input a number", http.post(&chat).json(&json!({"sessionId": "s", "input": 7})), 400, "KEEL_REQUEST_INVALID"),
+        ("empty input", http.post(&chat).json(&json!({"sessionId": "s", "input": " "})), 400, "KEEL_REQUEST_INVALID"),
+        (
+            "unknown part",
+            http.post(&chat).json(&json!({"sessionId": "s", "input": [{"type": "video"}]})),
+            400,
+            "KEEL_REQUEST_INVALID",
+        ),
+        (
+            "image not base64",
+            http.post(&chat).json(&json!({"sessionId": "s", "input": [{"type": "image", "mediaType": "image/png", "data": "%%%"}]})),
+            400,
+            "KEEL_REQUEST_INVALID",
+        ),
+        ("bad session id", http.post(&chat).json(&json!({"sessionId": "a b", "input": "hi"})), 400, "KEEL_SESSION_ID_INVALID"),
+        (
+            "huge session id",
+            http.post(&chat).json(&json!({"sessionId": "x".repeat(100_000), "input": "hi"})),
+            400,
+            "KEEL_SESSION_ID_INVALID",
+        ),
+        ("over 1 MB", http.post(&chat).body(format!("{{\"sessionId\":\"s\",\"input\":\"{}\"}}", "a".repeat(1_100_000))), 413, "KEEL_BODY_TOO_LARGE"),
+        ("unknown session", http.get(server.url("/chat/nobody")), 404, "KEEL_SESSION_NOT_FOUND"),
+        ("bad id in path", http.get(server.url("/chat/a%20b")), 400, "KEEL_SESSION_ID_INVALID"),
+        ("bad Last-Event-ID", http.get(server.url("/chat/s/events")).header("last-event-id", "x"), 400, "KEEL_REQUEST_INVALID"),
+        ("no such route", http.get(server.url("/nope")), 404, "KEEL_NOT_FOUND"),
+        ("wrong method", http.get(&chat), 405, "KEEL_METHOD_NOT_ALLOWED"),
+        ("not pending", http.post(server.url("/chat/s/approvals/ap_1")).json(&json!({"approved": true})), 404, "KEEL_NOT_PENDING"),
+        ("decision of the wrong type", http.post(server.url("/chat/s/approvals/ap_1")).json(&json!({"approved": "yes"})), 400, "KEEL_REQUEST_INVALID"),
+        ("no run to cancel", http.delete(server.url("/chat/s/run")), 404, "KEEL_RUN_NOT_FOUND"),
+    ];
+    for (what, request, status, code) in cases {
+        let response = request.send().await.unwrap();
+        assert_eq!(error_of(response).await, (status, code.to_owned()), "{what}");
+    }
+}
+
+#[tokio::test]
+async fn a_body_that_ends_early_is_a_400_and_the_server_stays_up() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[]);
+    let address = server.base.trim_start_matches("http://").to_owned();
+    let mut socket = tokio::net::TcpStream::connect(&address).await.unwrap();
+    socket
+        .write_all(b"POST /chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"sessionId\":")
+        .await
+        .unwrap();
+    socket.shutdown().await.unwrap();
+    let mut reply = String::new();
+    socket.read_to_string(&mut reply).await.unwrap();
+    assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+    assert!(reply.contains("KEEL_REQUEST_INVALID"), "{reply}");
+    assert_eq!(client().get(server.url("/health")).send().await.unwrap().status(), 200);
+}
+
+/// Three turns, each after a pause: a run that lasts long enough to watch.
+const SLOW_AGENT: &str = "model: mock
+tools: [day-name]
+mock:
+  script:
+    - { delay_ms: 300, tool_calls: [{ name: day-name, input: {} }] }
+    - { delay_ms: 300, tool_calls: [{ name: day-name, input: {} }] }
+    - { delay_ms: 300, text: 'It is still {{last_tool_output}}.' }
+";
+
+#[tokio::test]
+async fn a_busy_session_is_409_and_a_run_can_be_cancelled() {
+    let dir = agent_dir(&[("agent.yaml", SLOW_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[]);
+    let http = client();
+    let first =
+        http.post(server.url("/chat")).json(&json!({"sessionId": "s", "input": "go"})).send().await.unwrap();
+    assert_eq!(first.status(), 200);
+    let second = http
+        .post(server.url("/chat"))
+        .json(&json!({"sessionId": "s", "input": "again"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(second).await, (409, "KEEL_SESSION_BUSY".to_owned()));
+    let cancelled = http.delete(server.url("/chat/s/run")).send().await.unwrap();
+    assert_eq!(cancelled.status(), 200);
+    let messages = read_sse(first).await;
+    let done = messages.iter().find(|m| m.event.is_none() && m.kind() == "run.done").expect("run.done");
+    assert_eq!(done.json()["stopped"], "cancelled");
+    assert_eq!(messages.last().unwrap().event.as_deref(), Some("done"));
+}
+
+#[tokio::test]
+async fn observers_see_every_event_once_and_a_reconnect_resumes_without_gaps() {
+    let dir = agent_dir(&[("agent.yaml", SLOW_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[]);
+    let http = client();
+    // Observer A watches the whole run; observer B drops out after two events and reconnects.
+    let a = http.get(server.url("/chat/s/events")).send().await.unwrap();
+    assert_eq!(a.status(), 200);
+    let b = http.get(server.url("/chat/s/events")).send().await.unwrap();
+    let run =
+        http.post(server.url("/chat")).json(&json!({"sessionId": "s", "input": "go"})).send().await.unwrap();
+
+    let mut b_seen = Vec::new();
+    let mut buffer = String::new();
+    let mut stream = b.bytes_stream();
+    while b_seen.len() < 2 {
+        let chunk = stream.next().await.unwrap().unwrap();
+        buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        b_seen.extend(parse_sse(&mut buffer));
+    }
+    b_seen.truncate(2);
+    drop(stream);
+    // B is gone while the run goes on; it comes back with the last id it saw.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let last = b_seen.last().unwrap().id.clone().unwrap();
+    let b_again = http.get(server.url("/chat/s/events")).header("last-event-id", &last).send().await.unwrap();
+
+    let run_messages = read_sse(run).await;
+    let run_events: Vec<Sse> = run_messages.into_iter().filter(|m| m.event.is_none()).collect();
+    assert_eq!(run_events.last().unwrap().kind(), "run.done");
+
+    let collect = |response: reqwest::Response, count: usize| async move {
+        let mut seen = Vec::new();
+        let mut buffer = String::new();
+        let mut stream = response.bytes_stream();
+        while seen.len() < count {
+            let chunk =
+                tokio::time::timeout(Duration::from_secs(10), stream.next()).await.unwrap().unwrap().unwrap();
+            buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+            seen.extend(parse_sse(&mut buffer));
+        }
+        seen
+    };
+    let a_seen = collect(a, run_events.len()).await;
+    assert_eq!(a_seen, run_events, "an observer sees exactly the run's events");
+    let b_rest = collect(b_again, run_events.len() - 2).await;
+    let mut b_all = b_seen.clone();
+    b_all.extend(b_rest);
+    assert_eq!(b_all, run_events, "the reconnect has no gap and no duplicate");
+}
+
+const APPROVAL_AGENT: &str = "model: mock
+tools: [day-name]
+approvals: { tools: [day-name] }
+mock:
+  script:
+    - tool_calls: [{ name: day-name, input: {} }]
+    - text: 'Today is {{last_tool_output}}.'
+";
+
+#[tokio::test]
+async fn an_approval_is_decided_over_http_and_the_continued_run_streams() {
+    let dir = agent_dir(&[("agent.yaml", APPROVAL_AGENT)]);
+    let store = sqlite(dir.path());
+    let http = client();
+    let approval_id = {
+        let server = Served::start(dir.path(), &store, &[]);
+        let messages = read_sse(
+            http.post(server.url("/chat"))
+                .json(&json!({"sessionId": "s", "input": "day?"}))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        let requested =
+            messages.iter().find(|m| m.event.is_none() && m.kind() == "approval.requested").unwrap().json();
+        assert_eq!(
+            messages.last().unwrap().event.as_deref(),
+            Some("done"),
+            "the stream ends while the run waits"
+        );
+        requested["approvalId"].as_str().unwrap().to_owned()
+        // The server stops here: the approval must outlive it.
+    };
+    let server = Served::start(dir.path(), &store, &[]);
+    let transcript: Value = http.get(server.url("/chat/s")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(transcript["pending"][0]["id"], approval_id.as_str());
+    assert_eq!(transcript["pending"][0]["tool"], "day-name");
+    let url = server.url(&format!("/chat/s/approvals/{approval_id}"));
+    let answer = http.post(&url).json(&json!({"answer": "yes"})).send().await.unwrap();
+    assert_eq!(error_of(answer).await, (400, "KEEL_DECISION_INVALID".to_owned()));
+    let continued =
+        read_sse(http.post(&url).json(&json!({"approved": true, "note": "fine"})).send().await.unwrap())
+            .await;
+    let kinds: Vec<String> = continued.iter().filter(|m| m.event.is_none()).map(Sse::kind).collect();
+    assert!(kinds.contains(&"tool.done".to_owned()), "{kinds:?}");
+    assert!(!kinds.contains(&"approval.requested".to_owned()), "re-asked: {kinds:?}");
+    assert_eq!(kinds.last().map(String::as_str), Some("run.done"));
+    let again = http.post(&url).json(&json!({"approved": true})).send().await.unwrap();
+    assert_eq!(error_of(again).await, (404, "KEEL_NOT_PENDING".to_owned()));
+}
+
+#[tokio::test]
+async fn the_legacy_body_answers_with_json_and_a_deprecation_header() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[]);
+    let response =
+        client().post(server.url("/chat")).json(&json!({"message": "What day?"})).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["deprecation"], "true");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["stopped"], "final");
+    assert!(body["text"].as_str().unwrap().starts_with("Today is "), "{body}");
+}
+
+#[tokio::test]
+async fn input_can_be_content_parts_with_an_image() {
+    let dir = agent_dir(&[("agent.yaml", "model: mock\n")]);
+    let server = Served::start(dir.path(), "memory", &[]);
+    let http = client();
+    let input = json!([
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image", "mediaType": "image/png", "data": "iVBORw0KGgo="}
+    ]);
+    let messages = read_sse(
+        http.post(server.url("/chat")).json(&json!({"sessionId": "p", "input": input})).send().await.unwrap(),
+    )
+    .await;
+    assert_eq!(messages.last().unwrap().event.as_deref(), Some("done"));
+    let transcript: Value = http.get(server.url("/chat/p")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(transcript["messages"][0]["content"], input, "the parts are stored as sent");
+}
+
+#[tokio::test]
+async fn with_a_token_every_route_but_health_needs_it() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[("KEEL_API_TOKEN", "s3cret-token")]);
+    let http = client();
+    assert_eq!(http.get(server.url("/health")).send().await.unwrap().status(), 200);
+    let none = http.get(server.url("/chat/s")).send().await.unwrap();
+    assert_eq!(none.headers()["www-authenticate"], "Bearer");
+    assert_eq!(error_of(none).await, (401, "KEEL_UNAUTHORIZED".to_owned()));
+    let wrong = http.get(server.url("/chat/s")).bearer_auth("s3cret-tokem").send().await.unwrap();
+    assert_eq!(error_of(wrong).await, (401, "KEEL_UNAUTHORIZED".to_owned()));
+    let prefix = http.get(server.url("/chat/s")).bearer_auth("s3cret").send().await.unwrap();
+    assert_eq!(error_of(prefix).await, (401, "KEEL_UNAUTHORIZED".to_owned()));
+    let chat = http
+        .post(server.url("/chat"))
+        .json(&json!({"sessionId": "s", "input": "hi"}))
+        .bearer_auth("s3cret-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(chat.status(), 200);
+    assert_eq!(read_sse(chat).await.last().unwrap().event.as_deref(), Some("done"));
+    let right = http.get(server.url("/chat/s")).bearer_auth("s3cret-token").send().await.unwrap();
+    assert_eq!(right.status(), 200);
+}
+
+#[test]
+fn a_public_address_without_auth_is_refused() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let output = crate::support::keel()
+        .arg("serve")
+        .arg(dir.path())
+        .args(["--host", "0.0.0.0", "--port", "0", "--store", "memory"])
+        .env_remove("KEEL_API_TOKEN")
+        .timeout(Duration::from_secs(10))
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("refusing to listen on 0.0.0.0") && stderr.contains("KEEL_API_TOKEN"),
+        "{stderr}"
+    );
+}
+
+/// A tool that takes a while: SIGTERM arrives while it runs.
+const NAP_TOML: &str =
+    "description = \"Naps\"\ncommand = [\"sh\", \"-c\", \"sleep 1; echo nap >> naps.txt; echo rested\"]\n";
+const NAP_AGENT: &str = "model: mock
+mock:
+  script:
+    - tool_calls: [{ name: nap, input: {} }]
+    - text: 'Done: {{last_tool_output}}'
+";
+
+#[tokio::test]
+async fn sigterm_stops_at_a_step_boundary_and_the_next_server_finishes_the_run() {
+    let dir = agent_dir(&[("agent.yaml", NAP_AGENT), ("tools/nap.toml", NAP_TOML)]);
+    let store = sqlite(dir.path());
+    let http = client();
+    let mut server = Served::start(dir.path(), &store, &[]);
+    let stream =
+        http.post(server.url("/chat")).json(&json!({"sessionId": "s", "input": "nap"})).send().await.unwrap();
+    // Wait until the tool runs, then ask the server to stop.
+    let mut buffer = String::new();
+    let mut body = stream.bytes_stream();
+    'started: while let Some(chunk) = body.next().await {
+        buffer.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        for message in parse_sse(&mut buffer) {
+            if message.event.is_none() && message.kind() == "tool.start" {
+                break 'started;
+            }
+        }
+    }
+    nix::sys::signal::kill(server.pid(), nix::sys::signal::Signal::SIGTERM).unwrap();
+    let started = std::time::Instant::now();
+    let status = tokio::task::spawn_blocking(move || {
+        let status = server.child.wait().unwrap();
+        drop(server);
+        status
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(8), "the shutdown took {:?}", started.elapsed());
+    // The tool's step finished and was committed before the stop: the next server finishes the
+    // run from its journal, without running the tool again.
+    let server = Served::start(dir.path(), &store, &[]);
+    let mut transcript = Value::Null;
+    for _ in 0..100 {
+        transcript = http.get(server.url("/chat/s")).send().await.unwrap().json().await.unwrap();
+        if transcript["messages"].as_array().is_some_and(|m| m.len() == 4) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let messages = transcript["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 4, "{transcript:#}");
+    assert_eq!(messages[2]["content"][0]["output"], "rested");
+    assert_eq!(messages[3]["content"][0]["text"], "Done: rested");
+    assert_eq!(std::fs::read_to_string(dir.path().join("naps.txt")).unwrap(), "nap\n", "the tool ran twice");
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_mid_stream_leaves_the_run_going_and_can_replay_the_rest() {
+    let dir = agent_dir(&[("agent.yaml", SLOW_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[]);
+    let http = client();
+    let response =
+        http.post(server.url("/chat")).json(&json!({"sessionId": "s", "input": "go"})).send().await.unwrap();
+    let mut stream = response.bytes_stream();
+    let mut buffer = String::new();
+    let mut first = Vec::new();
+    while first.is_empty() {
+        buffer.push_str(std::str::from_utf8(&stream.next().await.unwrap().unwrap()).unwrap());
+        first = parse_sse(&mut buffer);
+    }
+    drop(stream);
+    // The run goes on without its client; the rest of its events are replayed on request.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let last = first[0].id.clone().unwrap();
+    let replay = http.get(server.url("/chat/s/events")).header("last-event-id", last).send().await.unwrap();
+    let mut stream = replay.bytes_stream();
+    let mut rest = Vec::new();
+    while !rest.iter().any(|m: &Sse| m.kind() == "run.done") {
+        let chunk =
+            tokio::time::timeout(Duration::from_secs(10), stream.next()).await.unwrap().unwrap().unwrap();
+        buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        rest.extend(parse_sse(&mut buffer));
+    }
+    assert_eq!(first[0].kind(), "run.start");
+    assert_eq!(
+        rest[0].kind(),
+        "turn.start",
+        "the replay continues right after the last event seen: {rest:#?}"
+    );
+    let done = rest.last().unwrap().json();
+    assert_eq!(done["stopped"], "final");
+    let transcript: Value = http.get(server.url("/chat/s")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(transcript["messages"].as_array().unwrap().len(), 6);
+}
