@@ -91,6 +91,8 @@ pub enum ErrorCode {
     NotFound,
     /// The route exists but not with this HTTP method.
     MethodNotAllowed,
+    /// An HTTP request took longer than the server's request timeout.
+    RequestTimeout,
     /// A bug in keel: please report it.
     Internal,
 }
@@ -138,6 +140,7 @@ impl ErrorCode {
         ErrorCode::Unauthorized,
         ErrorCode::NotFound,
         ErrorCode::MethodNotAllowed,
+        ErrorCode::RequestTimeout,
         ErrorCode::Internal,
     ];
 
@@ -184,6 +187,7 @@ impl ErrorCode {
             ErrorCode::Unauthorized => "KEEL_UNAUTHORIZED",
             ErrorCode::NotFound => "KEEL_NOT_FOUND",
             ErrorCode::MethodNotAllowed => "KEEL_METHOD_NOT_ALLOWED",
+            ErrorCode::RequestTimeout => "KEEL_REQUEST_TIMEOUT",
             ErrorCode::Internal => "KEEL_INTERNAL",
         }
     }

@@ -48,6 +48,7 @@ pub(crate) fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::SessionBusy | ErrorCode::RunLeased => StatusCode::CONFLICT,
         ErrorCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::ShuttingDown | ErrorCode::StoreLocked => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::RequestTimeout => StatusCode::GATEWAY_TIMEOUT,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }

@@ -20,6 +20,8 @@ use keel_core::{Event, RunFailure, RunId, SessionId};
 use keel_runtime::{RunHandle, RunResult};
 use tokio::sync::broadcast;
 
+use crate::metrics::Metrics;
+
 /// How many recent events a session keeps for reconnecting subscribers.
 pub(crate) const RECENT_EVENTS: usize = 1024;
 
@@ -49,16 +51,17 @@ pub(crate) enum Item {
 pub(crate) struct Feeds {
     sessions: Mutex<HashMap<SessionId, Arc<Feed>>>,
     next_id: AtomicU64,
+    metrics: Arc<Metrics>,
 }
 
 impl Feeds {
-    pub(crate) fn new() -> Feeds {
+    pub(crate) fn new(metrics: Arc<Metrics>) -> Feeds {
         // Seeded with the clock (microseconds): a client's Last-Event-ID from before a restart is
         // older than every id this process hands out.
         let start = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
-        Feeds { sessions: Mutex::default(), next_id: AtomicU64::new(start) }
+        Feeds { sessions: Mutex::default(), next_id: AtomicU64::new(start), metrics }
     }
 
     /// The session's feed, created on first use.
@@ -91,20 +94,60 @@ impl Feeds {
     pub(crate) fn forward(
         self: &Arc<Self>,
         session: &SessionId,
-        mut handle: RunHandle,
+        handle: RunHandle,
     ) -> tokio::task::JoinHandle<Result<RunResult, RunFailure>> {
         let feed = self.feed(session);
         let feeds = Arc::clone(self);
-        let run = handle.run_id().clone();
         lock(&feed.state).runs += 1;
+        tokio::spawn(async move { feeds.pump(feed, handle, None).await })
+    }
+
+    /// Like [`Feeds::forward`] for a run whose session is not known yet (a recovered run): its
+    /// first event (`run.start`) names it.
+    pub(crate) fn forward_recovered(self: &Arc<Self>, mut handle: RunHandle) {
+        let feeds = Arc::clone(self);
         tokio::spawn(async move {
-            while let Some(event) = handle.next().await {
-                feed.publish(&feeds.next_id, &run, Item::Event(event_json(&event)));
+            let Some(first) = handle.next().await else {
+                return;
+            };
+            let Event::RunStart { session_id, .. } = &first else {
+                return;
+            };
+            let feed = feeds.feed(session_id);
+            lock(&feed.state).runs += 1;
+            if let Err(failure) = feeds.pump(feed, handle, Some(first)).await {
+                tracing::warn!(%failure, "a recovered run failed");
             }
-            feed.publish(&feeds.next_id, &run, Item::RunEnded);
-            lock(&feed.state).runs -= 1;
-            handle.result().await
-        })
+        });
+    }
+
+    /// Publishes the events, counts them, and ends the run's stream.
+    async fn pump(
+        &self,
+        feed: Arc<Feed>,
+        mut handle: RunHandle,
+        first: Option<Event>,
+    ) -> Result<RunResult, RunFailure> {
+        let run = handle.run_id().clone();
+        let started = Instant::now();
+        self.metrics.run_started();
+        if let Some(event) = first {
+            self.metrics.event(&event);
+            feed.publish(&self.next_id, &run, Item::Event(event_json(&event)));
+        }
+        while let Some(event) = handle.next().await {
+            self.metrics.event(&event);
+            feed.publish(&self.next_id, &run, Item::Event(event_json(&event)));
+        }
+        feed.publish(&self.next_id, &run, Item::RunEnded);
+        lock(&feed.state).runs -= 1;
+        let result = handle.result().await;
+        let outcome = match &result {
+            Ok(result) => result.stopped.as_str(),
+            Err(_) => "failed",
+        };
+        self.metrics.run_ended(outcome, started.elapsed());
+        result
     }
 }
 

@@ -16,6 +16,8 @@
 mod auth;
 mod error;
 mod feed;
+mod metrics;
+mod observe;
 mod routes;
 
 use std::net::SocketAddr;
@@ -39,6 +41,8 @@ pub struct ServerOptions {
     pub shutdown_grace: Duration,
     /// How often runs whose process died (lease expired) are looked for and re-driven.
     pub recover_every: Duration,
+    /// How long a request that does not stream may take (504 `KEEL_REQUEST_TIMEOUT` after).
+    pub request_timeout: Duration,
 }
 
 impl Default for ServerOptions {
@@ -47,6 +51,7 @@ impl Default for ServerOptions {
             api_token: None,
             shutdown_grace: Duration::from_secs(10),
             recover_every: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -57,9 +62,11 @@ pub(crate) struct AppState {
     pub(crate) feeds: Arc<feed::Feeds>,
     /// Cancelled when the server shuts down: open streams end.
     pub(crate) closing: CancellationToken,
+    pub(crate) metrics: Arc<metrics::Metrics>,
+    pub(crate) request_timeout: Duration,
+    pub(crate) started_ms: u64,
     api_token: Option<String>,
     legacy_sessions: AtomicU64,
-    started_ms: u64,
 }
 
 impl AppState {
@@ -81,30 +88,41 @@ impl Server {
         let started_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(0));
+        let metrics = Arc::new(metrics::Metrics::new());
         let state = AppState {
             engine,
-            feeds: Arc::new(feed::Feeds::new()),
+            feeds: Arc::new(feed::Feeds::new(Arc::clone(&metrics))),
             closing: CancellationToken::new(),
+            metrics,
+            request_timeout: options.request_timeout,
+            started_ms,
             api_token: options.api_token.clone().filter(|t| !t.is_empty()),
             legacy_sessions: AtomicU64::new(0),
-            started_ms,
         };
         Server { state: Arc::new(state), options }
     }
 
     /// The routes, for embedding in another axum app or testing without a socket.
     pub fn router(&self) -> Router {
-        Router::new()
+        let state = &self.state;
+        // Routes that answer at once get a timeout; the streaming ones live as long as their run.
+        let quick = Router::new()
             .route("/health", get(routes::health))
-            .route("/chat", post(routes::chat))
+            .route("/metrics", get(routes::metrics))
             .route("/chat/{session}", get(routes::transcript))
-            .route("/chat/{session}/events", get(routes::events))
-            .route("/chat/{session}/approvals/{id}", post(routes::decide))
             .route("/chat/{session}/run", delete(routes::cancel))
+            .route_layer(axum::middleware::from_fn_with_state(Arc::clone(state), observe::timeout));
+        let streaming = Router::new()
+            .route("/chat", post(routes::chat))
+            .route("/chat/{session}/events", get(routes::events))
+            .route("/chat/{session}/approvals/{id}", post(routes::decide));
+        quick
+            .merge(streaming)
             .fallback(routes::not_found)
             .method_not_allowed_fallback(routes::method_not_allowed)
-            .layer(axum::middleware::from_fn_with_state(Arc::clone(&self.state), auth::require_token))
-            .with_state(Arc::clone(&self.state))
+            .layer(axum::middleware::from_fn_with_state(Arc::clone(state), auth::require_token))
+            .layer(axum::middleware::from_fn_with_state(Arc::clone(state), observe::observe))
+            .with_state(Arc::clone(state))
     }
 
     /// Serves until `shutdown` completes, then shuts down gracefully: stops accepting, ends the
@@ -116,7 +134,7 @@ impl Server {
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let engine = self.state.engine.clone();
-        let recovery = engine.recover_periodically(self.options.recover_every);
+        let recovery = self.recover_periodically();
         let feeds = Arc::clone(&self.state.feeds);
         let sweeper = tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(30));
@@ -146,6 +164,31 @@ impl Server {
             );
         }
         result
+    }
+}
+
+impl Server {
+    /// Re-drives interrupted runs (and runs whose approvals were decided elsewhere) now and
+    /// then periodically, forwarding their events to their sessions' observers.
+    fn recover_periodically(&self) -> tokio::task::JoinHandle<()> {
+        let state = Arc::clone(&self.state);
+        let every = self.options.recover_every;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match state.engine.recover(None).await {
+                    Ok(handles) => {
+                        for handle in handles {
+                            tracing::info!(run = %handle.run_id(), "re-driving an interrupted run");
+                            state.feeds.forward_recovered(handle);
+                        }
+                    }
+                    Err(failure) => tracing::warn!(%failure, "could not look for interrupted runs"),
+                }
+            }
+        })
     }
 }
 

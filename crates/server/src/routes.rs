@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::AppState;
 use crate::error::ApiError;
 use crate::feed::{Entry, Item};
+use crate::metrics::StreamGuard;
 
 /// The largest request body the API reads.
 pub const MAX_BODY: usize = 1024 * 1024;
@@ -193,7 +194,7 @@ pub(crate) async fn chat(
     let handle = state.engine.start(session.clone(), input)?;
     let run = handle.run_id().clone();
     drop(state.feeds.forward(&session, handle));
-    Ok(sse(subscription(VecDeque::new(), receiver, Some(run), state.closing.clone())))
+    Ok(sse(subscription(&state, VecDeque::new(), receiver, Some(run))))
 }
 
 /// The deprecated single-turn form: waits for the run and answers with its result.
@@ -207,10 +208,19 @@ async fn legacy_chat(state: &AppState, session: Option<&str>, message: &str) -> 
         None => SessionId::new(state.legacy_session_id())?,
     };
     let handle = state.engine.start(session.clone(), Message::user(message))?;
-    let result =
-        state.feeds.forward(&session, handle).await.map_err(|error| {
-            ApiError::new(ErrorCode::Internal, format!("the run's task failed: {error}"))
-        })??;
+    let forwarded = state.feeds.forward(&session, handle);
+    let result = tokio::time::timeout(state.request_timeout, forwarded)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                ErrorCode::RequestTimeout,
+                format!(
+                    "the run did not finish within {:?}; it goes on: GET /chat/{session} shows its result later",
+                    state.request_timeout
+                ),
+            )
+        })?
+        .map_err(|error| ApiError::new(ErrorCode::Internal, format!("the run's task failed: {error}")))??;
     let mut body = json!({
         "runId": result.run_id.as_str(),
         "sessionId": result.session_id.as_str(),
@@ -262,7 +272,7 @@ pub(crate) async fn events(
         }
     };
     let (backlog, receiver) = state.feeds.feed(&session).subscribe(after);
-    Ok(sse(subscription(backlog.into(), receiver, None, state.closing.clone())))
+    Ok(sse(subscription(&state, backlog.into(), receiver, None)))
 }
 
 /// `POST /chat/:sessionId/approvals/:id`: decides a pending approval or answers a question, and
@@ -310,7 +320,7 @@ pub(crate) async fn decide(
         let handle = state.engine.decide(&id, decision).await?;
         drop(state.feeds.forward(&session, handle));
     }
-    Ok(sse(subscription(VecDeque::new(), receiver, Some(pending.run_id), state.closing.clone())))
+    Ok(sse(subscription(&state, VecDeque::new(), receiver, Some(pending.run_id))))
 }
 
 /// `DELETE /chat/:sessionId/run`: cancels the session's run in flight (or paused).
@@ -324,6 +334,16 @@ pub(crate) async fn cancel(
     } else {
         Err(ApiError::new(ErrorCode::RunNotFound, format!("session {session} has no run in flight")))
     }
+}
+
+/// `GET /metrics`: Prometheus text.
+pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let mut response = state.metrics.render().into_response();
+    response.headers_mut().insert(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    response
 }
 
 pub(crate) async fn not_found() -> ApiError {
@@ -343,15 +363,25 @@ struct Subscription {
     last: u64,
     closing: CancellationToken,
     done: bool,
+    /// Counts the stream as open while it lives.
+    _open: StreamGuard,
 }
 
 fn subscription(
+    app: &AppState,
     backlog: VecDeque<Arc<Entry>>,
     receiver: broadcast::Receiver<Arc<Entry>>,
     run: Option<RunId>,
-    closing: CancellationToken,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static {
-    let state = Subscription { backlog, receiver, run, last: 0, closing, done: false };
+    let state = Subscription {
+        backlog,
+        receiver,
+        run,
+        last: 0,
+        closing: app.closing.clone(),
+        done: false,
+        _open: app.metrics.stream_opened(),
+    };
     futures::stream::unfold(state, |mut sub| async move {
         loop {
             if sub.done {

@@ -209,7 +209,7 @@ pub(crate) struct CheckArgs {
 /// Parses the command line, runs the command, and returns its exit code.
 pub(crate) fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    init_logging(if matches!(cli.command, Command::Serve(_)) { "info" } else { "warn" });
     let code = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Serve(args) => serve::serve(args),
@@ -228,13 +228,15 @@ pub(crate) fn main() -> ExitCode {
     }
 }
 
-/// Logs go to stderr, filtered by `KEEL_LOG` (default: warnings).
-fn init_logging() {
+/// Logs go to stderr, filtered by `KEEL_LOG` (default: warnings; `keel serve`: info), as
+/// text, or as one JSON object per line with `KEEL_LOG_FORMAT=json` (for log collectors).
+fn init_logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .without_time()
-        .try_init();
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = if std::env::var("KEEL_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        builder.json().with_current_span(true).with_span_list(false).try_init()
+    } else {
+        builder.without_time().try_init()
+    };
 }

@@ -553,3 +553,37 @@ async fn a_client_that_disconnects_mid_stream_leaves_the_run_going_and_can_repla
     let transcript: Value = http.get(server.url("/chat/s")).send().await.unwrap().json().await.unwrap();
     assert_eq!(transcript["messages"].as_array().unwrap().len(), 6);
 }
+
+#[tokio::test]
+async fn metrics_count_runs_calls_tokens_and_requests_and_requests_carry_an_id() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[]);
+    let http = client();
+    let response = http
+        .post(server.url("/chat"))
+        .header("x-request-id", "client-chosen-42")
+        .json(&json!({"sessionId": "m", "input": "day?"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.headers()["x-request-id"], "client-chosen-42");
+    read_sse(response).await;
+    let generated = http.get(server.url("/health")).send().await.unwrap();
+    assert!(generated.headers()["x-request-id"].to_str().unwrap().starts_with("req-"));
+    let metrics = http.get(server.url("/metrics")).send().await.unwrap();
+    assert!(metrics.headers()["content-type"].to_str().unwrap().starts_with("application/openmetrics-text"));
+    let text = metrics.text().await.unwrap();
+    for line in [
+        "keel_runs_total{outcome=\"final\"} 1",
+        "keel_model_calls_total 2",
+        "keel_tool_calls_total{outcome=\"ok\"} 1",
+        "keel_http_requests_total{route=\"/chat\",status=\"200\"} 1",
+        "keel_open_streams 0",
+        "keel_runs_in_flight 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+    }
+    assert!(text.contains("keel_tokens_total{direction=\"input\"}"), "{text}");
+    assert!(text.contains("keel_run_duration_seconds_bucket"), "{text}");
+    assert!(text.contains("keel_http_request_duration_seconds_count{route=\"/health\"} 1"), "{text}");
+}

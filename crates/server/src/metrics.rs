@@ -1,0 +1,155 @@
+//! `/metrics`: what the server did, in the Prometheus (OpenMetrics) text format.
+//!
+//! Runs by outcome and their duration, model and tool calls, tokens, HTTP requests by route and
+//! status with their latency, and the streams open now. Counted from the runs' events as the
+//! server forwards them, and from each request as it is answered.
+
+use std::time::Duration;
+
+use keel_core::Event;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+type Labels = Vec<(&'static str, String)>;
+type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
+
+/// The server's metrics.
+pub(crate) struct Metrics {
+    registry: Registry,
+    runs: Family<Labels, Counter>,
+    run_seconds: Histogram,
+    model_calls: Counter,
+    tool_calls: Family<Labels, Counter>,
+    tokens: Family<Labels, Counter>,
+    requests: Family<Labels, Counter>,
+    request_seconds: HistogramFamily,
+    open_streams: Gauge,
+    runs_in_flight: Gauge,
+}
+
+fn latency_buckets() -> Histogram {
+    // 1 ms to about 33 s.
+    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
+impl Metrics {
+    pub(crate) fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("keel");
+        let runs = Family::<Labels, Counter>::default();
+        registry.register(
+            "runs",
+            "Runs that ended, by outcome (a stop reason, `failed` or `awaiting_input`)",
+            runs.clone(),
+        );
+        // Runs last from milliseconds (a mock) to hours (a human in the loop).
+        let run_seconds = Histogram::new(exponential_buckets(0.001, 4.0, 14));
+        registry.register_with_unit(
+            "run_duration",
+            "How long runs took, start to end or pause",
+            Unit::Seconds,
+            run_seconds.clone(),
+        );
+        let model_calls = Counter::default();
+        registry.register("model_calls", "Model calls made (one per turn)", model_calls.clone());
+        let tool_calls = Family::<Labels, Counter>::default();
+        registry.register(
+            "tool_calls",
+            "Tool calls that ended, by outcome (ok or error)",
+            tool_calls.clone(),
+        );
+        let tokens = Family::<Labels, Counter>::default();
+        registry.register("tokens", "Model tokens, by direction (input or output)", tokens.clone());
+        let requests = Family::<Labels, Counter>::default();
+        registry.register("http_requests", "HTTP requests answered, by route and status", requests.clone());
+        let request_seconds: HistogramFamily = Family::new_with_constructor(latency_buckets);
+        registry.register_with_unit(
+            "http_request_duration",
+            "Time to answer an HTTP request (to the first byte, for streams)",
+            Unit::Seconds,
+            request_seconds.clone(),
+        );
+        let open_streams = Gauge::default();
+        registry.register("open_streams", "SSE streams open now", open_streams.clone());
+        let runs_in_flight = Gauge::default();
+        registry.register("runs_in_flight", "Runs this server is forwarding now", runs_in_flight.clone());
+        Metrics {
+            registry,
+            runs,
+            run_seconds,
+            model_calls,
+            tool_calls,
+            tokens,
+            requests,
+            request_seconds,
+            open_streams,
+            runs_in_flight,
+        }
+    }
+
+    /// Counts what an event says happened.
+    pub(crate) fn event(&self, event: &Event) {
+        match event {
+            Event::TurnStart { .. } => {
+                self.model_calls.inc();
+            }
+            Event::ToolDone { .. } => {
+                self.tool_calls.get_or_create(&vec![("outcome", "ok".to_owned())]).inc();
+            }
+            Event::ToolError { .. } => {
+                self.tool_calls.get_or_create(&vec![("outcome", "error".to_owned())]).inc();
+            }
+            Event::Usage(usage) => {
+                self.tokens
+                    .get_or_create(&vec![("direction", "input".to_owned())])
+                    .inc_by(usage.input_tokens);
+                self.tokens
+                    .get_or_create(&vec![("direction", "output".to_owned())])
+                    .inc_by(usage.output_tokens);
+            }
+            _ => {}
+        }
+    }
+
+    pub(crate) fn run_started(&self) {
+        self.runs_in_flight.inc();
+    }
+
+    /// A run's stream ended with `outcome` after `took`.
+    pub(crate) fn run_ended(&self, outcome: &str, took: Duration) {
+        self.runs_in_flight.dec();
+        self.runs.get_or_create(&vec![("outcome", outcome.to_owned())]).inc();
+        self.run_seconds.observe(took.as_secs_f64());
+    }
+
+    pub(crate) fn request(&self, route: &str, status: u16, took: Duration) {
+        self.requests.get_or_create(&vec![("route", route.to_owned()), ("status", status.to_string())]).inc();
+        self.request_seconds.get_or_create(&vec![("route", route.to_owned())]).observe(took.as_secs_f64());
+    }
+
+    /// Counts an open stream until the guard drops.
+    pub(crate) fn stream_opened(&self) -> StreamGuard {
+        self.open_streams.inc();
+        StreamGuard(self.open_streams.clone())
+    }
+
+    /// The text exposition.
+    pub(crate) fn render(&self) -> String {
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut text, &self.registry);
+        text
+    }
+}
+
+/// Decrements the open-streams gauge when a stream ends.
+pub(crate) struct StreamGuard(Gauge);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}

@@ -1,0 +1,57 @@
+//! Per-request observability and limits: a request id (the client's `X-Request-Id` when it is
+//! sane, else one of ours), a tracing span and one log line per request, metrics by route and
+//! status, and a timeout for the routes that do not stream.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::HeaderValue;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use keel_core::ErrorCode;
+use tracing::Instrument;
+
+use crate::AppState;
+use crate::error::ApiError;
+
+static REQUESTS: AtomicU64 = AtomicU64::new(0);
+
+/// A request id a client may send: short and printable, so it is safe in logs and headers.
+fn client_request_id(request: &Request) -> Option<String> {
+    let id = request.headers().get("x-request-id")?.to_str().ok()?;
+    let sane = !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic());
+    sane.then(|| id.to_owned())
+}
+
+pub(crate) async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let id = client_request_id(&request).unwrap_or_else(|| {
+        format!("req-{:x}-{}", state.started_ms, REQUESTS.fetch_add(1, Ordering::Relaxed))
+    });
+    let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_owned();
+    let method = request.method().clone();
+    let span = tracing::info_span!("request", id = %id, %method, route = %route);
+    let mut response = next.run(request).instrument(span.clone()).await;
+    let status = response.status().as_u16();
+    let took = started.elapsed();
+    state.metrics.request(&route, status, took);
+    span.in_scope(|| tracing::info!(status, ms = took.as_secs_f64() * 1000.0, "answered"));
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    response
+}
+
+/// Answers `504 KEEL_REQUEST_TIMEOUT` when a (non-streaming) route takes too long.
+pub(crate) async fn timeout(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    match tokio::time::timeout(state.request_timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::new(
+            ErrorCode::RequestTimeout,
+            format!("the request took longer than {:?}", state.request_timeout),
+        )
+        .into_response(),
+    }
+}
