@@ -30,7 +30,7 @@ use axum::routing::{delete, get, post};
 use keel_runtime::Engine;
 use tokio_util::sync::CancellationToken;
 
-pub use routes::MAX_BODY;
+pub use routes::{MAX_BODY, OPENAPI};
 
 /// How the server runs.
 #[derive(Clone, Debug)]
@@ -109,6 +109,7 @@ impl Server {
         let quick = Router::new()
             .route("/health", get(routes::health))
             .route("/metrics", get(routes::metrics))
+            .route("/openapi.json", get(routes::openapi))
             .route("/chat/{session}", get(routes::transcript))
             .route("/chat/{session}/run", delete(routes::cancel))
             .route_layer(axum::middleware::from_fn_with_state(Arc::clone(state), observe::timeout));

@@ -65,6 +65,14 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
     }
 }
 
+/// Base64 as clients write it: padded or not, with any trailing bits.
+const LENIENT_BASE64: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    base64::engine::GeneralPurposeConfig::new()
+        .with_decode_allow_trailing_bits(true)
+        .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+);
+
 /// A session id from the path: 400 when invalid.
 fn session_id(path: Result<Path<String>, PathRejection>) -> Result<SessionId, ApiError> {
     let Path(id) = path.map_err(|rejection| ApiError::invalid(rejection.body_text()))?;
@@ -102,7 +110,7 @@ fn require_object(body: &Value) -> Result<(), ApiError> {
 /// `input`: a string, or an array of content parts (text, image or file with base64 data).
 fn parse_input(input: &Value) -> Result<Message, ApiError> {
     let parts = match input {
-        Value::String(text) if text.trim().is_empty() => return Err(ApiError::invalid("`input` is empty")),
+        Value::String(text) if text.is_empty() => return Err(ApiError::invalid("`input` is empty")),
         Value::String(text) => vec![Part::Text(text.clone())],
         Value::Array(items) if items.is_empty() => return Err(ApiError::invalid("`input` has no parts")),
         Value::Array(items) => {
@@ -131,7 +139,7 @@ fn parse_part(index: usize, item: &Value) -> Result<Part, ApiError> {
     };
     let data = |media_type: &str| -> Result<std::sync::Arc<[u8]>, ApiError> {
         let encoded = field("data")?;
-        let bytes = base64::engine::general_purpose::STANDARD.decode(encoded.trim()).map_err(|error| {
+        let bytes = LENIENT_BASE64.decode(encoded.trim()).map_err(|error| {
             ApiError::invalid(format!(
                 "`{at}.data` is not base64 ({error}); send the {media_type} bytes base64-encoded"
             ))
@@ -199,7 +207,7 @@ pub(crate) async fn chat(
 
 /// The deprecated single-turn form: waits for the run and answers with its result.
 async fn legacy_chat(state: &AppState, session: Option<&str>, message: &str) -> Result<Response, ApiError> {
-    if message.trim().is_empty() {
+    if message.is_empty() {
         return Err(ApiError::invalid("`message` is empty"));
     }
     let session = match session {
@@ -285,9 +293,16 @@ pub(crate) async fn decide(
     let Path((session, id)) = path.map_err(|rejection| ApiError::invalid(rejection.body_text()))?;
     let session = SessionId::new(session)?;
     require_object(&body)?;
-    let decision = match (body.get("answer"), body.get("approved")) {
-        (Some(Value::String(answer)), _) => Decision::Answer(answer.clone()),
-        (Some(other), _) => {
+    // `null` means absent, as for every optional field.
+    let present = |name: &str| body.get(name).filter(|v| !v.is_null());
+    let decision = match (present("answer"), present("approved")) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "give either `approved` (for an approval) or `answer` (for a question), not both",
+            ));
+        }
+        (Some(Value::String(answer)), None) => Decision::Answer(answer.clone()),
+        (Some(other), None) => {
             return Err(ApiError::invalid(format!("`answer` must be a string, not {}", json_type(other))));
         }
         (None, Some(Value::Bool(approved))) => {
@@ -334,6 +349,15 @@ pub(crate) async fn cancel(
     } else {
         Err(ApiError::new(ErrorCode::RunNotFound, format!("session {session} has no run in flight")))
     }
+}
+
+/// The OpenAPI document of this API (`assets/openapi.json`, checked against the routes by the
+/// end-to-end tests).
+pub const OPENAPI: &str = include_str!("../assets/openapi.json");
+
+/// `GET /openapi.json`.
+pub(crate) async fn openapi() -> Response {
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
 /// `GET /metrics`: Prometheus text.

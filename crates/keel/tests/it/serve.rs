@@ -123,7 +123,9 @@ fn client() -> reqwest::Client {
 
 async fn error_of(response: reqwest::Response) -> (u16, String) {
     let status = response.status().as_u16();
-    let body: Value = response.json().await.unwrap();
+    let text = response.text().await.unwrap();
+    let body: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{status}: not JSON ({e}): {text:?}"));
     (status, body["error"]["code"].as_str().unwrap().to_owned())
 }
 
@@ -190,7 +192,7 @@ async fn bad_requests_get_json_errors_with_codes_and_never_a_500() {
         ("no input", http.post(&chat).json(&json!({"sessionId": "s"})), 400, "KEEL_REQUEST_INVALID"),
         ("session a number", http.post(&chat).json(&json!({"sessionId": 7, "input": "hi"})), 400, "KEEL_REQUEST_INVALID"),
         ("input a number", http.post(&chat).json(&json!({"sessionId": "s", "input": 7})), 400, "KEEL_REQUEST_INVALID"),
-        ("empty input", http.post(&chat).json(&json!({"sessionId": "s", "input": " "})), 400, "KEEL_REQUEST_INVALID"),
+        ("empty input", http.post(&chat).json(&json!({"sessionId": "s", "input": ""})), 400, "KEEL_REQUEST_INVALID"),
         (
             "unknown part",
             http.post(&chat).json(&json!({"sessionId": "s", "input": [{"type": "video"}]})),
@@ -219,6 +221,12 @@ async fn bad_requests_get_json_errors_with_codes_and_never_a_500() {
         ("not pending", http.post(server.url("/chat/s/approvals/ap_1")).json(&json!({"approved": true})), 404, "KEEL_NOT_PENDING"),
         ("decision of the wrong type", http.post(server.url("/chat/s/approvals/ap_1")).json(&json!({"approved": "yes"})), 400, "KEEL_REQUEST_INVALID"),
         ("no run to cancel", http.delete(server.url("/chat/s/run")), 404, "KEEL_RUN_NOT_FOUND"),
+        (
+            "a verdict and an answer",
+            http.post(server.url("/chat/s/approvals/ap_1")).json(&json!({"approved": true, "answer": "x"})),
+            400,
+            "KEEL_REQUEST_INVALID",
+        ),
     ];
     for (what, request, status, code) in cases {
         let response = request.send().await.unwrap();
@@ -586,4 +594,57 @@ async fn metrics_count_runs_calls_tokens_and_requests_and_requests_carry_an_id()
     assert!(text.contains("keel_tokens_total{direction=\"input\"}"), "{text}");
     assert!(text.contains("keel_run_duration_seconds_bucket"), "{text}");
     assert!(text.contains("keel_http_request_duration_seconds_count{route=\"/health\"} 1"), "{text}");
+}
+
+#[tokio::test]
+async fn the_openapi_document_describes_exactly_the_routes_the_server_has() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[]);
+    let http = client();
+    let doc: Value = http.get(server.url("/openapi.json")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(doc["openapi"], "3.1.0");
+    let paths = doc["paths"].as_object().unwrap();
+    let methods = ["get", "post", "put", "patch", "delete"];
+    for (path, operations) in paths {
+        let concrete = path.replace("{sessionId}", "s").replace("{id}", "ap_0");
+        for method in methods {
+            let documented = operations.get(method).is_some();
+            let request = http.request(method.to_uppercase().parse().unwrap(), server.url(&concrete));
+            let request = if method == "post" { request.json(&json!({})) } else { request };
+            let response = request.send().await.unwrap();
+            let status = response.status().as_u16();
+            let code = if response.headers().get("content-type").is_some_and(|t| t == "application/json") {
+                response
+                    .json::<Value>()
+                    .await
+                    .ok()
+                    .and_then(|b| b["error"]["code"].as_str().map(str::to_owned))
+            } else {
+                None
+            };
+            if documented {
+                assert_ne!(
+                    code.as_deref(),
+                    Some("KEEL_NOT_FOUND"),
+                    "{method} {path} is documented but not routed"
+                );
+                assert_ne!(status, 405, "{method} {path} is documented but not routed");
+                let declared = operations[method]["responses"].as_object().unwrap();
+                if status != 200 {
+                    assert!(
+                        declared.contains_key(&status.to_string()),
+                        "{method} {path} answered {status}, not documented"
+                    );
+                }
+            } else {
+                assert_eq!(status, 405, "{method} {path} is routed but not documented");
+            }
+        }
+    }
+    // Every route the server has is in the document.
+    for (method, path) in
+        [("get", "/health"), ("get", "/metrics"), ("post", "/chat"), ("get", "/chat/{sessionId}/events")]
+    {
+        assert!(paths.get(path).and_then(|p| p.get(method)).is_some(), "{method} {path} is not documented");
+    }
 }
