@@ -107,6 +107,7 @@ impl Server {
         let state = &self.state;
         // Routes that answer at once get a timeout; the streaming ones live as long as their run.
         let quick = Router::new()
+            .route("/", get(routes::playground))
             .route("/health", get(routes::health))
             .route("/metrics", get(routes::metrics))
             .route("/openapi.json", get(routes::openapi))

@@ -360,6 +360,23 @@ pub(crate) async fn openapi() -> Response {
     ([(axum::http::header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
+/// `GET /`: the playground page (embedded; no data in it, so it needs no auth: the page asks
+/// for the token and sends it with its API calls).
+pub(crate) async fn playground() -> Response {
+    let mut response = axum::response::Html(include_str!("../assets/playground.html")).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        axum::http::header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; \
+             frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+        ),
+    );
+    headers.insert(axum::http::header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert(axum::http::header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    response
+}
+
 /// `GET /metrics`: Prometheus text.
 pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let mut response = state.metrics.render().into_response();

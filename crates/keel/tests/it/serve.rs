@@ -426,6 +426,13 @@ async fn with_a_token_every_route_but_health_needs_it() {
     let server = Served::start(dir.path(), "memory", &[("KEEL_API_TOKEN", "s3cret-token")]);
     let http = client();
     assert_eq!(http.get(server.url("/health")).send().await.unwrap().status(), 200);
+    // The playground page holds no data: it loads without the token (and asks for it).
+    let page = http.get(server.url("/")).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    assert!(page.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
+    assert!(page.headers()["content-security-policy"].to_str().unwrap().contains("default-src 'none'"));
+    assert!(page.text().await.unwrap().contains("<title>keel playground</title>"));
+    assert_eq!(error_of(http.post(server.url("/")).send().await.unwrap()).await.0, 401, "only GET / is open");
     let none = http.get(server.url("/chat/s")).send().await.unwrap();
     assert_eq!(none.headers()["www-authenticate"], "Bearer");
     assert_eq!(error_of(none).await, (401, "KEEL_UNAUTHORIZED".to_owned()));
