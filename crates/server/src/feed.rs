@@ -3,10 +3,10 @@
 //!
 //! Every event a run of this process emits is published to its session's [`Feed`] with an id
 //! from one process-wide counter (seeded with the clock, so ids keep growing across restarts).
-//! A subscriber takes the feed's recent events after its `Last-Event-ID` and the live ones after
-//! that, both under the feed's lock: no gap, no duplicate. Each subscriber reads from a bounded
-//! broadcast channel; one that falls too far behind is cut (it reconnects with `Last-Event-ID`)
-//! instead of slowing the run or the other subscribers down.
+//! A subscriber reads the feed's recent events after its `Last-Event-ID`, then waits for new
+//! ones: one cursor over one ordered ring, so no gap and no duplicate. The ring is bounded; a
+//! subscriber that falls behind its end is cut (it reconnects with `Last-Event-ID`) instead of
+//! slowing the run or the other subscribers down.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,15 +18,12 @@ use futures::StreamExt;
 use keel_core::wire::event_to_json;
 use keel_core::{Event, RunFailure, RunId, SessionId};
 use keel_runtime::{RunHandle, RunResult};
-use tokio::sync::broadcast;
 
 use crate::metrics::Metrics;
 
-/// How many recent events a session keeps for reconnecting subscribers.
-pub(crate) const RECENT_EVENTS: usize = 1024;
-
-/// How many events a subscriber may fall behind before it is cut.
-const SUBSCRIBER_BUFFER: usize = 1024;
+/// How many recent events a session keeps for reconnecting subscribers: a few turns' worth.
+/// Kept small because every active session holds them (the memory of a busy server).
+pub(crate) const RECENT_EVENTS: usize = 256;
 
 /// One published item.
 #[derive(Debug)]
@@ -67,13 +64,7 @@ impl Feeds {
     /// The session's feed, created on first use.
     pub(crate) fn feed(&self, session: &SessionId) -> Arc<Feed> {
         let mut sessions = lock(&self.sessions);
-        let feed = sessions.entry(session.clone()).or_insert_with(|| {
-            let (sender, _) = broadcast::channel(SUBSCRIBER_BUFFER);
-            Arc::new(Feed {
-                state: Mutex::new(FeedState { recent: VecDeque::new(), runs: 0, last_used: Instant::now() }),
-                sender,
-            })
-        });
+        let feed = sessions.entry(session.clone()).or_insert_with(|| Arc::new(Feed::new()));
         Arc::clone(feed)
     }
 
@@ -84,7 +75,7 @@ impl Feeds {
         let before = sessions.len();
         sessions.retain(|_, feed| {
             let state = lock(&feed.state);
-            state.runs > 0 || feed.sender.receiver_count() > 0 || state.last_used.elapsed() < idle
+            state.runs > 0 || state.subscribers > 0 || state.last_used.elapsed() < idle
         });
         before - sessions.len()
     }
@@ -155,43 +146,114 @@ fn event_json(event: &Event) -> Arc<str> {
     event_to_json(event).into()
 }
 
-/// One session's recent events and live broadcast.
+/// One session's recent events, which are also its broadcast: a subscriber keeps a cursor (the
+/// last id it sent) and waits for the next entry; one whose next entry was already evicted from
+/// the ring fell too far behind and is cut. No per-subscriber or per-session channel is
+/// allocated, so an idle stream or a quiet session costs almost nothing.
 pub(crate) struct Feed {
     state: Mutex<FeedState>,
-    sender: broadcast::Sender<Arc<Entry>>,
+    published: tokio::sync::Notify,
 }
 
 struct FeedState {
     recent: VecDeque<Arc<Entry>>,
+    /// The id of the newest entry evicted from `recent` (0: none).
+    evicted_up_to: u64,
     /// Runs publishing to this feed now.
     runs: usize,
+    /// Subscribers reading it now.
+    subscribers: usize,
     last_used: Instant,
 }
 
 impl Feed {
-    fn publish(&self, ids: &AtomicU64, run: &RunId, item: Item) {
-        let mut state = lock(&self.state);
-        // The id is taken under the lock, so the order of ids is the order of publication.
-        let entry = Arc::new(Entry { id: ids.fetch_add(1, Ordering::Relaxed), run: run.clone(), item });
-        if state.recent.len() == RECENT_EVENTS {
-            state.recent.pop_front();
+    fn new() -> Feed {
+        Feed {
+            state: Mutex::new(FeedState {
+                recent: VecDeque::new(),
+                evicted_up_to: 0,
+                runs: 0,
+                subscribers: 0,
+                last_used: Instant::now(),
+            }),
+            published: tokio::sync::Notify::new(),
         }
-        state.recent.push_back(Arc::clone(&entry));
-        state.last_used = Instant::now();
-        // No subscriber is fine: the entry stays in `recent`.
-        let _ = self.sender.send(entry);
     }
 
-    /// Subscribes: the recent entries after `after` (none when `None`), then a receiver of every
-    /// later one.
-    pub(crate) fn subscribe(&self, after: Option<u64>) -> (Vec<Arc<Entry>>, broadcast::Receiver<Arc<Entry>>) {
+    fn publish(&self, ids: &AtomicU64, run: &RunId, item: Item) {
+        {
+            let mut state = lock(&self.state);
+            // The id is taken under the lock, so the order of ids is the order of publication.
+            let entry = Arc::new(Entry { id: ids.fetch_add(1, Ordering::Relaxed), run: run.clone(), item });
+            if state.recent.len() == RECENT_EVENTS
+                && let Some(evicted) = state.recent.pop_front()
+            {
+                state.evicted_up_to = evicted.id;
+            }
+            state.recent.push_back(entry);
+            state.last_used = Instant::now();
+        }
+        self.published.notify_waiters();
+    }
+
+    /// Subscribes after `after` (the client's `Last-Event-ID`: the recent entries after it come
+    /// first), or, with `None`, from now on.
+    pub(crate) fn subscribe(self: &Arc<Self>, after: Option<u64>) -> Subscriber {
         let mut state = lock(&self.state);
         state.last_used = Instant::now();
-        let backlog = match after {
-            Some(after) => state.recent.iter().filter(|e| e.id > after).cloned().collect(),
-            None => Vec::new(),
+        state.subscribers += 1;
+        let cursor = match after {
+            // Entries older than the ring are gone: start with the oldest kept.
+            Some(after) => after.max(state.evicted_up_to),
+            None => state.recent.back().map_or(state.evicted_up_to, |e| e.id),
         };
-        (backlog, self.sender.subscribe())
+        Subscriber { feed: Arc::clone(self), cursor }
+    }
+
+    /// The entry after `cursor`, or `Err(())` when it was evicted (the subscriber lagged).
+    fn next_after(&self, cursor: u64) -> Result<Option<Arc<Entry>>, ()> {
+        let state = lock(&self.state);
+        if cursor < state.evicted_up_to {
+            return Err(());
+        }
+        // Entries are in id order; the wanted one is usually at the end.
+        let index = state.recent.partition_point(|e| e.id <= cursor);
+        Ok(state.recent.get(index).cloned())
+    }
+}
+
+/// A reader of a feed: the entries after its cursor, as they come.
+pub(crate) struct Subscriber {
+    feed: Arc<Feed>,
+    cursor: u64,
+}
+
+impl Subscriber {
+    /// The next entry; `None` when the subscriber fell so far behind that entries it did not read
+    /// were evicted (it should reconnect with `Last-Event-ID`).
+    pub(crate) async fn next(&mut self) -> Option<Arc<Entry>> {
+        loop {
+            // Register for the wake-up before looking, so a publish in between is not missed.
+            let published = self.feed.published.notified();
+            tokio::pin!(published);
+            published.as_mut().enable();
+            match self.feed.next_after(self.cursor) {
+                Err(()) => return None,
+                Ok(Some(entry)) => {
+                    self.cursor = entry.id;
+                    return Some(entry);
+                }
+                Ok(None) => published.await,
+            }
+        }
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        let mut state = lock(&self.feed.state);
+        state.subscribers -= 1;
+        state.last_used = Instant::now();
     }
 }
 

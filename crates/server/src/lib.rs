@@ -139,15 +139,23 @@ impl Server {
         let recovery = self.recover_periodically();
         let feeds = Arc::clone(&self.state.feeds);
         let sweeper = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(30));
+            let mut tick = tokio::time::interval(Duration::from_secs(15));
             loop {
                 tick.tick().await;
-                feeds.sweep(Duration::from_secs(300));
+                // A feed nobody watches is kept a minute after its last event, for reconnects.
+                feeds.sweep(Duration::from_secs(60));
             }
         });
         let closing = self.state.closing.clone();
         let stopped = closing.clone();
         let app = self.router();
+        // Events are small writes that must go out at once: without TCP_NODELAY, Nagle's
+        // algorithm and the client's delayed ACK hold each for ~40 ms.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |stream: &mut tokio::net::TcpStream| {
+            if let Err(error) = stream.set_nodelay(true) {
+                tracing::debug!(%error, "could not set TCP_NODELAY");
+            }
+        });
         let serving = axum::serve(listener, app).with_graceful_shutdown(async move {
             shutdown.await;
             tracing::info!("shutting down: no new requests; open streams end");

@@ -1,6 +1,5 @@
 //! The handlers of DESIGN.md §5, and how they read requests and stream runs.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -15,12 +14,11 @@ use keel_core::human::check_decision;
 use keel_core::wire::{message_to_json, pending_to_json};
 use keel_core::{Decision, ErrorCode, Message, Part, Role, RunId, SessionId};
 use serde_json::{Value, json};
-use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 use crate::AppState;
 use crate::error::ApiError;
-use crate::feed::{Entry, Item};
+use crate::feed::{Item, Subscriber};
 use crate::metrics::StreamGuard;
 
 /// The largest request body the API reads.
@@ -198,11 +196,11 @@ pub(crate) async fn chat(
         parse_input(input.ok_or_else(|| ApiError::invalid("missing `input` (a string or content parts)"))?)?;
     let feed = state.feeds.feed(&session);
     // Subscribe before the run starts: its first event is not missed.
-    let (_, receiver) = feed.subscribe(None);
+    let subscriber = feed.subscribe(None);
     let handle = state.engine.start(session.clone(), input)?;
     let run = handle.run_id().clone();
     drop(state.feeds.forward(&session, handle));
-    Ok(sse(subscription(&state, VecDeque::new(), receiver, Some(run))))
+    Ok(sse(subscription(&state, subscriber, Some(run))))
 }
 
 /// The deprecated single-turn form: waits for the run and answers with its result.
@@ -279,8 +277,8 @@ pub(crate) async fn events(
             })?)
         }
     };
-    let (backlog, receiver) = state.feeds.feed(&session).subscribe(after);
-    Ok(sse(subscription(&state, backlog.into(), receiver, None)))
+    let subscriber = state.feeds.feed(&session).subscribe(after);
+    Ok(sse(subscription(&state, subscriber, None)))
 }
 
 /// `POST /chat/:sessionId/approvals/:id`: decides a pending approval or answers a question, and
@@ -327,7 +325,7 @@ pub(crate) async fn decide(
     };
     check_decision(&pending, &decision)?;
     let feed = state.feeds.feed(&session);
-    let (_, receiver) = feed.subscribe(None);
+    let subscriber = feed.subscribe(None);
     if state.engine.is_running(&session) {
         // The run is still busy with its other calls here: it applies the decision itself.
         keel_runtime::record_decision(state.engine.store().as_ref(), &id, decision).await?;
@@ -335,7 +333,7 @@ pub(crate) async fn decide(
         let handle = state.engine.decide(&id, decision).await?;
         drop(state.feeds.forward(&session, handle));
     }
-    Ok(sse(subscription(&state, VecDeque::new(), receiver, Some(pending.run_id))))
+    Ok(sse(subscription(&state, subscriber, Some(pending.run_id))))
 }
 
 /// `DELETE /chat/:sessionId/run`: cancels the session's run in flight (or paused).
@@ -395,13 +393,11 @@ pub(crate) async fn method_not_allowed() -> ApiError {
     ApiError::new(ErrorCode::MethodNotAllowed, "this route does not take this HTTP method")
 }
 
-/// What a subscriber reads: the backlog, then live entries, in id order, without repeats; only
-/// `run`'s when given, ending with its end (`event: done`).
+/// What a client reads: the feed's entries after its cursor, in id order; only `run`'s when
+/// given, ending with its end (`event: done`); ended on shutdown, or when the client fell behind.
 struct Subscription {
-    backlog: VecDeque<Arc<Entry>>,
-    receiver: broadcast::Receiver<Arc<Entry>>,
+    subscriber: Subscriber,
     run: Option<RunId>,
-    last: u64,
     closing: CancellationToken,
     done: bool,
     /// Counts the stream as open while it lives.
@@ -410,15 +406,12 @@ struct Subscription {
 
 fn subscription(
     app: &AppState,
-    backlog: VecDeque<Arc<Entry>>,
-    receiver: broadcast::Receiver<Arc<Entry>>,
+    subscriber: Subscriber,
     run: Option<RunId>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static {
     let state = Subscription {
-        backlog,
-        receiver,
+        subscriber,
         run,
-        last: 0,
         closing: app.closing.clone(),
         done: false,
         _open: app.metrics.stream_opened(),
@@ -428,24 +421,12 @@ fn subscription(
             if sub.done {
                 return None;
             }
-            let entry = match sub.backlog.pop_front() {
-                Some(entry) => entry,
-                None => tokio::select! {
-                    biased;
-                    () = sub.closing.cancelled() => return None,
-                    received = sub.receiver.recv() => match received {
-                        Ok(entry) => entry,
-                        // Fell behind (a slow client): cut; it resumes with Last-Event-ID.
-                        Err(broadcast::error::RecvError::Lagged(_)) | Err(broadcast::error::RecvError::Closed) => {
-                            return None;
-                        }
-                    },
-                },
+            let entry = tokio::select! {
+                biased;
+                () = sub.closing.cancelled() => return None,
+                // `None`: fell behind (a slow client): cut; it resumes with Last-Event-ID.
+                entry = sub.subscriber.next() => entry?,
             };
-            if entry.id <= sub.last {
-                continue;
-            }
-            sub.last = entry.id;
             if sub.run.as_ref().is_some_and(|run| run != &entry.run) {
                 continue;
             }

@@ -27,6 +27,7 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
         eprintln!("error: {message}");
         return Ok(exit::INVALID_AGENT);
     }
+    raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         let listener = match tokio::net::TcpListener::bind(address).await {
@@ -48,6 +49,21 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
         eprintln!("keel serve: stopped");
         Ok(exit::OK)
     })
+}
+
+/// Every open stream is a file descriptor: raise the soft limit to the hard one (as servers
+/// commonly do), so that a default of 1024 does not cap the server at a thousand clients.
+fn raise_open_file_limit() {
+    #[cfg(unix)]
+    {
+        use nix::sys::resource::{Resource, getrlimit, setrlimit};
+        if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+            && soft < hard
+            && let Err(error) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard)
+        {
+            tracing::warn!(%error, soft, hard, "could not raise the open-file limit");
+        }
+    }
 }
 
 /// SIGINT (Ctrl-C) or SIGTERM.
