@@ -93,6 +93,8 @@ pub enum ErrorCode {
     MethodNotAllowed,
     /// An HTTP request took longer than the server's request timeout.
     RequestTimeout,
+    /// The caller made more requests than the server's per-identity rate limit allows.
+    RateLimited,
     /// A bug in keel: please report it.
     Internal,
 }
@@ -141,6 +143,7 @@ impl ErrorCode {
         ErrorCode::NotFound,
         ErrorCode::MethodNotAllowed,
         ErrorCode::RequestTimeout,
+        ErrorCode::RateLimited,
         ErrorCode::Internal,
     ];
 
@@ -188,6 +191,7 @@ impl ErrorCode {
             ErrorCode::NotFound => "KEEL_NOT_FOUND",
             ErrorCode::MethodNotAllowed => "KEEL_METHOD_NOT_ALLOWED",
             ErrorCode::RequestTimeout => "KEEL_REQUEST_TIMEOUT",
+            ErrorCode::RateLimited => "KEEL_RATE_LIMITED",
             ErrorCode::Internal => "KEEL_INTERNAL",
         }
     }

@@ -32,6 +32,38 @@ impl SessionId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The separator between an owner's scope and the id a client gave (a character client ids
+    /// cannot contain, so the split is unambiguous).
+    pub const SCOPE_SEPARATOR: char = '~';
+
+    /// `id` within an owner's scope (`<scope>~<id>`): with per-user auth, every user's session
+    /// ids live apart, so one user can neither see nor guess into another's sessions. `scope`
+    /// is a digest of the owner, made of id characters.
+    pub fn scoped(scope: &str, id: &SessionId) -> SessionId {
+        SessionId(format!("{scope}{}{}", Self::SCOPE_SEPARATOR, id.0).into())
+    }
+
+    /// The id as its client knows it: without the owner's scope.
+    pub fn external(&self) -> &str {
+        self.0.split_once(Self::SCOPE_SEPARATOR).map_or(&self.0, |(_, id)| id)
+    }
+
+    /// A session id read back from a store: a client id, or a scoped one.
+    pub fn from_store(id: impl Into<String>) -> Result<SessionId, RunFailure> {
+        let id = id.into();
+        match id.split_once(Self::SCOPE_SEPARATOR) {
+            Some((scope, rest))
+                if !scope.is_empty()
+                    && scope.len() <= 64
+                    && scope.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') =>
+            {
+                let inner = SessionId::new(rest)?;
+                Ok(SessionId::scoped(scope, &inner))
+            }
+            _ => SessionId::new(id),
+        }
+    }
 }
 
 impl fmt::Display for SessionId {
@@ -147,6 +179,22 @@ impl fmt::Display for StepName {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scoped_session_ids_keep_owners_apart_and_read_back() {
+        let id = SessionId::new("x".repeat(128)).unwrap();
+        let alice = SessionId::scoped("a1b2", &id);
+        let bob = SessionId::scoped("c3d4", &id);
+        assert_ne!(alice, bob);
+        assert_eq!(alice.external(), id.as_str());
+        assert_eq!(SessionId::from_store(alice.as_str()).unwrap(), alice);
+        assert_eq!(SessionId::from_store("plain").unwrap().external(), "plain");
+        // A client cannot name a scoped id itself, nor can a store smuggle a bad one in.
+        assert!(SessionId::new(alice.as_str()).is_err());
+        for bad in ["~x", "a b~x", "a~b~c", "a~", &format!("{}~x", "s".repeat(65))] {
+            assert!(SessionId::from_store(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn session_ids_are_checked() {

@@ -94,7 +94,8 @@ pub fn event_type(event: &Event) -> &'static str {
 pub fn event_to_json(event: &Event) -> String {
     let json = match event {
         Event::RunStart { run_id, session_id } => {
-            EventJson::RunStart { run_id: run_id.as_str(), session_id: session_id.as_str() }
+            // A client knows its session by its own id, without an owner's scope.
+            EventJson::RunStart { run_id: run_id.as_str(), session_id: session_id.external() }
         }
         Event::TurnStart { turn } => EventJson::TurnStart { turn: *turn },
         Event::TextDelta { delta } => EventJson::TextDelta { delta },
@@ -167,7 +168,7 @@ pub fn pending_to_json(pending: &PendingInput) -> Value {
     let mut json = json!({
         "id": pending.id,
         "kind": pending.kind.as_str(),
-        "sessionId": pending.session_id.as_str(),
+        "sessionId": pending.session_id.external(),
         "runId": pending.run_id.as_str(),
         "callId": pending.call_id,
         "createdAtMs": pending.created_at_ms,

@@ -1,29 +1,209 @@
-//! Bearer-token auth: with `KEEL_API_TOKEN` set, every route but `/health` needs
-//! `Authorization: Bearer <token>`, compared in constant time.
+//! Who is calling: a bearer token (`KEEL_API_TOKEN`, compared in constant time) or a JWT
+//! (HS256/384/512 with a shared secret; RS256/ES256... with keys from a JWKS), and a per-identity
+//! rate limit.
+//!
+//! A JWT's subject owns the sessions it creates: its session ids are scoped to it
+//! ([`SessionId::scoped`]), so another subject asking for the same id reaches a different,
+//! usually empty, session: a 404, and nothing to guess. `/health` and the playground page
+//! (`GET /`) need no credentials.
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
+use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use keel_core::ErrorCode;
+use governor::clock::{Clock, DefaultClock};
+use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet, KeyAlgorithm};
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use keel_core::{ErrorCode, SessionId};
+use sha2::Digest;
 use subtle::ConstantTimeEq;
 
 use crate::AppState;
 use crate::error::ApiError;
 
-pub(crate) async fn require_token(
+/// JWT settings (`KEEL_JWT_SECRET`, `KEEL_JWT_JWKS`, `KEEL_JWT_ISSUER`, `KEEL_JWT_AUDIENCE`).
+#[derive(Clone, Debug, Default)]
+pub struct JwtOptions {
+    /// The shared secret of HS256/HS384/HS512 tokens.
+    pub secret: Option<String>,
+    /// A JWKS document (JSON) with the public keys of RS256/ES256 (and friends) tokens.
+    pub jwks: Option<String>,
+    /// The `iss` tokens must have, if any.
+    pub issuer: Option<String>,
+    /// The `aud` tokens must have, if any.
+    pub audience: Option<String>,
+}
+
+/// Verifies JWTs with the configured keys.
+pub(crate) struct JwtVerifier {
+    secret: Option<DecodingKey>,
+    /// Public keys: their id, algorithm and key.
+    keys: Vec<(Option<String>, Algorithm, DecodingKey)>,
+    issuer: Option<String>,
+    audience: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct Claims {
+    sub: String,
+}
+
+impl JwtVerifier {
+    pub(crate) fn new(options: &JwtOptions) -> Result<JwtVerifier, String> {
+        let secret = options
+            .secret
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(|s| DecodingKey::from_secret(s.as_bytes()));
+        let mut keys = Vec::new();
+        if let Some(jwks) = &options.jwks {
+            let set: JwkSet = serde_json::from_str(jwks)
+                .map_err(|error| format!("the JWKS is not a JSON Web Key Set: {error}"))?;
+            for jwk in &set.keys {
+                let algorithm = match (&jwk.common.key_algorithm, &jwk.algorithm) {
+                    (Some(KeyAlgorithm::RS256), _) => Algorithm::RS256,
+                    (Some(KeyAlgorithm::RS384), _) => Algorithm::RS384,
+                    (Some(KeyAlgorithm::RS512), _) => Algorithm::RS512,
+                    (Some(KeyAlgorithm::PS256), _) => Algorithm::PS256,
+                    (Some(KeyAlgorithm::ES256), _) => Algorithm::ES256,
+                    (Some(KeyAlgorithm::ES384), _) => Algorithm::ES384,
+                    (Some(KeyAlgorithm::EdDSA), _) => Algorithm::EdDSA,
+                    (None, AlgorithmParameters::RSA(_)) => Algorithm::RS256,
+                    (None, AlgorithmParameters::EllipticCurve(ec)) if ec.curve == EllipticCurve::P256 => {
+                        Algorithm::ES256
+                    }
+                    (None, AlgorithmParameters::EllipticCurve(ec)) if ec.curve == EllipticCurve::P384 => {
+                        Algorithm::ES384
+                    }
+                    // Symmetric keys do not belong in a public key set; other kinds are skipped.
+                    _ => continue,
+                };
+                let key = DecodingKey::from_jwk(jwk)
+                    .map_err(|error| format!("a key of the JWKS is unusable: {error}"))?;
+                keys.push((jwk.common.key_id.clone(), algorithm, key));
+            }
+            if keys.is_empty() {
+                return Err("the JWKS has no RSA or EC signing key".into());
+            }
+        }
+        if secret.is_none() && keys.is_empty() {
+            return Err("JWT auth needs KEEL_JWT_SECRET or KEEL_JWT_JWKS".into());
+        }
+        Ok(JwtVerifier { secret, keys, issuer: options.issuer.clone(), audience: options.audience.clone() })
+    }
+
+    /// The subject of a valid token, or why it is not valid.
+    fn verify(&self, token: &str) -> Result<String, String> {
+        let header = jsonwebtoken::decode_header(token).map_err(|error| format!("not a JWT ({error})"))?;
+        let algorithm = header.alg;
+        let symmetric = matches!(algorithm, Algorithm::HS256 | Algorithm::HS384 | Algorithm::HS512);
+        // A key only ever verifies its own kind of algorithm: no confusing a public key for an
+        // HMAC secret.
+        let candidates: Vec<&DecodingKey> = if symmetric {
+            self.secret.iter().collect()
+        } else {
+            self.keys
+                .iter()
+                .filter(|(kid, alg, _)| *alg == algorithm && (header.kid.is_none() || kid == &header.kid))
+                .map(|(_, _, key)| key)
+                .collect()
+        };
+        if candidates.is_empty() {
+            return Err(format!(
+                "no key for a {algorithm:?} token{}",
+                header.kid.map_or(String::new(), |k| format!(" with kid {k:?}"))
+            ));
+        }
+        let mut validation = Validation::new(algorithm);
+        validation.leeway = 30;
+        validation.set_required_spec_claims(&["exp", "sub"]);
+        match &self.issuer {
+            Some(issuer) => validation.set_issuer(&[issuer]),
+            None => validation.iss = None,
+        }
+        match &self.audience {
+            Some(audience) => validation.set_audience(&[audience]),
+            None => validation.validate_aud = false,
+        }
+        let mut last = String::new();
+        for key in candidates {
+            match jsonwebtoken::decode::<Claims>(token, key, &validation) {
+                Ok(data) if !data.claims.sub.is_empty() => return Ok(data.claims.sub),
+                Ok(_) => return Err("the token's `sub` is empty".into()),
+                Err(error) => last = error.to_string(),
+            }
+        }
+        Err(last)
+    }
+}
+
+/// Who made a request.
+#[derive(Clone, Debug)]
+pub(crate) struct Identity {
+    /// The JWT subject that owns the sessions it names (`None`: no per-user auth).
+    owner: Option<String>,
+    /// What the rate limit counts by.
+    key: String,
+}
+
+impl Identity {
+    /// The session `id` names for this caller: scoped to its owner, if it has one.
+    pub(crate) fn session(&self, id: SessionId) -> SessionId {
+        match &self.owner {
+            None => id,
+            Some(owner) => {
+                let digest = sha2::Sha256::digest(owner.as_bytes());
+                let scope: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+                SessionId::scoped(&scope, &id)
+            }
+        }
+    }
+}
+
+/// A per-identity limit of requests per minute.
+pub(crate) type RateLimiter = governor::DefaultKeyedRateLimiter<String>;
+
+pub(crate) fn rate_limiter(per_minute: u32) -> Option<RateLimiter> {
+    NonZeroU32::new(per_minute).map(|n| governor::RateLimiter::keyed(governor::Quota::per_minute(n)))
+}
+
+pub(crate) async fn authenticate(
     State(state): State<Arc<AppState>>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
-    let Some(expected) = &state.api_token else {
+    let open = request.method() == axum::http::Method::GET && matches!(request.uri().path(), "/health" | "/");
+    if open {
+        request.extensions_mut().insert(Identity { owner: None, key: "anonymous".into() });
         return next.run(request).await;
+    }
+    let identity = match identify(&state, &request) {
+        Ok(identity) => identity,
+        Err(error) => return error.into_response(),
     };
-    // The health check, and the playground page, which holds no data (its API calls carry the
-    // token the user gives it).
-    if matches!(request.uri().path(), "/health" | "/") && request.method() == axum::http::Method::GET {
-        return next.run(request).await;
+    if let Some(limiter) = &state.rate_limiter
+        && let Err(not_until) = limiter.check_key(&identity.key)
+    {
+        let wait = not_until.wait_time_from(DefaultClock::default().now());
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        let mut response =
+            ApiError::new(ErrorCode::RateLimited, format!("too many requests; try again in {seconds} s"))
+                .into_response();
+        if let Ok(value) = HeaderValue::from_str(&seconds.max(1).to_string()) {
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, value);
+        }
+        return response;
+    }
+    request.extensions_mut().insert(identity);
+    next.run(request).await
+}
+
+fn identify(state: &AppState, request: &Request) -> Result<Identity, ApiError> {
+    if state.api_token.is_none() && state.jwt.is_none() {
+        return Ok(Identity { owner: None, key: "anonymous".into() });
     }
     let given = request
         .headers()
@@ -31,15 +211,26 @@ pub(crate) async fn require_token(
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")))
         .map(str::trim);
-    match given {
-        Some(token) if token_matches(token, expected) => next.run(request).await,
-        Some(_) => ApiError::new(ErrorCode::Unauthorized, "the bearer token is not valid").into_response(),
-        None => ApiError::new(
+    let Some(token) = given else {
+        return Err(ApiError::new(
             ErrorCode::Unauthorized,
-            "this server needs `Authorization: Bearer <token>` (the server's KEEL_API_TOKEN)",
-        )
-        .into_response(),
+            "this server needs `Authorization: Bearer <token>` (its KEEL_API_TOKEN, or a JWT)",
+        ));
+    };
+    if let Some(expected) = &state.api_token
+        && token_matches(token, expected)
+    {
+        return Ok(Identity { owner: None, key: "api-token".into() });
     }
+    if let Some(jwt) = &state.jwt {
+        return match jwt.verify(token) {
+            Ok(subject) => Ok(Identity { key: format!("sub:{subject}"), owner: Some(subject) }),
+            Err(why) => {
+                Err(ApiError::new(ErrorCode::Unauthorized, format!("the bearer token is not valid: {why}")))
+            }
+        };
+    }
+    Err(ApiError::new(ErrorCode::Unauthorized, "the bearer token is not valid"))
 }
 
 /// Compares without leaking, through timing, how much of the token matched.

@@ -49,6 +49,7 @@ pub(crate) fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::ShuttingDown | ErrorCode::StoreLocked => StatusCode::SERVICE_UNAVAILABLE,
         ErrorCode::RequestTimeout => StatusCode::GATEWAY_TIMEOUT,
+        ErrorCode::RateLimited => StatusCode::TOO_MANY_REQUESTS,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }

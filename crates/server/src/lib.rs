@@ -6,10 +6,11 @@
 //! `Last-Event-ID` resumption (`feed`). It is the only crate that knows HTTP status codes.
 //!
 //! ```no_run
-//! # async fn example(engine: keel_runtime::Engine) -> std::io::Result<()> {
+//! # async fn example(engine: keel_runtime::Engine) -> Result<(), Box<dyn std::error::Error>> {
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
-//! let server = keel_server::Server::new(engine, keel_server::ServerOptions::default());
-//! server.serve(listener, async { let _ = tokio::signal::ctrl_c().await; }).await
+//! let server = keel_server::Server::new(engine, keel_server::ServerOptions::default())?;
+//! server.serve(listener, async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! # Ok(())
 //! # }
 //! ```
 
@@ -30,6 +31,7 @@ use axum::routing::{delete, get, post};
 use keel_runtime::Engine;
 use tokio_util::sync::CancellationToken;
 
+pub use auth::JwtOptions;
 pub use routes::{MAX_BODY, OPENAPI};
 
 /// How the server runs.
@@ -37,6 +39,10 @@ pub use routes::{MAX_BODY, OPENAPI};
 pub struct ServerOptions {
     /// `KEEL_API_TOKEN`: when set, every route but `/health` needs `Authorization: Bearer <it>`.
     pub api_token: Option<String>,
+    /// Per-user auth with JWTs; their subjects own their sessions.
+    pub jwt: Option<JwtOptions>,
+    /// `KEEL_RATE_LIMIT`: requests per minute per identity (429 `KEEL_RATE_LIMITED` beyond).
+    pub rate_limit_per_minute: Option<u32>,
     /// How long a shutdown waits for in-flight runs to reach a step boundary.
     pub shutdown_grace: Duration,
     /// How often runs whose process died (lease expired) are looked for and re-driven.
@@ -49,6 +55,8 @@ impl Default for ServerOptions {
     fn default() -> ServerOptions {
         ServerOptions {
             api_token: None,
+            jwt: None,
+            rate_limit_per_minute: None,
             shutdown_grace: Duration::from_secs(10),
             recover_every: Duration::from_secs(10),
             request_timeout: Duration::from_secs(30),
@@ -65,7 +73,9 @@ pub(crate) struct AppState {
     pub(crate) metrics: Arc<metrics::Metrics>,
     pub(crate) request_timeout: Duration,
     pub(crate) started_ms: u64,
-    api_token: Option<String>,
+    pub(crate) api_token: Option<String>,
+    pub(crate) jwt: Option<auth::JwtVerifier>,
+    pub(crate) rate_limiter: Option<auth::RateLimiter>,
     legacy_sessions: AtomicU64,
 }
 
@@ -83,8 +93,9 @@ pub struct Server {
 }
 
 impl Server {
-    /// A server for `engine`.
-    pub fn new(engine: Engine, options: ServerOptions) -> Server {
+    /// A server for `engine`. Fails when the JWT settings are unusable (a JWKS that does not
+    /// parse, say), saying why.
+    pub fn new(engine: Engine, options: ServerOptions) -> Result<Server, String> {
         let started_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(0));
@@ -97,9 +108,11 @@ impl Server {
             request_timeout: options.request_timeout,
             started_ms,
             api_token: options.api_token.clone().filter(|t| !t.is_empty()),
+            jwt: options.jwt.as_ref().map(auth::JwtVerifier::new).transpose()?,
+            rate_limiter: options.rate_limit_per_minute.and_then(auth::rate_limiter),
             legacy_sessions: AtomicU64::new(0),
         };
-        Server { state: Arc::new(state), options }
+        Ok(Server { state: Arc::new(state), options })
     }
 
     /// The routes, for embedding in another axum app or testing without a socket.
@@ -122,7 +135,7 @@ impl Server {
             .merge(streaming)
             .fallback(routes::not_found)
             .method_not_allowed_fallback(routes::method_not_allowed)
-            .layer(axum::middleware::from_fn_with_state(Arc::clone(state), auth::require_token))
+            .layer(axum::middleware::from_fn_with_state(Arc::clone(state), auth::authenticate))
             .layer(axum::middleware::from_fn_with_state(Arc::clone(state), observe::observe))
             .with_state(Arc::clone(state))
     }
@@ -138,12 +151,16 @@ impl Server {
         let engine = self.state.engine.clone();
         let recovery = self.recover_periodically();
         let feeds = Arc::clone(&self.state.feeds);
+        let swept = Arc::clone(&self.state);
         let sweeper = tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(15));
             loop {
                 tick.tick().await;
                 // A feed nobody watches is kept a minute after its last event, for reconnects.
                 feeds.sweep(Duration::from_secs(60));
+                if let Some(limiter) = &swept.rate_limiter {
+                    limiter.retain_recent();
+                }
             }
         });
         let closing = self.state.closing.clone();
@@ -205,7 +222,7 @@ impl Server {
 /// Refuses to listen on a non-loopback address without auth: an agent server open to the
 /// network with no credentials is a remote-execution service for anyone.
 pub fn check_bind(address: &SocketAddr, options: &ServerOptions) -> Result<(), String> {
-    let has_auth = options.api_token.as_deref().is_some_and(|t| !t.is_empty());
+    let has_auth = options.api_token.as_deref().is_some_and(|t| !t.is_empty()) || options.jwt.is_some();
     if address.ip().is_loopback() || has_auth {
         return Ok(());
     }

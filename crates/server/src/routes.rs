@@ -4,7 +4,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::rejection::PathRejection;
-use axum::extract::{FromRequest, Path, Request, State};
+use axum::extract::{Extension, FromRequest, Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::AppState;
+use crate::auth::Identity;
 use crate::error::ApiError;
 use crate::feed::{Item, Subscriber};
 use crate::metrics::StreamGuard;
@@ -181,6 +182,7 @@ pub(crate) async fn health() -> &'static str {
 /// as JSON.
 pub(crate) async fn chat(
     State(state): State<Arc<AppState>>,
+    Extension(identity): Extension<Identity>,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     require_object(&body)?;
@@ -189,9 +191,10 @@ pub(crate) async fn chat(
     if input.is_none()
         && let Some(message) = string_field(&body, "message")?
     {
-        return legacy_chat(&state, session, message).await;
+        return legacy_chat(&state, &identity, session, message).await;
     }
     let session = SessionId::new(session.ok_or_else(|| ApiError::invalid("missing `sessionId`"))?)?;
+    let session = identity.session(session);
     let input =
         parse_input(input.ok_or_else(|| ApiError::invalid("missing `input` (a string or content parts)"))?)?;
     let feed = state.feeds.feed(&session);
@@ -204,7 +207,12 @@ pub(crate) async fn chat(
 }
 
 /// The deprecated single-turn form: waits for the run and answers with its result.
-async fn legacy_chat(state: &AppState, session: Option<&str>, message: &str) -> Result<Response, ApiError> {
+async fn legacy_chat(
+    state: &AppState,
+    identity: &Identity,
+    session: Option<&str>,
+    message: &str,
+) -> Result<Response, ApiError> {
     if message.is_empty() {
         return Err(ApiError::invalid("`message` is empty"));
     }
@@ -213,6 +221,7 @@ async fn legacy_chat(state: &AppState, session: Option<&str>, message: &str) -> 
         // A single turn with no session: a fresh one, so that it sees no earlier conversation.
         None => SessionId::new(state.legacy_session_id())?,
     };
+    let session = identity.session(session);
     let handle = state.engine.start(session.clone(), Message::user(message))?;
     let forwarded = state.feeds.forward(&session, handle);
     let result = tokio::time::timeout(state.request_timeout, forwarded)
@@ -229,7 +238,7 @@ async fn legacy_chat(state: &AppState, session: Option<&str>, message: &str) -> 
         .map_err(|error| ApiError::new(ErrorCode::Internal, format!("the run's task failed: {error}")))??;
     let mut body = json!({
         "runId": result.run_id.as_str(),
-        "sessionId": result.session_id.as_str(),
+        "sessionId": result.session_id.external(),
         "text": result.text,
         "stopped": result.stopped.as_str(),
         "usage": { "inputTokens": result.usage.input_tokens, "outputTokens": result.usage.output_tokens },
@@ -246,16 +255,17 @@ async fn legacy_chat(state: &AppState, session: Option<&str>, message: &str) -> 
 /// `GET /chat/:sessionId`: the transcript and what the session waits for.
 pub(crate) async fn transcript(
     State(state): State<Arc<AppState>>,
+    Extension(identity): Extension<Identity>,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    let session = session_id(path)?;
+    let session = identity.session(session_id(path)?);
     let messages = state.engine.store().load_messages(&session).await?;
     let pending = state.engine.pending(Some(&session)).await?;
     if messages.is_empty() && pending.is_empty() {
-        return Err(ApiError::new(ErrorCode::SessionNotFound, format!("no session {session}")));
+        return Err(ApiError::new(ErrorCode::SessionNotFound, format!("no session {}", session.external())));
     }
     let body = json!({
-        "sessionId": session.as_str(),
+        "sessionId": session.external(),
         "messages": messages.iter().map(|m| message_to_json(m)).collect::<Vec<_>>(),
         "pending": pending.iter().map(pending_to_json).collect::<Vec<_>>(),
     });
@@ -265,10 +275,11 @@ pub(crate) async fn transcript(
 /// `GET /chat/:sessionId/events`: the session's live events, resumable with `Last-Event-ID`.
 pub(crate) async fn events(
     State(state): State<Arc<AppState>>,
+    Extension(identity): Extension<Identity>,
     path: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let session = session_id(path)?;
+    let session = identity.session(session_id(path)?);
     let after = match headers.get("last-event-id") {
         None => None,
         Some(value) => {
@@ -285,11 +296,12 @@ pub(crate) async fn events(
 /// streams the continued run.
 pub(crate) async fn decide(
     State(state): State<Arc<AppState>>,
+    Extension(identity): Extension<Identity>,
     path: Result<Path<(String, String)>, PathRejection>,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     let Path((session, id)) = path.map_err(|rejection| ApiError::invalid(rejection.body_text()))?;
-    let session = SessionId::new(session)?;
+    let session = identity.session(SessionId::new(session)?);
     require_object(&body)?;
     // `null` means absent, as for every optional field.
     let present = |name: &str| body.get(name).filter(|v| !v.is_null());
@@ -339,13 +351,17 @@ pub(crate) async fn decide(
 /// `DELETE /chat/:sessionId/run`: cancels the session's run in flight (or paused).
 pub(crate) async fn cancel(
     State(state): State<Arc<AppState>>,
+    Extension(identity): Extension<Identity>,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    let session = session_id(path)?;
+    let session = identity.session(session_id(path)?);
     if state.engine.cancel(&session).await? {
         Ok(axum::Json(json!({ "cancelled": true })).into_response())
     } else {
-        Err(ApiError::new(ErrorCode::RunNotFound, format!("session {session} has no run in flight")))
+        Err(ApiError::new(
+            ErrorCode::RunNotFound,
+            format!("session {} has no run in flight", session.external()),
+        ))
     }
 }
 

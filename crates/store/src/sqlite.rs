@@ -440,7 +440,7 @@ impl Store for SqliteStore {
             let Some((session, input, history_len, call_base, state)) = row else { return Ok(None) };
             Ok(Some(RunRecord {
                 run_id: run.clone(),
-                session_id: SessionId::new(session).map_err(corrupt)?,
+                session_id: SessionId::from_store(session).map_err(corrupt)?,
                 input: decode_message(&input).map_err(corrupt)?,
                 history_len: history_len as u64,
                 call_base: call_base as u64,
@@ -685,7 +685,7 @@ impl Store for SqliteStore {
             rows.map(|row| {
                 let (id, updated_at, messages, runs) = row.map_err(map_error)?;
                 Ok(SessionSummary {
-                    id: SessionId::new(id).map_err(corrupt)?,
+                    id: SessionId::from_store(id).map_err(corrupt)?,
                     messages: messages as u64,
                     runs: runs as u64,
                     updated_at_ms: updated_at as u64,
@@ -831,7 +831,7 @@ fn pending_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Result<PendingI
         Ok(PendingInput {
             id,
             run_id: RunId::parse(&run).ok_or_else(|| corrupt(format!("bad run id {run:?}")))?,
-            session_id: SessionId::new(session).map_err(corrupt)?,
+            session_id: SessionId::from_store(session).map_err(corrupt)?,
             call_id,
             kind: decode_pending_kind(&body).map_err(corrupt)?,
             created_at_ms: created_at as u64,

@@ -9,8 +9,36 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
         Ok(agent) => agent,
         Err(code) => return Ok(code),
     };
+    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let jwks = match var("KEEL_JWT_JWKS") {
+        Some(path) => match std::fs::read_to_string(&path) {
+            Ok(text) => Some(text),
+            Err(error) => {
+                eprintln!("error: cannot read KEEL_JWT_JWKS {path}: {error}");
+                return Ok(exit::INVALID_AGENT);
+            }
+        },
+        None => None,
+    };
+    let secret = var("KEEL_JWT_SECRET");
+    let jwt = (secret.is_some() || jwks.is_some()).then(|| keel_server::JwtOptions {
+        secret,
+        jwks,
+        issuer: var("KEEL_JWT_ISSUER"),
+        audience: var("KEEL_JWT_AUDIENCE"),
+    });
+    let rate_limit_per_minute = match var("KEEL_RATE_LIMIT").map(|v| v.trim().parse::<u32>()) {
+        None => None,
+        Some(Ok(n)) => Some(n),
+        Some(Err(_)) => {
+            eprintln!("error: KEEL_RATE_LIMIT must be a number of requests per minute, like 120");
+            return Ok(exit::INVALID_AGENT);
+        }
+    };
     let options = keel_server::ServerOptions {
-        api_token: std::env::var("KEEL_API_TOKEN").ok().filter(|t| !t.is_empty()),
+        api_token: var("KEEL_API_TOKEN"),
+        jwt,
+        rate_limit_per_minute,
         ..keel_server::ServerOptions::default()
     };
     let address: SocketAddr = match format!("{}:{}", args.host, args.port).parse() {
@@ -42,9 +70,19 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
             "keel serve: agent {} on http://{bound} (store {}{})",
             agent.definition().name,
             args.store,
-            if options.api_token.is_some() { ", bearer token required" } else { "" }
+            match (options.api_token.is_some(), options.jwt.is_some()) {
+                (_, true) => ", JWT auth",
+                (true, false) => ", bearer token required",
+                (false, false) => "",
+            }
         );
-        let server = keel_server::Server::new(agent.engine().clone(), options);
+        let server = match keel_server::Server::new(agent.engine().clone(), options) {
+            Ok(server) => server,
+            Err(message) => {
+                eprintln!("error: {message}");
+                return Ok(exit::INVALID_AGENT);
+            }
+        };
         server.serve(listener, shutdown_signal()).await?;
         eprintln!("keel serve: stopped");
         Ok(exit::OK)

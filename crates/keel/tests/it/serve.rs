@@ -655,3 +655,183 @@ async fn the_openapi_document_describes_exactly_the_routes_the_server_has() {
         assert!(paths.get(path).and_then(|p| p.get(method)).is_some(), "{method} {path} is not documented");
     }
 }
+
+fn jwt(
+    algorithm: jsonwebtoken::Algorithm,
+    kid: Option<&str>,
+    key: &jsonwebtoken::EncodingKey,
+    claims: Value,
+) -> String {
+    let mut header = jsonwebtoken::Header::new(algorithm);
+    header.kid = kid.map(str::to_owned);
+    jsonwebtoken::encode(&header, &claims, key).unwrap()
+}
+
+fn in_an_hour() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 3600
+}
+
+#[tokio::test]
+async fn jwt_subjects_own_their_sessions_and_see_nobody_elses() {
+    let dir = agent_dir(&[("agent.yaml", APPROVAL_AGENT)]);
+    let secret = "a-shared-secret-for-hs256";
+    let server = Served::start(
+        dir.path(),
+        "memory",
+        &[("KEEL_JWT_SECRET", secret), ("KEEL_JWT_ISSUER", "https://id.example")],
+    );
+    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes());
+    let token = |sub: &str| {
+        jwt(
+            jsonwebtoken::Algorithm::HS256,
+            None,
+            &key,
+            json!({"sub": sub, "exp": in_an_hour(), "iss": "https://id.example"}),
+        )
+    };
+    let (alice, bob) = (token("alice"), token("bob"));
+    let http = client();
+
+    let messages = read_sse(
+        http.post(server.url("/chat"))
+            .bearer_auth(&alice)
+            .json(&json!({"sessionId": "shared-name", "input": "day?"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let start = messages[0].json();
+    assert_eq!(start["sessionId"], "shared-name", "clients see their own session id: {start}");
+    let requested =
+        messages.iter().find(|m| m.event.is_none() && m.kind() == "approval.requested").unwrap().json();
+    let approval = requested["approvalId"].as_str().unwrap().to_owned();
+
+    // Alice sees her session; Bob, asking for the same id, finds nothing of hers.
+    let mine: Value = http
+        .get(server.url("/chat/shared-name"))
+        .bearer_auth(&alice)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(mine["sessionId"], "shared-name");
+    assert_eq!(mine["pending"][0]["sessionId"], "shared-name");
+    let theirs = http.get(server.url("/chat/shared-name")).bearer_auth(&bob).send().await.unwrap();
+    assert_eq!(error_of(theirs).await, (404, "KEEL_SESSION_NOT_FOUND".to_owned()));
+    let steal = http
+        .post(server.url(&format!("/chat/shared-name/approvals/{approval}")))
+        .bearer_auth(&bob)
+        .json(&json!({"approved": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(steal).await, (404, "KEEL_NOT_PENDING".to_owned()), "another user's approval");
+    let cancel = http.delete(server.url("/chat/shared-name/run")).bearer_auth(&bob).send().await.unwrap();
+    assert_eq!(error_of(cancel).await, (404, "KEEL_RUN_NOT_FOUND".to_owned()));
+    // Bob's own session of that name is his: his turn runs while Alice's waits.
+    let bobs = read_sse(
+        http.post(server.url("/chat"))
+            .bearer_auth(&bob)
+            .json(&json!({"sessionId": "shared-name", "input": "hi"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert!(bobs.iter().any(|m| m.event.is_none() && m.kind() == "approval.requested"));
+
+    // Bad tokens: expired, wrong issuer, wrong secret, not a JWT, `alg: none`.
+    let past = in_an_hour() - 7200;
+    let bad = [
+        jwt(
+            jsonwebtoken::Algorithm::HS256,
+            None,
+            &key,
+            json!({"sub": "alice", "exp": past, "iss": "https://id.example"}),
+        ),
+        jwt(
+            jsonwebtoken::Algorithm::HS256,
+            None,
+            &key,
+            json!({"sub": "alice", "exp": in_an_hour(), "iss": "https://evil.example"}),
+        ),
+        jwt(
+            jsonwebtoken::Algorithm::HS256,
+            None,
+            &jsonwebtoken::EncodingKey::from_secret(b"another-secret"),
+            json!({"sub": "alice", "exp": in_an_hour(), "iss": "https://id.example"}),
+        ),
+        "not-a-jwt".to_owned(),
+        // {"alg":"none"}.{"sub":"alice","exp":9999999999}.
+        "eyJhbGciOiJub25lIn0.eyJzdWIiOiJhbGljZSIsImV4cCI6OTk5OTk5OTk5OX0.".to_owned(),
+    ];
+    for token in bad {
+        let response = http.get(server.url("/chat/shared-name")).bearer_auth(&token).send().await.unwrap();
+        assert_eq!(error_of(response).await, (401, "KEEL_UNAUTHORIZED".to_owned()), "{token}");
+    }
+}
+
+#[tokio::test]
+async fn rs256_and_es256_tokens_are_checked_against_a_jwks_file() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it/fixtures");
+    let jwks = fixtures.join("jwks.json");
+    let server = Served::start(dir.path(), "memory", &[("KEEL_JWT_JWKS", jwks.to_str().unwrap())]);
+    let rsa =
+        jsonwebtoken::EncodingKey::from_rsa_pem(&std::fs::read(fixtures.join("rsa.pem")).unwrap()).unwrap();
+    let ec =
+        jsonwebtoken::EncodingKey::from_ec_pem(&std::fs::read(fixtures.join("ec.pem")).unwrap()).unwrap();
+    let claims = json!({"sub": "carol", "exp": in_an_hour()});
+    let http = client();
+    for (what, token) in [
+        ("RS256", jwt(jsonwebtoken::Algorithm::RS256, Some("rsa-1"), &rsa, claims.clone())),
+        ("ES256", jwt(jsonwebtoken::Algorithm::ES256, Some("ec-1"), &ec, claims.clone())),
+        ("ES256 without kid", jwt(jsonwebtoken::Algorithm::ES256, None, &ec, claims.clone())),
+    ] {
+        let response = http
+            .post(server.url("/chat"))
+            .bearer_auth(&token)
+            .json(&json!({"sessionId": "c", "input": "hi"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200, "{what}");
+        read_sse(response).await;
+    }
+    // A key id the set does not have, and the RSA key claimed as the EC one, are refused.
+    for token in [
+        jwt(jsonwebtoken::Algorithm::RS256, Some("rsa-2"), &rsa, claims.clone()),
+        jwt(jsonwebtoken::Algorithm::RS256, Some("ec-1"), &rsa, claims.clone()),
+    ] {
+        let response = http.get(server.url("/chat/c")).bearer_auth(&token).send().await.unwrap();
+        assert_eq!(error_of(response).await, (401, "KEEL_UNAUTHORIZED".to_owned()));
+    }
+}
+
+#[tokio::test]
+async fn a_rate_limit_answers_429_with_retry_after() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[("KEEL_RATE_LIMIT", "5")]);
+    let http = client();
+    let mut statuses = Vec::new();
+    for _ in 0..8 {
+        let response = http.get(server.url("/chat/nobody")).send().await.unwrap();
+        if response.status() == 429 {
+            let retry: u64 = response.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+            assert!((1..=60).contains(&retry), "{retry}");
+            assert_eq!(error_of(response).await, (429, "KEEL_RATE_LIMITED".to_owned()));
+            statuses.push(429);
+        } else {
+            statuses.push(response.status().as_u16());
+        }
+    }
+    assert_eq!(statuses, [404, 404, 404, 404, 404, 429, 429, 429], "5 a minute, then refused");
+    assert_eq!(
+        http.get(server.url("/health")).send().await.unwrap().status(),
+        200,
+        "health is never limited"
+    );
+}
