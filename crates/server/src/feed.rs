@@ -260,3 +260,44 @@ impl Drop for Subscriber {
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn publish(feed: &Feed, ids: &AtomicU64, count: usize) {
+        let run = RunId::from_suffix("r");
+        for _ in 0..count {
+            feed.publish(ids, &run, Item::Event("{}".into()));
+        }
+    }
+
+    #[tokio::test]
+    async fn subscribers_resume_after_their_last_id_and_a_slow_one_is_cut() {
+        let ids = AtomicU64::new(1);
+        let feed = Arc::new(Feed::new());
+        publish(&feed, &ids, 3);
+        // From the start (Last-Event-ID 1): ids 2 and 3, then what comes live.
+        let mut resumed = feed.subscribe(Some(1));
+        let mut live = feed.subscribe(None);
+        assert_eq!(resumed.next().await.unwrap().id, 2);
+        assert_eq!(resumed.next().await.unwrap().id, 3);
+        let waiting = tokio::spawn(async move { live.next().await.map(|e| e.id) });
+        tokio::task::yield_now().await;
+        publish(&feed, &ids, 1);
+        assert_eq!(waiting.await.unwrap(), Some(4), "a live subscriber is woken by a publish");
+        assert_eq!(resumed.next().await.unwrap().id, 4);
+
+        // A subscriber that reads nothing while more than the ring holds is published is cut,
+        // and one that resumes from an evicted id starts at the oldest kept.
+        let mut slow = feed.subscribe(None);
+        publish(&feed, &ids, RECENT_EVENTS + 1);
+        assert!(slow.next().await.is_none(), "a subscriber that fell behind the ring must be cut");
+        let mut late = feed.subscribe(Some(1));
+        let oldest = late.next().await.unwrap().id;
+        assert_eq!(oldest, 4 + 2, "the oldest entry kept after evictions");
+        assert_eq!(lock(&feed.state).subscribers, 3);
+        drop((slow, late, resumed));
+        assert_eq!(lock(&feed.state).subscribers, 0);
+    }
+}
