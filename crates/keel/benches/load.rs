@@ -148,7 +148,15 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 /// Opens `count` live event streams and reports the server's memory with all of them open.
-async fn streams(agent: &Path, count: u64) {
+async fn streams(agent: &Path, wanted: u64) {
+    // Each stream is a descriptor here and one in the server: stay under this process's limit,
+    // with room for the files the benchmark itself opens.
+    let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map_or(1024, |(soft, _)| soft);
+    let count = wanted.min(limit.saturating_sub(64));
+    if count < wanted {
+        println!("streams: {wanted} wanted, {count} fit under the open-file limit ({limit}) of one process");
+    }
     let mut server = Server::start(agent, "memory");
     let before = server.rss_kib();
     let started = Instant::now();
@@ -178,7 +186,7 @@ async fn streams(agent: &Path, count: u64) {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let during = server.rss_kib();
     if during == 0 {
-        println!("streams: the server is gone: {:?}", server.child.try_wait());
+        println!("streams: cannot read the server's memory: {:?}", server.child.try_wait());
     }
     println!(
         "streams: {answered} of {count} SSE streams open in {:.1?}; server RSS {:.1} MiB with them open ({:.1} MiB before, {:.2} KiB per stream)",
