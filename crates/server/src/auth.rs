@@ -31,19 +31,89 @@ pub struct JwtOptions {
     pub secret: Option<String>,
     /// A JWKS document (JSON) with the public keys of RS256/ES256 (and friends) tokens.
     pub jwks: Option<String>,
+    /// Where the JWKS came from, to fetch it again: every 10 minutes, and when a token names a
+    /// key id the set does not have (a key rotation), at most every 30 seconds.
+    pub jwks_url: Option<String>,
     /// The `iss` tokens must have, if any.
     pub issuer: Option<String>,
     /// The `aud` tokens must have, if any.
     pub audience: Option<String>,
 }
 
+/// A public key: its id, algorithm and key.
+type PublicKey = (Option<String>, Algorithm, DecodingKey);
+
 /// Verifies JWTs with the configured keys.
 pub(crate) struct JwtVerifier {
     secret: Option<DecodingKey>,
-    /// Public keys: their id, algorithm and key.
-    keys: Vec<(Option<String>, Algorithm, DecodingKey)>,
+    keys: std::sync::RwLock<Arc<Vec<PublicKey>>>,
+    jwks_url: Option<String>,
+    /// When the JWKS was last fetched again (throttles refetches on unknown key ids).
+    fetched: std::sync::Mutex<Option<std::time::Instant>>,
     issuer: Option<String>,
     audience: Option<String>,
+}
+
+/// Why a token was refused.
+enum Refusal {
+    /// No configured key fits it (perhaps a key the JWKS gained since it was fetched).
+    NoKey(String),
+    Invalid(String),
+}
+
+/// Fetches a JWKS document (at most 1 MB, within 10 s).
+pub async fn fetch_jwks(url: &str) -> Result<String, String> {
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(10))
+        .build()
+        .map_err(|error| format!("cannot build an HTTP client: {error}"))?;
+    let response =
+        client.get(url).send().await.map_err(|error| format!("cannot fetch the JWKS {url}: {error}"))?;
+    if !response.status().is_success() {
+        return Err(format!("fetching the JWKS {url} answered {}", response.status()));
+    }
+    if response.content_length().is_some_and(|length| length > 1024 * 1024) {
+        return Err(format!("the JWKS at {url} is over 1 MB"));
+    }
+    let body = response.text().await.map_err(|error| format!("cannot read the JWKS {url}: {error}"))?;
+    if body.len() > 1024 * 1024 {
+        return Err(format!("the JWKS at {url} is over 1 MB"));
+    }
+    Ok(body)
+}
+
+/// The signing keys of a JWKS document.
+fn parse_jwks(jwks: &str) -> Result<Vec<PublicKey>, String> {
+    let set: JwkSet =
+        serde_json::from_str(jwks).map_err(|error| format!("the JWKS is not a JSON Web Key Set: {error}"))?;
+    let mut keys = Vec::new();
+    for jwk in &set.keys {
+        let algorithm = match (&jwk.common.key_algorithm, &jwk.algorithm) {
+            (Some(KeyAlgorithm::RS256), _) => Algorithm::RS256,
+            (Some(KeyAlgorithm::RS384), _) => Algorithm::RS384,
+            (Some(KeyAlgorithm::RS512), _) => Algorithm::RS512,
+            (Some(KeyAlgorithm::PS256), _) => Algorithm::PS256,
+            (Some(KeyAlgorithm::ES256), _) => Algorithm::ES256,
+            (Some(KeyAlgorithm::ES384), _) => Algorithm::ES384,
+            (Some(KeyAlgorithm::EdDSA), _) => Algorithm::EdDSA,
+            (None, AlgorithmParameters::RSA(_)) => Algorithm::RS256,
+            (None, AlgorithmParameters::EllipticCurve(ec)) if ec.curve == EllipticCurve::P256 => {
+                Algorithm::ES256
+            }
+            (None, AlgorithmParameters::EllipticCurve(ec)) if ec.curve == EllipticCurve::P384 => {
+                Algorithm::ES384
+            }
+            // Symmetric keys do not belong in a public key set; other kinds are skipped.
+            _ => continue,
+        };
+        let key =
+            DecodingKey::from_jwk(jwk).map_err(|error| format!("a key of the JWKS is unusable: {error}"))?;
+        keys.push((jwk.common.key_id.clone(), algorithm, key));
+    }
+    if keys.is_empty() {
+        return Err("the JWKS has no RSA or EC signing key".into());
+    }
+    Ok(keys)
 }
 
 #[derive(serde::Deserialize)]
@@ -58,64 +128,80 @@ impl JwtVerifier {
             .as_deref()
             .filter(|s| !s.is_empty())
             .map(|s| DecodingKey::from_secret(s.as_bytes()));
-        let mut keys = Vec::new();
-        if let Some(jwks) = &options.jwks {
-            let set: JwkSet = serde_json::from_str(jwks)
-                .map_err(|error| format!("the JWKS is not a JSON Web Key Set: {error}"))?;
-            for jwk in &set.keys {
-                let algorithm = match (&jwk.common.key_algorithm, &jwk.algorithm) {
-                    (Some(KeyAlgorithm::RS256), _) => Algorithm::RS256,
-                    (Some(KeyAlgorithm::RS384), _) => Algorithm::RS384,
-                    (Some(KeyAlgorithm::RS512), _) => Algorithm::RS512,
-                    (Some(KeyAlgorithm::PS256), _) => Algorithm::PS256,
-                    (Some(KeyAlgorithm::ES256), _) => Algorithm::ES256,
-                    (Some(KeyAlgorithm::ES384), _) => Algorithm::ES384,
-                    (Some(KeyAlgorithm::EdDSA), _) => Algorithm::EdDSA,
-                    (None, AlgorithmParameters::RSA(_)) => Algorithm::RS256,
-                    (None, AlgorithmParameters::EllipticCurve(ec)) if ec.curve == EllipticCurve::P256 => {
-                        Algorithm::ES256
-                    }
-                    (None, AlgorithmParameters::EllipticCurve(ec)) if ec.curve == EllipticCurve::P384 => {
-                        Algorithm::ES384
-                    }
-                    // Symmetric keys do not belong in a public key set; other kinds are skipped.
-                    _ => continue,
-                };
-                let key = DecodingKey::from_jwk(jwk)
-                    .map_err(|error| format!("a key of the JWKS is unusable: {error}"))?;
-                keys.push((jwk.common.key_id.clone(), algorithm, key));
-            }
-            if keys.is_empty() {
-                return Err("the JWKS has no RSA or EC signing key".into());
-            }
-        }
+        let keys = options.jwks.as_deref().map(parse_jwks).transpose()?.unwrap_or_default();
         if secret.is_none() && keys.is_empty() {
             return Err("JWT auth needs KEEL_JWT_SECRET or KEEL_JWT_JWKS".into());
         }
-        Ok(JwtVerifier { secret, keys, issuer: options.issuer.clone(), audience: options.audience.clone() })
+        Ok(JwtVerifier {
+            secret,
+            keys: std::sync::RwLock::new(Arc::new(keys)),
+            jwks_url: options.jwks_url.clone(),
+            // Not "just fetched": the first unknown key id may fetch at once.
+            fetched: std::sync::Mutex::new(None),
+            issuer: options.issuer.clone(),
+            audience: options.audience.clone(),
+        })
     }
 
-    /// The subject of a valid token, or why it is not valid.
-    fn verify(&self, token: &str) -> Result<String, String> {
-        let header = jsonwebtoken::decode_header(token).map_err(|error| format!("not a JWT ({error})"))?;
+    /// Fetches the JWKS again from its URL (when it has one).
+    pub(crate) async fn refresh(&self) -> Result<(), String> {
+        let Some(url) = &self.jwks_url else { return Ok(()) };
+        *self.fetched.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
+        let keys = parse_jwks(&fetch_jwks(url).await?)?;
+        *self.keys.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(keys);
+        Ok(())
+    }
+
+    pub(crate) fn has_jwks_url(&self) -> bool {
+        self.jwks_url.is_some()
+    }
+
+    /// The subject of a valid token, or why it is not valid. A token signed by a key the JWKS
+    /// did not have when fetched makes it fetched again (at most every 30 s).
+    async fn verify(&self, token: &str) -> Result<String, String> {
+        match self.verify_now(token) {
+            Err(Refusal::NoKey(why)) if self.jwks_url.is_some() => {
+                let due = self
+                    .fetched
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .is_none_or(|at| at.elapsed() >= std::time::Duration::from_secs(30));
+                if !due {
+                    return Err(why);
+                }
+                if let Err(error) = self.refresh().await {
+                    tracing::warn!(%error, "could not fetch the JWKS again");
+                    return Err(why);
+                }
+                self.verify_now(token).map_err(|refusal| match refusal {
+                    Refusal::NoKey(why) | Refusal::Invalid(why) => why,
+                })
+            }
+            Err(Refusal::NoKey(why) | Refusal::Invalid(why)) => Err(why),
+            Ok(subject) => Ok(subject),
+        }
+    }
+
+    fn verify_now(&self, token: &str) -> Result<String, Refusal> {
+        let header = jsonwebtoken::decode_header(token)
+            .map_err(|error| Refusal::Invalid(format!("not a JWT ({error})")))?;
         let algorithm = header.alg;
         let symmetric = matches!(algorithm, Algorithm::HS256 | Algorithm::HS384 | Algorithm::HS512);
+        let public = Arc::clone(&self.keys.read().unwrap_or_else(|p| p.into_inner()));
         // A key only ever verifies its own kind of algorithm: no confusing a public key for an
         // HMAC secret.
         let candidates: Vec<&DecodingKey> = if symmetric {
             self.secret.iter().collect()
         } else {
-            self.keys
+            public
                 .iter()
                 .filter(|(kid, alg, _)| *alg == algorithm && (header.kid.is_none() || kid == &header.kid))
                 .map(|(_, _, key)| key)
                 .collect()
         };
         if candidates.is_empty() {
-            return Err(format!(
-                "no key for a {algorithm:?} token{}",
-                header.kid.map_or(String::new(), |k| format!(" with kid {k:?}"))
-            ));
+            let kid = header.kid.map_or(String::new(), |k| format!(" with kid {k:?}"));
+            return Err(Refusal::NoKey(format!("no key for a {algorithm:?} token{kid}")));
         }
         let mut validation = Validation::new(algorithm);
         validation.leeway = 30;
@@ -132,11 +218,11 @@ impl JwtVerifier {
         for key in candidates {
             match jsonwebtoken::decode::<Claims>(token, key, &validation) {
                 Ok(data) if !data.claims.sub.is_empty() => return Ok(data.claims.sub),
-                Ok(_) => return Err("the token's `sub` is empty".into()),
+                Ok(_) => return Err(Refusal::Invalid("the token's `sub` is empty".into())),
                 Err(error) => last = error.to_string(),
             }
         }
-        Err(last)
+        Err(Refusal::Invalid(last))
     }
 }
 
@@ -180,7 +266,14 @@ pub(crate) async fn authenticate(
         request.extensions_mut().insert(Identity { owner: None, key: "anonymous".into() });
         return next.run(request).await;
     }
-    let identity = match identify(&state, &request) {
+    // The token is copied out: the request is not held across the verification's await.
+    let token = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")))
+        .map(|token| token.trim().to_owned());
+    let identity = match identify(&state, token.as_deref()).await {
         Ok(identity) => identity,
         Err(error) => return error.into_response(),
     };
@@ -201,17 +294,11 @@ pub(crate) async fn authenticate(
     next.run(request).await
 }
 
-fn identify(state: &AppState, request: &Request) -> Result<Identity, ApiError> {
+async fn identify(state: &AppState, token: Option<&str>) -> Result<Identity, ApiError> {
     if state.api_token.is_none() && state.jwt.is_none() {
         return Ok(Identity { owner: None, key: "anonymous".into() });
     }
-    let given = request
-        .headers()
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")))
-        .map(str::trim);
-    let Some(token) = given else {
+    let Some(token) = token else {
         return Err(ApiError::new(
             ErrorCode::Unauthorized,
             "this server needs `Authorization: Bearer <token>` (its KEEL_API_TOKEN, or a JWT)",
@@ -223,7 +310,7 @@ fn identify(state: &AppState, request: &Request) -> Result<Identity, ApiError> {
         return Ok(Identity { owner: None, key: "api-token".into() });
     }
     if let Some(jwt) = &state.jwt {
-        return match jwt.verify(token) {
+        return match jwt.verify(token).await {
             Ok(subject) => Ok(Identity { key: format!("sub:{subject}"), owner: Some(subject) }),
             Err(why) => {
                 Err(ApiError::new(ErrorCode::Unauthorized, format!("the bearer token is not valid: {why}")))

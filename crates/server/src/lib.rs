@@ -31,7 +31,7 @@ use axum::routing::{delete, get, post};
 use keel_runtime::Engine;
 use tokio_util::sync::CancellationToken;
 
-pub use auth::JwtOptions;
+pub use auth::{JwtOptions, fetch_jwks};
 pub use routes::{MAX_BODY, OPENAPI};
 
 /// How the server runs.
@@ -163,6 +163,18 @@ impl Server {
                 }
             }
         });
+        let refreshing = Arc::clone(&self.state);
+        let jwks_refresh = tokio::spawn(async move {
+            let Some(jwt) = refreshing.jwt.as_ref().filter(|jwt| jwt.has_jwks_url()) else { return };
+            let mut tick = tokio::time::interval(Duration::from_secs(600));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                if let Err(error) = jwt.refresh().await {
+                    tracing::warn!(%error, "could not refresh the JWKS; keeping the keys it had");
+                }
+            }
+        });
         let closing = self.state.closing.clone();
         let stopped = closing.clone();
         let app = self.router();
@@ -183,6 +195,7 @@ impl Server {
         stopped.cancel();
         recovery.abort();
         sweeper.abort();
+        jwks_refresh.abort();
         let left = engine.shutdown(self.options.shutdown_grace).await;
         if left > 0 {
             tracing::warn!(

@@ -10,20 +10,24 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
         Err(code) => return Ok(code),
     };
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    let jwks = match var("KEEL_JWT_JWKS") {
-        Some(path) => match std::fs::read_to_string(&path) {
+    // KEEL_JWT_JWKS: a file, or an http(s) URL fetched once the runtime runs.
+    let jwks_source = var("KEEL_JWT_JWKS");
+    let jwks_url = jwks_source.clone().filter(|s| s.starts_with("https://") || s.starts_with("http://"));
+    let jwks = match (&jwks_source, &jwks_url) {
+        (Some(path), None) => match std::fs::read_to_string(path) {
             Ok(text) => Some(text),
             Err(error) => {
                 eprintln!("error: cannot read KEEL_JWT_JWKS {path}: {error}");
                 return Ok(exit::INVALID_AGENT);
             }
         },
-        None => None,
+        _ => None,
     };
     let secret = var("KEEL_JWT_SECRET");
-    let jwt = (secret.is_some() || jwks.is_some()).then(|| keel_server::JwtOptions {
+    let jwt = (secret.is_some() || jwks_source.is_some()).then(|| keel_server::JwtOptions {
         secret,
         jwks,
+        jwks_url,
         issuer: var("KEEL_JWT_ISSUER"),
         audience: var("KEEL_JWT_AUDIENCE"),
     });
@@ -35,7 +39,7 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
             return Ok(exit::INVALID_AGENT);
         }
     };
-    let options = keel_server::ServerOptions {
+    let mut options = keel_server::ServerOptions {
         api_token: var("KEEL_API_TOKEN"),
         jwt,
         rate_limit_per_minute,
@@ -58,6 +62,17 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
     raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
+        if let Some(jwt) = options.jwt.as_mut()
+            && let Some(url) = &jwt.jwks_url
+        {
+            match keel_server::fetch_jwks(url).await {
+                Ok(text) => jwt.jwks = Some(text),
+                Err(message) => {
+                    eprintln!("error: {message}");
+                    return Ok(exit::INVALID_AGENT);
+                }
+            }
+        }
         let listener = match tokio::net::TcpListener::bind(address).await {
             Ok(listener) => listener,
             Err(error) => {

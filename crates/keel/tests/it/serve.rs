@@ -3,6 +3,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -40,7 +41,7 @@ impl Served {
         let mut base = None;
         for line in lines.by_ref() {
             let line = line.unwrap();
-            if let Some(at) = line.find("http://") {
+            if let Some(at) = line.find("http://").filter(|_| line.starts_with("keel serve: agent")) {
                 let address = line[at..].split_whitespace().next().unwrap().to_owned();
                 base = Some(address);
                 break;
@@ -834,4 +835,67 @@ async fn a_rate_limit_answers_429_with_retry_after() {
         200,
         "health is never limited"
     );
+}
+
+/// Serves a JWKS over HTTP: the RSA key alone at first, both keys once the EC key "rotates in".
+/// Returns the URL and the count of fetches.
+async fn jwks_server(fixtures: &Path) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let full: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures.join("jwks.json")).unwrap()).unwrap();
+    let rsa_only = json!({"keys": [full["keys"][0].clone()]});
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/jwks.json", listener.local_addr().unwrap());
+    let fetches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = Arc::clone(&fetches);
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = vec![0u8; 4096];
+            let _ = socket.read(&mut request).await;
+            let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let body = if n == 0 { rsa_only.to_string() } else { full.to_string() };
+            let response = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = socket.write_all(response.as_bytes()).await;
+        }
+    });
+    (url, fetches)
+}
+
+// Multi-threaded: the JWKS server must answer while this test blocks on starting keel serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jwks_url_is_fetched_at_start_and_again_when_a_new_key_appears() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it/fixtures");
+    let (url, fetches) = jwks_server(&fixtures).await;
+    let server = Served::start(dir.path(), "memory", &[("KEEL_JWT_JWKS", url.as_str())]);
+    assert_eq!(fetches.load(std::sync::atomic::Ordering::SeqCst), 1, "fetched at start");
+    let rsa =
+        jsonwebtoken::EncodingKey::from_rsa_pem(&std::fs::read(fixtures.join("rsa.pem")).unwrap()).unwrap();
+    let ec =
+        jsonwebtoken::EncodingKey::from_ec_pem(&std::fs::read(fixtures.join("ec.pem")).unwrap()).unwrap();
+    let claims = json!({"sub": "dana", "exp": in_an_hour()});
+    let http = client();
+    let with_rsa = jwt(jsonwebtoken::Algorithm::RS256, Some("rsa-1"), &rsa, claims.clone());
+    let response = http.get(server.url("/chat/d")).bearer_auth(&with_rsa).send().await.unwrap();
+    assert_eq!(error_of(response).await, (404, "KEEL_SESSION_NOT_FOUND".to_owned()), "authenticated");
+    // The EC key is new to the server: the JWKS is fetched again, and now it verifies.
+    let with_ec = jwt(jsonwebtoken::Algorithm::ES256, Some("ec-1"), &ec, claims.clone());
+    let response = http.get(server.url("/chat/d")).bearer_auth(&with_ec).send().await.unwrap();
+    assert_eq!(
+        error_of(response).await,
+        (404, "KEEL_SESSION_NOT_FOUND".to_owned()),
+        "the rotated-in key is accepted"
+    );
+    assert_eq!(fetches.load(std::sync::atomic::Ordering::SeqCst), 2);
+    // An unknown key id does not make the server fetch again and again.
+    let unknown = jwt(jsonwebtoken::Algorithm::RS256, Some("rsa-9"), &rsa, claims);
+    for _ in 0..3 {
+        let response = http.get(server.url("/chat/d")).bearer_auth(&unknown).send().await.unwrap();
+        assert_eq!(error_of(response).await, (401, "KEEL_UNAUTHORIZED".to_owned()));
+    }
+    assert_eq!(fetches.load(std::sync::atomic::Ordering::SeqCst), 2, "refetches are rate-limited");
 }
