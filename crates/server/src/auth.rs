@@ -273,7 +273,12 @@ pub(crate) async fn authenticate(
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")))
         .map(|token| token.trim().to_owned());
-    let identity = match identify(&state, token.as_deref()).await {
+    // Anonymous callers are told apart (for the rate limit) by their address.
+    let peer = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|info| info.0.ip().to_string());
+    let identity = match identify(&state, token.as_deref(), peer).await {
         Ok(identity) => identity,
         Err(error) => return error.into_response(),
     };
@@ -294,9 +299,9 @@ pub(crate) async fn authenticate(
     next.run(request).await
 }
 
-async fn identify(state: &AppState, token: Option<&str>) -> Result<Identity, ApiError> {
+async fn identify(state: &AppState, token: Option<&str>, peer: Option<String>) -> Result<Identity, ApiError> {
     if state.api_token.is_none() && state.jwt.is_none() {
-        return Ok(Identity { owner: None, key: "anonymous".into() });
+        return Ok(Identity { owner: None, key: format!("ip:{}", peer.as_deref().unwrap_or("unknown")) });
     }
     let Some(token) = token else {
         return Err(ApiError::new(

@@ -185,6 +185,7 @@ impl Server {
                 tracing::debug!(%error, "could not set TCP_NODELAY");
             }
         });
+        let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
         let serving = axum::serve(listener, app).with_graceful_shutdown(async move {
             shutdown.await;
             tracing::info!("shutting down: no new requests; open streams end");
