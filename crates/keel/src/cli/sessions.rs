@@ -57,8 +57,10 @@ fn open(args: &StoreArgs) -> Outcome<Arc<dyn Store>> {
     keel_store::open(&args.store).map_err(|error| fail(exit::INVALID_AGENT, error.code(), &error))
 }
 
+/// A session id as `keel sessions list` prints it: a client's id, or one scoped to a JWT
+/// subject by `keel serve` (`<digest>~<id>`).
 fn session_id(id: &str) -> Outcome<SessionId> {
-    SessionId::new(id).map_err(|failure| fail(2, failure.code, failure.message))
+    SessionId::from_store(id).map_err(|failure| fail(2, failure.code, failure.message))
 }
 
 fn no_session(id: &SessionId, args: &StoreArgs) -> Stop {
