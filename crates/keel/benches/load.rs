@@ -1,7 +1,8 @@
 //! Load benchmark of `keel serve`: the real binary, driven over loopback by a light client.
 //!
 //! - **streams**: opens N live SSE streams (`GET /chat/:id/events`, one session each) and reports
-//!   the server's resident memory (VmRSS) with all of them open;
+//!   the server's resident memory (VmRSS) with all of them open: over HTTP/2 (4 connections),
+//!   then over HTTP/1.1 (a connection each, as many as the open-file limit allows);
 //! - **turns**: short turns (`POST /chat`, the mock model echoes, a new session per turn) from C
 //!   keep-alive connections for a few seconds, with the memory and then the SQLite store: turns
 //!   per second and latency percentiles (to `event: done`);
@@ -198,6 +199,43 @@ async fn streams(agent: &Path, wanted: u64) {
     drop(open);
 }
 
+/// Opens `count` live event streams over HTTP/2 (a few connections, thousands of streams on
+/// each) and reports the server's memory with all of them open.
+async fn h2_streams(agent: &Path, count: u64, connections: u64) {
+    let server = Server::start(agent, "memory");
+    let before = server.rss_kib();
+    let started = Instant::now();
+    let clients: Vec<reqwest::Client> = (0..connections)
+        .map(|_| reqwest::Client::builder().http2_prior_knowledge().build().unwrap())
+        .collect();
+    let mut open = Vec::with_capacity(count as usize);
+    let mut pending = futures::stream::FuturesUnordered::new();
+    for i in 0..count {
+        let client = &clients[(i % connections) as usize];
+        pending.push(client.get(format!("http://{}/chat/watch-{i}/events", server.address)).send());
+        // Keep a bounded number of requests in flight while opening.
+        while pending.len() >= 512 {
+            if let Some(response) = futures::StreamExt::next(&mut pending).await {
+                open.push(response);
+            }
+        }
+    }
+    while let Some(response) = futures::StreamExt::next(&mut pending).await {
+        open.push(response);
+    }
+    let answered = open.iter().filter(|r| r.as_ref().is_ok_and(|r| r.status() == 200)).count();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let during = server.rss_kib();
+    println!(
+        "streams (HTTP/2, {connections} connections): {answered} of {count} SSE streams open in {:.1?}; server RSS {:.1} MiB with them open ({:.1} MiB before, {:.2} KiB per stream)",
+        started.elapsed(),
+        during as f64 / 1024.0,
+        before as f64 / 1024.0,
+        (during.saturating_sub(before)) as f64 / answered.max(1) as f64
+    );
+    drop(open);
+}
+
 /// Short turns from `connections` keep-alive connections for `seconds`.
 async fn turns(agent: &Path, store: &str, label: &str, connections: u64, seconds: u64) {
     let server = Server::start(agent, store);
@@ -330,6 +368,7 @@ fn main() {
     );
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     runtime.block_on(async {
+        h2_streams(&agent, streams_count, 4).await;
         streams(&agent, streams_count).await;
         turns(&agent, "memory", "memory store", connections, seconds).await;
         let db = dir.path().join("turns.db");

@@ -176,24 +176,11 @@ impl Server {
             }
         });
         let closing = self.state.closing.clone();
-        let stopped = closing.clone();
-        let app = self.router();
-        // Events are small writes that must go out at once: without TCP_NODELAY, Nagle's
-        // algorithm and the client's delayed ACK hold each for ~40 ms.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |stream: &mut tokio::net::TcpStream| {
-            if let Err(error) = stream.set_nodelay(true) {
-                tracing::debug!(%error, "could not set TCP_NODELAY");
-            }
-        });
-        let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
-        let serving = axum::serve(listener, app).with_graceful_shutdown(async move {
-            shutdown.await;
-            tracing::info!("shutting down: no new requests; open streams end");
-            closing.cancel();
-        });
-        let result = serving.await;
+        let result =
+            accept_loop(listener, self.router(), shutdown, closing.clone(), self.options.shutdown_grace)
+                .await;
         // Whether the server stopped on the signal or failed, runs end at a step boundary.
-        stopped.cancel();
+        closing.cancel();
         recovery.abort();
         sweeper.abort();
         jwks_refresh.abort();
@@ -245,4 +232,64 @@ pub fn check_bind(address: &SocketAddr, options: &ServerOptions) -> Result<(), S
          and its tools. Set KEEL_API_TOKEN (clients then send `Authorization: Bearer <token>`), or listen on \
          127.0.0.1"
     ))
+}
+
+/// How many requests (event streams, mostly) one HTTP/2 connection may carry at once.
+const MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
+
+/// Serves HTTP/1.1 and HTTP/2 (cleartext, prior knowledge: thousands of event streams over a
+/// few connections) until `shutdown`; then ends the open streams (`closing`) and lets the
+/// connections finish, for up to `grace`.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    closing: CancellationToken,
+    grace: Duration,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tower::ServiceExt;
+
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder.http2().max_concurrent_streams(MAX_STREAMS_PER_CONNECTION);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of descriptors, say: wait for connections to close rather than spin.
+                    tracing::error!(%error, "cannot accept a connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        // Events are small writes that must go out at once: without TCP_NODELAY, Nagle's
+        // algorithm and the client's delayed ACK hold each for ~40 ms.
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!(%error, "could not set TCP_NODELAY");
+        }
+        let app = app.clone();
+        let service =
+            hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+                app.clone().oneshot(request)
+            });
+        let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "connection ended with an error");
+            }
+        });
+    }
+    tracing::info!("shutting down: no new requests; open streams end");
+    closing.cancel();
+    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+        tracing::warn!("connections still open at the end of the grace period");
+    }
+    Ok(())
 }

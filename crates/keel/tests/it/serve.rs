@@ -899,3 +899,36 @@ async fn a_jwks_url_is_fetched_at_start_and_again_when_a_new_key_appears() {
     }
     assert_eq!(fetches.load(std::sync::atomic::Ordering::SeqCst), 2, "refetches are rate-limited");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_carries_many_event_streams_on_one_connection() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[]);
+    let h2 = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    // 300 observers of one session, multiplexed on one HTTP/2 connection.
+    let mut observers = Vec::new();
+    for _ in 0..300 {
+        let response = h2.get(server.url("/chat/h2/events")).send().await.unwrap();
+        assert_eq!(response.version(), reqwest::Version::HTTP_2);
+        assert_eq!(response.status(), 200);
+        observers.push(response);
+    }
+    let run =
+        h2.post(server.url("/chat")).json(&json!({"sessionId": "h2", "input": "day?"})).send().await.unwrap();
+    assert_eq!(run.version(), reqwest::Version::HTTP_2);
+    let messages = read_sse(run).await;
+    assert_eq!(messages.last().unwrap().event.as_deref(), Some("done"));
+    let expected = messages.len() - 1;
+    for observer in observers {
+        let mut stream = observer.bytes_stream();
+        let mut buffer = String::new();
+        let mut seen = Vec::new();
+        while seen.len() < expected {
+            let chunk =
+                tokio::time::timeout(Duration::from_secs(10), stream.next()).await.unwrap().unwrap().unwrap();
+            buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+            seen.extend(parse_sse(&mut buffer));
+        }
+        assert_eq!(seen.last().unwrap().kind(), "run.done");
+    }
+}
