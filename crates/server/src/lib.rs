@@ -247,11 +247,14 @@ async fn accept_loop(
     closing: CancellationToken,
     grace: Duration,
 ) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     use tower::ServiceExt;
 
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    builder.http2().max_concurrent_streams(MAX_STREAMS_PER_CONNECTION);
+    // The timer arms hyper's header-read timeout (30 s): a client that sends its request
+    // headers a byte at a time cannot hold a connection forever.
+    builder.http1().timer(TokioTimer::new());
+    builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_STREAMS_PER_CONNECTION);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
