@@ -248,6 +248,9 @@ pub trait Store: Send + Sync {
         session: Option<&'a SessionId>,
     ) -> BoxFuture<'a, Result<Vec<PendingInput>, StoreError>>;
 
+    /// The pending input `id`, if it is pending.
+    fn pending_input<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<PendingInput>, StoreError>>;
+
     /// Records a human's decision, atomically: the pending input `id` is removed, the decision
     /// is journaled as its step, and a run paused in `awaiting_input` becomes `running` with an
     /// expired lease (so any process may re-drive it; [`Store::interrupted_runs`] lists it).

@@ -184,8 +184,7 @@ pub async fn record_decision(
     decision: Decision,
 ) -> Result<PendingInput, RunFailure> {
     let failure = |error: keel_core::StoreError| RunFailure::new(error.code(), error.to_string());
-    let pending = store.pending_inputs(None).await.map_err(failure)?;
-    let Some(found) = pending.into_iter().find(|p| p.id == id) else {
+    let Some(found) = store.pending_input(id).await.map_err(failure)? else {
         return Err(failure(keel_core::StoreError::not_pending(id)));
     };
     keel_core::human::check_decision(&found, &decision)?;

@@ -331,8 +331,9 @@ pub(crate) async fn decide(
             ));
         }
     };
-    let pending = state.engine.pending(Some(&session)).await?;
-    let Some(pending) = pending.into_iter().find(|p| p.id == id) else {
+    // Another session's (another user's) approval is "not pending" here, like an unknown one.
+    let pending = state.engine.store().pending_input(&id).await?.filter(|p| p.session_id == session);
+    let Some(pending) = pending else {
         return Err(keel_core::StoreError::not_pending(&id).into());
     };
     check_decision(&pending, &decision)?;

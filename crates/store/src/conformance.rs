@@ -387,6 +387,8 @@ pub async fn pending_inputs_are_decided_once(store: &dyn Store) {
     store.commit_step(pause).await.unwrap();
     assert_eq!(store.pending_inputs(Some(&session)).await.unwrap(), both, "pending inputs round trip");
     assert_eq!(store.pending_inputs(None).await.unwrap(), both);
+    assert_eq!(store.pending_input(&question.id).await.unwrap().as_ref(), Some(&question));
+    assert_eq!(store.pending_input("qu_nope").await.unwrap(), None);
     let other = SessionId::new("conformance-none").unwrap();
     assert!(store.pending_inputs(Some(&other)).await.unwrap().is_empty());
     assert_eq!(store.load_run(&record.run_id).await.unwrap().unwrap().state, RunState::AwaitingInput);

@@ -341,6 +341,10 @@ impl Store for MemoryStore {
         ready(Ok(pending.into_iter().map(|(_, p)| p.clone()).collect()))
     }
 
+    fn pending_input<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<PendingInput>, StoreError>> {
+        ready(Ok(self.lock().pending.get(id).map(|(_, p)| p.clone())))
+    }
+
     fn decide<'a>(
         &'a self,
         id: &'a str,

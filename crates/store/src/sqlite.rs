@@ -267,6 +267,19 @@ impl SqliteStore {
         self.connection.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The pending input `id`, read with the reader connection.
+    fn find_pending(&self, id: &str) -> Result<Option<PendingInput>, StoreError> {
+        let connection = self.lock();
+        let row = connection
+            .prepare_cached(
+                "SELECT id, run_id, session_id, call_id, body, created_at, expires_at FROM pending_inputs
+                 WHERE id = ?1",
+            )
+            .and_then(|mut s| s.query_row([id], pending_from_row).optional())
+            .map_err(map_error)?;
+        row.transpose()
+    }
+
     /// Queues a write for the writer thread and waits for its commit.
     fn submit(&self, work: Work) -> BoxFuture<'static, Result<u64, StoreError>> {
         let (reply, answer) = tokio::sync::oneshot::channel();
@@ -575,6 +588,10 @@ impl Store for SqliteStore {
         ready(result)
     }
 
+    fn pending_input<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<PendingInput>, StoreError>> {
+        ready(self.find_pending(id))
+    }
+
     fn decide<'a>(
         &'a self,
         id: &'a str,
@@ -582,20 +599,10 @@ impl Store for SqliteStore {
     ) -> BoxFuture<'a, Result<PendingInput, StoreError>> {
         // Read the pending input first: rows never change, they are only deleted, and the write
         // below deletes it only if it is still there, so two racing decisions cannot both win.
-        let found = {
-            let connection = self.lock();
-            connection
-                .prepare_cached(
-                    "SELECT id, run_id, session_id, call_id, body, created_at, expires_at FROM pending_inputs
-                     WHERE id = ?1",
-                )
-                .and_then(|mut s| s.query_row([id], pending_from_row).optional())
-                .map_err(map_error)
-        };
-        let pending = match found {
-            Ok(Some(Ok(pending))) => pending,
-            Ok(Some(Err(error))) | Err(error) => return ready(Err(error)),
+        let pending = match self.find_pending(id) {
+            Ok(Some(pending)) => pending,
             Ok(None) => return ready(Err(StoreError::not_pending(id))),
+            Err(error) => return ready(Err(error)),
         };
         let entry = JournalEntry { step: pending.step(), record: JournalRecord::Decision(decision.clone()) };
         let run = pending.run_id.clone();
