@@ -301,7 +301,7 @@ impl Driver {
                 // Nothing runs and only humans can move the run on: cancel or pause.
                 None if tools.is_empty() && self.cancel.is_cancelled() => (Input::Cancel, None),
                 None if tools.is_empty() && !waiting.is_empty() => {
-                    match Box::pin(self.pause(&machine, &mut waiting)).await? {
+                    match Box::pin(self.pause(&mut waiting)).await? {
                         Pause::Paused(pending) => return Ok(self.paused_result(&machine, pending)),
                         Pause::Decided(decisions) => {
                             inputs.extend(decisions.into_iter().map(|input| (input, None)));
@@ -389,6 +389,26 @@ impl Driver {
         }
     }
 
+    /// A commit of this run under its lease that writes nothing yet, to fill in.
+    fn bare_commit(&self) -> StepCommit<'_> {
+        StepCommit {
+            session: &self.session,
+            run: &self.run_id,
+            new_run: None,
+            fence: self.epoch.map(|epoch| Fence {
+                owner: &self.shared.owner,
+                epoch,
+                ttl: self.shared.lease_ttl,
+            }),
+            entry: None,
+            first_position: 0,
+            messages: &[],
+            state: None,
+            pending: &[],
+            session_state: None,
+        }
+    }
+
     /// Writes what a step produced (journal entry, messages, new state) in one store commit.
     async fn commit(
         &mut self,
@@ -404,20 +424,13 @@ impl Driver {
             return Ok(());
         }
         let commit = StepCommit {
-            session: &self.session,
-            run: &self.run_id,
             new_run: new_run.as_ref(),
-            fence: self.epoch.map(|epoch| Fence {
-                owner: &self.shared.owner,
-                epoch,
-                ttl: self.shared.lease_ttl,
-            }),
             entry: entry.as_ref(),
             first_position: first_position as u64,
             messages: &machine.transcript()[first_position..first_position + count],
             state,
-            pending: &[],
             session_state: session_state.as_ref(),
+            ..self.bare_commit()
         };
         let step = entry.as_ref().map(|e| &e.step);
         if let Some(step) = step {
@@ -450,22 +463,7 @@ impl Driver {
             created_at_ms: now,
             expires_at_ms: now.saturating_add(timeout),
         };
-        let commit = StepCommit {
-            session: &self.session,
-            run: &self.run_id,
-            new_run: None,
-            fence: self.epoch.map(|epoch| Fence {
-                owner: &self.shared.owner,
-                epoch,
-                ttl: self.shared.lease_ttl,
-            }),
-            entry: None,
-            first_position: 0,
-            messages: &[],
-            state: None,
-            pending: std::slice::from_ref(&asked),
-            session_state: None,
-        };
+        let commit = StepCommit { pending: std::slice::from_ref(&asked), ..self.bare_commit() };
         self.shared.store.commit_step(commit).await.map_err(store_failure)?;
         self.emit(match &asked.kind {
             PendingKind::Approval { tool, input } => Event::ApprovalRequested {
@@ -484,31 +482,13 @@ impl Driver {
     /// Pauses the run for the humans it waits for: the state `awaiting_input`, which releases
     /// the lease (the pending inputs were stored when asked; storing them again is a no-op). A
     /// decision that arrived while the run was still busy continues the run at once.
-    async fn pause(
-        &mut self,
-        machine: &Machine,
-        waiting: &mut Vec<PendingInput>,
-    ) -> Result<Pause, RunFailure> {
+    async fn pause(&mut self, waiting: &mut Vec<PendingInput>) -> Result<Pause, RunFailure> {
         let store = Arc::clone(&self.shared.store);
         let step = waiting[0].step();
         crate::fault::point("before_commit", &step);
-        let commit = StepCommit {
-            session: &self.session,
-            run: &self.run_id,
-            // The run was stored with its input, before its first model call.
-            new_run: None,
-            fence: self.epoch.map(|epoch| Fence {
-                owner: &self.shared.owner,
-                epoch,
-                ttl: self.shared.lease_ttl,
-            }),
-            entry: None,
-            first_position: 0,
-            messages: &machine.transcript()[..0],
-            state: Some(RunState::AwaitingInput),
-            pending: waiting,
-            session_state: None,
-        };
+        // The run was stored with its input, before its first model call: no new run here.
+        let commit =
+            StepCommit { state: Some(RunState::AwaitingInput), pending: waiting, ..self.bare_commit() };
         store.commit_step(commit).await.map_err(store_failure)?;
         crate::fault::point("after_commit", &step);
 
@@ -527,18 +507,7 @@ impl Driver {
                 store.claim_run(&self.run_id, &shared.owner, shared.lease_ttl).await.map_err(store_failure)?
             {
                 self.epoch = Some(epoch);
-                let resume = StepCommit {
-                    session: &self.session,
-                    run: &self.run_id,
-                    new_run: None,
-                    fence: Some(Fence { owner: &shared.owner, epoch, ttl: shared.lease_ttl }),
-                    entry: None,
-                    first_position: 0,
-                    messages: &[],
-                    state: Some(RunState::Running),
-                    pending: &[],
-                    session_state: None,
-                };
+                let resume = StepCommit { state: Some(RunState::Running), ..self.bare_commit() };
                 store.commit_step(resume).await.map_err(store_failure)?;
                 return Ok(Pause::Decided(decisions));
             }
