@@ -371,8 +371,14 @@ impl Engine {
 
     /// Keeps recovering interrupted runs in the background: now, then every `every`. For
     /// long-lived processes (a server): a run whose process died is taken over once its lease
-    /// expires. Recovered runs go on in their own tasks; stop the loop by aborting the handle.
-    pub fn recover_periodically(&self, every: std::time::Duration) -> tokio::task::JoinHandle<()> {
+    /// expires, and a paused run once a human decided it. Each re-driven run's handle goes to
+    /// `on_run` (a server forwards its events to observers; dropping it is fine: the run goes on
+    /// and its outcome is in the store). Stop the loop by aborting the returned task.
+    pub fn recover_periodically(
+        &self,
+        every: std::time::Duration,
+        on_run: impl Fn(RunHandle) + Send + Sync + 'static,
+    ) -> tokio::task::JoinHandle<()> {
         let engine = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
@@ -383,8 +389,7 @@ impl Engine {
                     Ok(handles) => {
                         for handle in handles {
                             tracing::info!(run = %handle.run_id(), "re-driving an interrupted run");
-                            // The run goes on without its handle; its outcome is in the store.
-                            drop(handle);
+                            on_run(handle);
                         }
                     }
                     Err(failure) => tracing::warn!(%failure, "could not look for interrupted runs"),

@@ -623,7 +623,7 @@ fn a_long_lived_process_takes_over_runs_of_a_dead_one_by_itself() {
     second.block_on(async {
         let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::default(), Arc::clone(&slow_runs))];
         let engine = Engine::new(agent(tools, |_| {}), provider.clone(), store.clone());
-        let recovery = engine.recover_periodically(Duration::from_millis(50));
+        let recovery = engine.recover_periodically(Duration::from_millis(50), drop);
         for _ in 0..100 {
             tokio::time::sleep(Duration::from_millis(20)).await;
             if store.load_messages(&session("s")).await.unwrap().len() == 6 {

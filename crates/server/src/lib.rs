@@ -149,7 +149,10 @@ impl Server {
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let engine = self.state.engine.clone();
-        let recovery = self.recover_periodically();
+        // Re-driven runs (after a crash, or decided elsewhere) reach their sessions' observers.
+        let feeds = Arc::clone(&self.state.feeds);
+        let recovery =
+            engine.recover_periodically(self.options.recover_every, move |run| feeds.forward_recovered(run));
         let feeds = Arc::clone(&self.state.feeds);
         let swept = Arc::clone(&self.state);
         let sweeper = tokio::spawn(async move {
@@ -192,31 +195,6 @@ impl Server {
             );
         }
         result
-    }
-}
-
-impl Server {
-    /// Re-drives interrupted runs (and runs whose approvals were decided elsewhere) now and
-    /// then periodically, forwarding their events to their sessions' observers.
-    fn recover_periodically(&self) -> tokio::task::JoinHandle<()> {
-        let state = Arc::clone(&self.state);
-        let every = self.options.recover_every;
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                match state.engine.recover(None).await {
-                    Ok(handles) => {
-                        for handle in handles {
-                            tracing::info!(run = %handle.run_id(), "re-driving an interrupted run");
-                            state.feeds.forward_recovered(handle);
-                        }
-                    }
-                    Err(failure) => tracing::warn!(%failure, "could not look for interrupted runs"),
-                }
-            }
-        })
     }
 }
 
