@@ -20,17 +20,7 @@ if [ ! -d "$modules/node_modules/playwright-core" ]; then
   mkdir -p "$modules"
   (cd "$modules" && npm install --silent --no-audit --no-fund --no-save playwright-core@1 > /dev/null)
 fi
-cargo build --quiet -p keel
-work=$(mktemp -d)
 token="browser-$RANDOM-$RANDOM"
-KEEL_API_TOKEN="$token" KEEL_LOG=error target/debug/keel serve tests/browser/agent \
-  --store "sqlite:$work/keel.db" --port 0 2> "$work/serve.log" &
-server=$!
-trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$work"' EXIT
-for _ in $(seq 100); do
-  address=$(grep -o 'http://[0-9.:]*' "$work/serve.log" || true)
-  [ -n "$address" ] && break
-  sleep 0.1
-done
-[ -n "$address" ] || { cat "$work/serve.log"; exit 1; }
+. scripts/serve-for-test.sh
+start_keel_serve tests/browser/agent "$token"
 CHROMIUM="$chromium" node tests/browser/playground.mjs "$address" "$token" "$PWD/$modules/node_modules"

@@ -15,19 +15,9 @@ if [ ! -x "$venv/bin/st" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet "schemathesis==4.32.5"
 fi
-cargo build --quiet -p keel
-work=$(mktemp -d)
 token="fuzz-$RANDOM-$RANDOM"
-KEEL_API_TOKEN="$token" KEEL_LOG=error target/debug/keel serve examples/assistant \
-  --store "sqlite:$work/keel.db" --port 0 2> "$work/serve.log" &
-server=$!
-trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$work"' EXIT
-for _ in $(seq 100); do
-  address=$(grep -o 'http://[0-9.:]*' "$work/serve.log" || true)
-  [ -n "$address" ] && break
-  sleep 0.1
-done
-[ -n "$address" ] || { cat "$work/serve.log"; exit 1; }
+. scripts/serve-for-test.sh
+start_keel_serve examples/assistant "$token"
 "$venv/bin/st" run "$address/openapi.json" \
   --header "Authorization: Bearer $token" \
   --checks all \
