@@ -133,6 +133,45 @@ impl RetryPolicy {
     }
 }
 
+/// How to talk to the model's provider (spec key `provider`). Every field is optional; the
+/// provider's own defaults apply to what is not set.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ProviderSettings {
+    /// The API's base URL (`https://api.openai.com/v1`, `http://127.0.0.1:11434`...). Wins over
+    /// the provider's variable (`OPENAI_BASE_URL`, `ANTHROPIC_BASE_URL`, `OLLAMA_HOST`,
+    /// `OPENROUTER_BASE_URL`).
+    pub base_url: Option<String>,
+    /// The most tokens one reply may have (Anthropic requires one: 4096 when unset).
+    pub max_tokens: Option<u32>,
+    /// Sampling temperature.
+    pub temperature: Option<f64>,
+    /// Whether and which tools the model must call.
+    pub tool_choice: ToolChoice,
+    /// Whether the model may ask for several tool calls in one reply (the provider's default
+    /// when unset).
+    pub parallel_tool_calls: Option<bool>,
+    /// Extended thinking: the token budget of Anthropic's `thinking` (off when unset).
+    pub thinking_budget: Option<u32>,
+    /// OpenAI's `reasoning_effort` for reasoning models (`low`, `medium`, `high`...).
+    pub reasoning_effort: Option<String>,
+    /// Extra HTTP headers sent with every request (a proxy's auth, OpenRouter's `HTTP-Referer`).
+    pub headers: Vec<(String, String)>,
+}
+
+/// Whether and which tools the model must call (`provider.tool_choice`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// The model decides (the default).
+    #[default]
+    Auto,
+    /// The model may not call tools.
+    None,
+    /// The model must call some tool.
+    Required,
+    /// The model must call this tool.
+    Tool(String),
+}
+
 /// A JSON Schema for the final answer, compiled once.
 pub struct OutputSchema {
     schema: Value,

@@ -37,6 +37,19 @@ pub enum ErrorCode {
     ProviderBadRequest,
     /// The model names a provider this build cannot reach, or one that is not configured.
     ProviderUnavailable,
+    /// The provider's API key variable is not set.
+    ProviderKeyMissing,
+    /// The provider accepted the credentials but refused access (HTTP 403).
+    ProviderPermission,
+    /// The provider does not know the model or the endpoint (HTTP 404).
+    ProviderNotFound,
+    /// The conversation is longer than the model's context window.
+    ProviderContextTooLong,
+    /// The provider is overloaded (HTTP 529, or 503); may be transient.
+    ProviderOverloaded,
+    /// The provider answered something that is not its protocol (HTML, a truncated or malformed
+    /// stream, an error inside a 200).
+    ProviderBadResponse,
     /// The model called a tool the agent does not have.
     ToolNotFound,
     /// The model's tool input does not match the tool's JSON Schema.
@@ -116,6 +129,12 @@ impl ErrorCode {
         ErrorCode::ProviderAuth,
         ErrorCode::ProviderBadRequest,
         ErrorCode::ProviderUnavailable,
+        ErrorCode::ProviderKeyMissing,
+        ErrorCode::ProviderPermission,
+        ErrorCode::ProviderNotFound,
+        ErrorCode::ProviderContextTooLong,
+        ErrorCode::ProviderOverloaded,
+        ErrorCode::ProviderBadResponse,
         ErrorCode::ToolNotFound,
         ErrorCode::ToolInputInvalid,
         ErrorCode::ToolTimeout,
@@ -164,6 +183,12 @@ impl ErrorCode {
             ErrorCode::ProviderAuth => "KEEL_PROVIDER_AUTH",
             ErrorCode::ProviderBadRequest => "KEEL_PROVIDER_BAD_REQUEST",
             ErrorCode::ProviderUnavailable => "KEEL_PROVIDER_UNAVAILABLE",
+            ErrorCode::ProviderKeyMissing => "KEEL_PROVIDER_KEY_MISSING",
+            ErrorCode::ProviderPermission => "KEEL_PROVIDER_PERMISSION",
+            ErrorCode::ProviderNotFound => "KEEL_PROVIDER_NOT_FOUND",
+            ErrorCode::ProviderContextTooLong => "KEEL_PROVIDER_CONTEXT_TOO_LONG",
+            ErrorCode::ProviderOverloaded => "KEEL_PROVIDER_OVERLOADED",
+            ErrorCode::ProviderBadResponse => "KEEL_PROVIDER_BAD_RESPONSE",
             ErrorCode::ToolNotFound => "KEEL_TOOL_NOT_FOUND",
             ErrorCode::ToolInputInvalid => "KEEL_TOOL_INPUT_INVALID",
             ErrorCode::ToolTimeout => "KEEL_TOOL_TIMEOUT",

@@ -95,6 +95,26 @@ pub enum Event {
         /// The new text.
         delta: String,
     },
+    /// A piece of the model's reasoning ("thinking"), as it streams, for models that show it.
+    ReasoningDelta {
+        /// The new text.
+        delta: String,
+    },
+    /// The model call of this turn failed and is tried again as a whole: the text and
+    /// reasoning deltas streamed since the turn's `turn.start` are void and will come again.
+    /// Only the attempt that succeeds reaches the transcript.
+    TurnRetry {
+        /// The turn being retried.
+        turn: u32,
+        /// The attempt about to start (2 for the first retry).
+        attempt: u32,
+        /// Why the last attempt failed.
+        code: ErrorCode,
+        /// What went wrong.
+        message: String,
+        /// How long keel waits before the attempt.
+        wait: std::time::Duration,
+    },
     /// A tool call is starting.
     ToolStart {
         /// The call id.

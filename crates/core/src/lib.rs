@@ -29,7 +29,7 @@ pub mod wire;
 
 pub use agent::{
     AgentDef, CommandToolDef, Concurrency, Limits, MockEntry, MockFailure, MockScript, MockToolCall,
-    RetryPolicy,
+    ProviderSettings, RetryPolicy, ToolChoice,
 };
 pub use error::{ErrorCode, RunFailure};
 pub use event::{Event, StopReason, Usage};

@@ -209,6 +209,12 @@ impl Machine {
         self.usage
     }
 
+    /// The number of the current turn (the model call in progress, or the last one made),
+    /// as `turn.start` showed it.
+    pub fn turn(&self) -> u32 {
+        self.turns.saturating_sub(1)
+    }
+
     /// Whether the run is over.
     pub fn is_finished(&self) -> bool {
         self.phase == Phase::Finished
@@ -317,6 +323,15 @@ impl Machine {
                         "unknown tool `{}`; available tools: {}",
                         call.name,
                         if available.is_empty() { "none".into() } else { available.join(", ") }
+                    ),
+                    false,
+                ))
+            } else if let Some(problem) = unparsed_arguments(&call.input) {
+                Some(ToolError::with_code(
+                    ErrorCode::ToolInputInvalid,
+                    format!(
+                        "the arguments for `{}` are not valid JSON ({problem}); send a JSON object that matches the tool's input schema",
+                        call.name
                     ),
                     false,
                 ))
@@ -646,4 +661,11 @@ fn strip_code_fence(text: &str) -> &str {
     };
     let inner = inner.strip_prefix("json").unwrap_or(inner);
     inner.strip_suffix("```").unwrap_or(inner).trim()
+}
+
+/// Why a tool call's arguments are not JSON, when a provider kept them as raw text (see
+/// [`crate::message::ToolCall::input`]).
+fn unparsed_arguments(input: &Value) -> Option<String> {
+    let Value::String(raw) = input else { return None };
+    serde_json::from_str::<Value>(raw).err().map(|error| error.to_string())
 }

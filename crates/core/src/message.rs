@@ -52,10 +52,28 @@ pub enum Part {
         /// The file's bytes.
         data: Arc<[u8]>,
     },
+    /// The model's reasoning ("thinking") before its answer, kept so that it can be sent back:
+    /// some providers require it during tool use (Anthropic checks the `signature`).
+    Reasoning(Reasoning),
     /// A tool call requested by the model.
     ToolCall(ToolCall),
     /// The result of a tool call.
     ToolResult(ToolResult),
+}
+
+/// A model's reasoning, as the provider returned it.
+///
+/// The transcript stays provider-neutral: reasoning with a `signature` or `redacted` payload is
+/// sent back only to a provider that checks them (the one that made them); other providers get
+/// the text, or nothing when they take no reasoning.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Reasoning {
+    /// The reasoning text (empty when the provider redacted it).
+    pub text: String,
+    /// The provider's proof that the text is its own (Anthropic's `signature`).
+    pub signature: Option<String>,
+    /// Reasoning the provider encrypted (Anthropic's `redacted_thinking` `data`), sent back as is.
+    pub redacted: Option<String>,
 }
 
 /// A model's request to call a tool.
@@ -65,7 +83,8 @@ pub struct ToolCall {
     pub call_id: String,
     /// The tool's name.
     pub name: String,
-    /// The input the model gave, as JSON.
+    /// The input the model gave, as JSON. Arguments that were not valid JSON are kept as a JSON
+    /// string of the raw text, so that the tool call fails validation and the model can repair it.
     pub input: Value,
 }
 

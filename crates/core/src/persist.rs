@@ -25,7 +25,7 @@ use crate::error::ErrorCode;
 use crate::event::Usage;
 use crate::human::{Decision, PendingKind};
 use crate::journal::JournalRecord;
-use crate::message::{Message, Part, Role, ToolCall, ToolResult};
+use crate::message::{Message, Part, Reasoning, Role, ToolCall, ToolResult};
 use crate::provider::ModelReply;
 use crate::tool::ToolError;
 
@@ -55,6 +55,14 @@ enum PartV1 {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         name: Option<String>,
         data: String,
+    },
+    Reasoning {
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        text: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signature: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        redacted: Option<String>,
     },
     ToolCall {
         call_id: String,
@@ -153,6 +161,11 @@ fn part_to_v1(part: &Part) -> PartV1 {
         Part::File { media_type, name, data } => {
             PartV1::File { media_type: media_type.clone(), name: name.clone(), data: BASE64.encode(data) }
         }
+        Part::Reasoning(reasoning) => PartV1::Reasoning {
+            text: reasoning.text.clone(),
+            signature: reasoning.signature.clone(),
+            redacted: reasoning.redacted.clone(),
+        },
         Part::ToolCall(call) => PartV1::ToolCall {
             call_id: call.call_id.clone(),
             name: call.name.clone(),
@@ -178,6 +191,9 @@ fn part_from_v1(part: PartV1, what: &'static str) -> Result<Part, DecodeError> {
         PartV1::Text { text } => Part::Text(text),
         PartV1::Image { media_type, data } => Part::Image { data: bytes(&data)?, media_type },
         PartV1::File { media_type, name, data } => Part::File { data: bytes(&data)?, media_type, name },
+        PartV1::Reasoning { text, signature, redacted } => {
+            Part::Reasoning(Reasoning { text, signature, redacted })
+        }
         PartV1::ToolCall { call_id, name, input } => Part::ToolCall(ToolCall { call_id, name, input }),
         PartV1::ToolResult { call_id, name, output, is_error } => {
             Part::ToolResult(ToolResult { call_id, name, output, is_error })
@@ -333,6 +349,16 @@ mod tests {
                     name: Some("a.csv".into()),
                     data: b"a,b".to_vec().into(),
                 },
+                Part::Reasoning(Reasoning {
+                    text: "Adding.".into(),
+                    signature: Some("sig".into()),
+                    redacted: None,
+                }),
+                Part::Reasoning(Reasoning {
+                    text: String::new(),
+                    signature: None,
+                    redacted: Some("ENC".into()),
+                }),
                 Part::ToolCall(ToolCall { call_id: "c1".into(), name: "add".into(), input: json!({"a": 2}) }),
                 Part::ToolResult(ToolResult {
                     call_id: "c1".into(),
@@ -353,7 +379,7 @@ mod tests {
     #[test]
     fn the_v1_format_is_stable() {
         // A golden record: if this changes, stored data written by earlier builds breaks.
-        expect_test::expect![[r#"{"v":1,"role":"assistant","parts":[{"type":"text","text":"Hi"},{"type":"image","media_type":"image/png","data":"AJ//"},{"type":"file","media_type":"text/csv","name":"a.csv","data":"YSxi"},{"type":"tool_call","call_id":"c1","name":"add","input":{"a":2}},{"type":"tool_result","call_id":"c1","name":"add","output":5,"is_error":false}]}"#]]
+        expect_test::expect![[r#"{"v":1,"role":"assistant","parts":[{"type":"text","text":"Hi"},{"type":"image","media_type":"image/png","data":"AJ//"},{"type":"file","media_type":"text/csv","name":"a.csv","data":"YSxi"},{"type":"reasoning","text":"Adding.","signature":"sig"},{"type":"reasoning","redacted":"ENC"},{"type":"tool_call","call_id":"c1","name":"add","input":{"a":2}},{"type":"tool_result","call_id":"c1","name":"add","output":5,"is_error":false}]}"#]]
             .assert_eq(&encode_message(&sample_message()));
         let failed =
             JournalRecord::ToolResult(Err(ToolError::with_code(ErrorCode::ToolTimeout, "timed out", true)));

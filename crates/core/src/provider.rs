@@ -46,8 +46,11 @@ pub struct ModelReply {
 
 /// Receives text as the model streams it. Called on the task driving the run.
 pub trait DeltaSink: Send {
-    /// A new piece of text.
+    /// A new piece of the answer's text.
     fn text_delta(&mut self, delta: &str);
+
+    /// A new piece of the model's reasoning (thinking), for models that show it.
+    fn reasoning_delta(&mut self, _delta: &str) {}
 }
 
 /// A sink that drops every delta (for callers that only want the final reply).
@@ -58,22 +61,32 @@ impl DeltaSink for DiscardDeltas {
 }
 
 /// What kind of failure a provider had; decides whether the runtime retries.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ProviderErrorKind {
-    /// Too many requests; retry after the given wait when the provider said one.
-    RateLimited {
-        /// The provider's `Retry-After`, when given.
-        retry_after: Option<Duration>,
-    },
-    /// A server error, a dropped connection or a malformed stream: worth retrying.
+    /// Too many requests (HTTP 429). Transient.
+    RateLimited,
+    /// The provider is overloaded (Anthropic's 529, HTTP 503). Transient.
+    Overloaded,
+    /// A server error (HTTP 5xx, 409) or a dropped connection. Transient.
     Transient,
-    /// The call took longer than `limits.provider_timeout`.
+    /// The call took longer than `limits.provider_timeout`, or the provider said 408. Transient.
     Timeout,
-    /// The credentials were rejected.
+    /// The answer did not follow the provider's protocol (HTML, a truncated or malformed stream,
+    /// an error inside a 200). Transient: the turn is tried again as a whole.
+    BadResponse,
+    /// The credentials were rejected (HTTP 401).
     Auth,
+    /// The credentials lack access (HTTP 403).
+    Permission,
+    /// The model or endpoint does not exist (HTTP 404).
+    NotFound,
+    /// The conversation does not fit the model's context window.
+    ContextTooLong,
     /// The request was rejected as invalid: retrying will not help.
     BadRequest,
+    /// The provider's API key variable is not set (found before any request).
+    KeyMissing,
     /// The provider is not available in this build or not configured.
     Unavailable,
 }
@@ -88,42 +101,68 @@ pub struct ProviderError {
     pub status: Option<u16>,
     /// What went wrong (never contains credentials).
     pub message: String,
+    /// How long the provider asked to wait before trying again (`Retry-After`,
+    /// `retry-after-ms`), when it said.
+    pub retry_after: Option<Duration>,
 }
 
 impl ProviderError {
-    /// Classifies an HTTP status the way every provider adapter does.
+    /// Classifies an HTTP status the way every provider adapter does. Adapters refine the
+    /// kind from the error body (a context-window error is a 400 on most providers).
     pub fn from_status(status: u16, message: impl Into<String>) -> ProviderError {
         let kind = match status {
-            429 => ProviderErrorKind::RateLimited { retry_after: None },
-            401 | 403 => ProviderErrorKind::Auth,
+            401 => ProviderErrorKind::Auth,
+            403 => ProviderErrorKind::Permission,
+            404 => ProviderErrorKind::NotFound,
             408 => ProviderErrorKind::Timeout,
+            409 => ProviderErrorKind::Transient,
+            413 => ProviderErrorKind::ContextTooLong,
+            429 => ProviderErrorKind::RateLimited,
+            503 | 529 => ProviderErrorKind::Overloaded,
             400..=499 => ProviderErrorKind::BadRequest,
             _ => ProviderErrorKind::Transient,
         };
-        ProviderError { kind, status: Some(status), message: message.into() }
+        ProviderError { kind, status: Some(status), message: message.into(), retry_after: None }
     }
 
     /// A failure of the given kind with no HTTP status.
     pub fn new(kind: ProviderErrorKind, message: impl Into<String>) -> ProviderError {
-        ProviderError { kind, status: None, message: message.into() }
+        ProviderError { kind, status: None, message: message.into(), retry_after: None }
+    }
+
+    /// The same error, with the wait the provider asked for.
+    #[must_use]
+    pub fn with_retry_after(mut self, retry_after: Option<Duration>) -> ProviderError {
+        self.retry_after = retry_after;
+        self
     }
 
     /// Whether retrying may succeed.
     pub fn is_transient(&self) -> bool {
         matches!(
             self.kind,
-            ProviderErrorKind::RateLimited { .. } | ProviderErrorKind::Transient | ProviderErrorKind::Timeout
+            ProviderErrorKind::RateLimited
+                | ProviderErrorKind::Overloaded
+                | ProviderErrorKind::Transient
+                | ProviderErrorKind::Timeout
+                | ProviderErrorKind::BadResponse
         )
     }
 
     /// The stable code of this failure.
     pub fn code(&self) -> ErrorCode {
         match self.kind {
-            ProviderErrorKind::RateLimited { .. } => ErrorCode::ProviderRateLimited,
+            ProviderErrorKind::RateLimited => ErrorCode::ProviderRateLimited,
+            ProviderErrorKind::Overloaded => ErrorCode::ProviderOverloaded,
             ProviderErrorKind::Transient => ErrorCode::ProviderError,
             ProviderErrorKind::Timeout => ErrorCode::ProviderTimeout,
+            ProviderErrorKind::BadResponse => ErrorCode::ProviderBadResponse,
             ProviderErrorKind::Auth => ErrorCode::ProviderAuth,
+            ProviderErrorKind::Permission => ErrorCode::ProviderPermission,
+            ProviderErrorKind::NotFound => ErrorCode::ProviderNotFound,
+            ProviderErrorKind::ContextTooLong => ErrorCode::ProviderContextTooLong,
             ProviderErrorKind::BadRequest => ErrorCode::ProviderBadRequest,
+            ProviderErrorKind::KeyMissing => ErrorCode::ProviderKeyMissing,
             ProviderErrorKind::Unavailable => ErrorCode::ProviderUnavailable,
         }
     }

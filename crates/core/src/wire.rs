@@ -49,6 +49,10 @@ enum EventJson<'a> {
     TurnStart { turn: u32 },
     #[serde(rename = "text.delta")]
     TextDelta { delta: &'a str },
+    #[serde(rename = "reasoning.delta")]
+    ReasoningDelta { delta: &'a str },
+    #[serde(rename = "turn.retry", rename_all = "camelCase")]
+    TurnRetry { turn: u32, attempt: u32, code: &'static str, message: &'a str, wait_ms: u64 },
     #[serde(rename = "tool.start", rename_all = "camelCase")]
     ToolStart { call_id: &'a str, name: &'a str, input: &'a Value },
     #[serde(rename = "tool.done", rename_all = "camelCase")]
@@ -79,6 +83,8 @@ pub fn event_type(event: &Event) -> &'static str {
         Event::RunStart { .. } => "run.start",
         Event::TurnStart { .. } => "turn.start",
         Event::TextDelta { .. } => "text.delta",
+        Event::ReasoningDelta { .. } => "reasoning.delta",
+        Event::TurnRetry { .. } => "turn.retry",
         Event::ToolStart { .. } => "tool.start",
         Event::ToolDone { .. } => "tool.done",
         Event::ToolError { .. } => "tool.error",
@@ -99,6 +105,14 @@ pub fn event_to_json(event: &Event) -> String {
         }
         Event::TurnStart { turn } => EventJson::TurnStart { turn: *turn },
         Event::TextDelta { delta } => EventJson::TextDelta { delta },
+        Event::ReasoningDelta { delta } => EventJson::ReasoningDelta { delta },
+        Event::TurnRetry { turn, attempt, code, message, wait } => EventJson::TurnRetry {
+            turn: *turn,
+            attempt: *attempt,
+            code: code.as_str(),
+            message,
+            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+        },
         Event::ToolStart { call_id, name, input } => EventJson::ToolStart { call_id, name, input },
         Event::ToolDone { call_id, output } => EventJson::ToolDone { call_id, output },
         Event::ToolError { call_id, error } => EventJson::ToolError { call_id, error },
@@ -119,7 +133,7 @@ pub fn event_to_json(event: &Event) -> String {
 }
 
 /// A message as the HTTP API shows it: `{ "role", "content": [parts] }`, parts camelCase:
-/// `{type:"text",text}`, `{type:"image",mediaType,data}` and `{type:"file",mediaType,name?,data}`
+/// `{type:"text",text}`, `{type:"reasoning",text}`, `{type:"image",mediaType,data}` and `{type:"file",mediaType,name?,data}`
 /// (data in base64), `{type:"toolCall",callId,name,input}`,
 /// `{type:"toolResult",callId,name,output,isError}`.
 pub fn message_to_json(message: &Message) -> Value {
@@ -145,6 +159,11 @@ pub fn message_to_json(message: &Message) -> Value {
                     file["name"] = Value::String(name.clone());
                 }
                 file
+            }
+            Part::Reasoning(reasoning) => {
+                // The signature and redacted payload are the provider's business, not the
+                // client's: only the readable text is shown.
+                json!({ "type": "reasoning", "text": reasoning.text })
             }
             Part::ToolCall(call) => {
                 json!({ "type": "toolCall", "callId": call.call_id, "name": call.name, "input": call.input })
@@ -198,6 +217,14 @@ mod tests {
             Event::RunStart { run_id: RunId::from_suffix("1"), session_id: SessionId::new("s").unwrap() },
             Event::TurnStart { turn: 0 },
             Event::TextDelta { delta: "It".into() },
+            Event::ReasoningDelta { delta: "Hmm".into() },
+            Event::TurnRetry {
+                turn: 1,
+                attempt: 2,
+                code: ErrorCode::ProviderOverloaded,
+                message: "anthropic answered HTTP 529".into(),
+                wait: std::time::Duration::from_millis(1500),
+            },
             Event::ToolStart { call_id: "c".into(), name: "add".into(), input: json!({"a": 2}) },
             Event::ToolDone { call_id: "c".into(), output: json!(5) },
             Event::ToolError { call_id: "c".into(), error: "boom".into() },
@@ -231,6 +258,8 @@ mod tests {
             {"type":"run.start","runId":"run_1","sessionId":"s"}
             {"type":"turn.start","turn":0}
             {"type":"text.delta","delta":"It"}
+            {"type":"reasoning.delta","delta":"Hmm"}
+            {"type":"turn.retry","turn":1,"attempt":2,"code":"KEEL_PROVIDER_OVERLOADED","message":"anthropic answered HTTP 529","waitMs":1500}
             {"type":"tool.start","callId":"c","name":"add","input":{"a":2}}
             {"type":"tool.done","callId":"c","output":5}
             {"type":"tool.error","callId":"c","error":"boom"}

@@ -8,7 +8,7 @@ use keel_core::agent::OutputSchema;
 use keel_core::tool::ToolSetError;
 use keel_core::{
     AgentDef, ApprovalRule, Concurrency, Decision, ErrorCode, Limits, Message, MockScript, PendingInput,
-    Provider, RetryPolicy, RunFailure, RunId, SessionId, Store, Tool, ToolSet,
+    Provider, ProviderSettings, RetryPolicy, RunFailure, RunId, SessionId, Store, Tool, ToolSet,
 };
 use keel_runtime::{Engine, RunHandle};
 use keel_spec::{AgentSpec, Diagnostic, LoadOptions};
@@ -107,6 +107,7 @@ impl Agent {
             .retry(spec.retry)
             .concurrency(spec.concurrency)
             .approval_timeout(spec.approval_timeout)
+            .provider_settings(spec.provider)
             .store(store)
             .tools(tools);
         for name in spec.approval_tools {
@@ -204,6 +205,7 @@ pub struct AgentBuilder {
     approvals: Vec<(String, ApprovalRule)>,
     approval_timeout: Option<std::time::Duration>,
     mock_script: Option<MockScript>,
+    provider_settings: ProviderSettings,
     provider: Option<Arc<dyn Provider>>,
     store: Option<Arc<dyn Store>>,
 }
@@ -301,6 +303,13 @@ impl AgentBuilder {
         self
     }
 
+    /// How to talk to the provider `model` names: base URL, max tokens, temperature, tool
+    /// choice, thinking... (spec key `provider`).
+    pub fn provider_settings(mut self, settings: ProviderSettings) -> Self {
+        self.provider_settings = settings;
+        self
+    }
+
     /// A provider to use instead of the one `model` names.
     pub fn provider(mut self, provider: Arc<dyn Provider>) -> Self {
         self.provider = Some(provider);
@@ -345,7 +354,7 @@ impl AgentBuilder {
         };
         let provider = match self.provider {
             Some(provider) => provider,
-            None => keel_providers::from_model(&model, self.mock_script.as_ref())
+            None => keel_providers::from_model(&model, &self.provider_settings, self.mock_script.as_ref())
                 .map_err(|error| RunFailure::new(error.code(), error.message))?,
         };
         let definition = AgentDef {

@@ -579,7 +579,10 @@ impl Driver {
             match event {
                 Event::RunStart { .. } => {}
                 Event::RunDone { .. } | Event::RunError { .. } => self.go_live(),
-                Event::TextDelta { .. } | Event::Usage(_) => return,
+                Event::TextDelta { .. }
+                | Event::ReasoningDelta { .. }
+                | Event::TurnRetry { .. }
+                | Event::Usage(_) => return,
                 Event::TurnStart { .. } => {
                     held.clear();
                     held.push(event);
@@ -818,6 +821,12 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
+/// "Equal jitter": a uniformly random wait between half the backoff and all of it. Randomness here
+/// only spaces retries out; it decides nothing about the run.
+fn jitter(backoff: std::time::Duration) -> std::time::Duration {
+    backoff.mul_f64(0.5 + fastrand::f64() * 0.5)
+}
+
 fn panic_message(error: tokio::task::JoinError) -> String {
     if !error.is_panic() {
         return "it was aborted".into();
@@ -842,9 +851,24 @@ impl DeltaSink for EventSink<'_> {
         }
         let _ = self.0.send(Event::TextDelta { delta: delta.to_owned() });
     }
+
+    fn reasoning_delta(&mut self, delta: &str) {
+        if self.0.is_closed() {
+            return;
+        }
+        let _ = self.0.send(Event::ReasoningDelta { delta: delta.to_owned() });
+    }
 }
 
+/// The longest `Retry-After` keel honours when `retry.max_backoff` is shorter.
+const LONGEST_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Calls the model with the agent's timeout and retry policy.
+///
+/// A failed attempt is retried as a whole turn: observers get `turn.retry`, which voids the
+/// text they were streamed since `turn.start`, and only the attempt that succeeds is journaled.
+/// The wait is the policy's exponential backoff with jitter (so that many runs failing
+/// together do not retry together), never shorter than what the provider asked for.
 async fn call_model(
     shared: &Shared,
     machine: &Machine,
@@ -876,10 +900,31 @@ async fn call_model(
             }
             return Err(error);
         };
-        if let ProviderErrorKind::RateLimited { retry_after: Some(after) } = error.kind {
+        wait = jitter(wait);
+        if let Some(after) = error.retry_after {
+            // Honour the provider's wait, up to a bound: a run does not sleep for an hour
+            // because a rate-limit window says so.
+            let longest = retry.max_backoff.max(LONGEST_RETRY_AFTER);
+            if after > longest {
+                let mut error = error;
+                error.message = format!(
+                    "{} (the provider asks to wait {:.0} s before trying again, longer than keel waits: {:.0} s, the larger of `retry.max_backoff` and 60 s)",
+                    error.message,
+                    after.as_secs_f64(),
+                    longest.as_secs_f64()
+                );
+                return Err(error);
+            }
             wait = wait.max(after);
         }
         tracing::warn!(attempt, ?wait, %error, "model call failed; retrying");
+        let _ = events.send(Event::TurnRetry {
+            turn: machine.turn(),
+            attempt: next,
+            code: error.code(),
+            message: error.message.clone(),
+            wait,
+        });
         tokio::time::sleep(wait).await;
         attempt = next;
     }

@@ -151,6 +151,19 @@ impl<'n> MapReader<'n> {
         Some(&self.entries[index].2)
     }
 
+    /// Takes every entry not taken yet (a mapping with free-form keys), as (key, key position,
+    /// value).
+    pub(crate) fn rest(&mut self) -> Vec<(&'n str, Pos, &'n Node)> {
+        let mut rest = Vec::new();
+        for ((key, pos, node), used) in self.entries.iter().zip(self.used.iter_mut()) {
+            if !*used {
+                *used = true;
+                rest.push((key.as_str(), *pos, node));
+            }
+        }
+        rest
+    }
+
     /// The position of `key`, if present.
     pub(crate) fn key_pos(&self, key: &str) -> Option<Pos> {
         self.entries.iter().find(|(k, _, _)| k == key).map(|(_, p, _)| *p)

@@ -361,7 +361,14 @@ pub(crate) fn finish(
             );
         }
     }
-    for (name, pos) in &spec.approval_tools {
+    let forced_tool = match (&spec.provider.tool_choice, spec.tool_choice_pos) {
+        (keel_core::ToolChoice::Tool(name), Some(pos)) => Some((name.clone(), pos)),
+        _ => None,
+    };
+    let named = spec.approval_tools.iter().map(|(name, pos)| ("approvals.tools", name, *pos));
+    for (key, name, pos) in
+        named.chain(forced_tool.iter().map(|(name, pos)| ("provider.tool_choice", name, *pos)))
+    {
         if !builtin_tools.contains(name) && !command_names.contains(&name.as_str()) {
             let candidates: Vec<&str> =
                 builtin_tools.iter().map(String::as_str).chain(command_names.iter().copied()).collect();
@@ -374,8 +381,8 @@ pub(crate) fn finish(
                 Diagnostic::error(
                     ErrorCode::SpecInvalid,
                     file,
-                    *pos,
-                    format!("`approvals.tools` names `{name}`, which the agent does not have"),
+                    pos,
+                    format!("`{key}` names `{name}`, which the agent does not have"),
                 )
                 .with_hint(hint),
             );
@@ -409,6 +416,7 @@ pub(crate) fn finish(
         command_tools,
         limits: spec.limits,
         retry: spec.retry,
+        provider: spec.provider,
         concurrency: spec.concurrency,
         approval_tools: spec.approval_tools.into_iter().map(|(name, _)| name).collect(),
         approval_timeout: spec.approval_timeout.unwrap_or(keel_core::AgentDef::DEFAULT_APPROVAL_TIMEOUT),

@@ -48,6 +48,8 @@ pub struct AgentSpec {
     pub limits: Limits,
     /// Model call retries.
     pub retry: RetryPolicy,
+    /// How to talk to the provider (`provider`).
+    pub provider: keel_core::ProviderSettings,
     /// What a second input to a busy session does.
     pub concurrency: Concurrency,
     /// Tools whose calls wait for a human's approval (`approvals.tools`).

@@ -4,7 +4,8 @@ use std::path::Path;
 
 use keel_core::agent::OutputSchema;
 use keel_core::{
-    Concurrency, ErrorCode, Limits, MockEntry, MockFailure, MockScript, MockToolCall, RetryPolicy,
+    Concurrency, ErrorCode, Limits, MockEntry, MockFailure, MockScript, MockToolCall, ProviderSettings,
+    RetryPolicy, ToolChoice,
 };
 use serde_json::Value;
 
@@ -19,6 +20,7 @@ pub(crate) const KEYS: &[&str] = &[
     "description",
     "instructions",
     "model",
+    "provider",
     "tools",
     "http",
     "limits",
@@ -48,6 +50,16 @@ const LIMIT_KEYS: &[&str] = &[
     "provider_timeout",
 ];
 const APPROVAL_KEYS: &[&str] = &["tools", "timeout"];
+const PROVIDER_KEYS: &[&str] = &[
+    "base_url",
+    "max_tokens",
+    "temperature",
+    "tool_choice",
+    "parallel_tool_calls",
+    "thinking_budget",
+    "reasoning_effort",
+    "headers",
+];
 const RETRY_KEYS: &[&str] = &["max_attempts", "initial_backoff", "max_backoff"];
 const MOCK_ENTRY_KEYS: &[&str] = &["text", "tool_calls", "delay_ms", "error"];
 
@@ -60,6 +72,9 @@ pub(crate) struct FileSpec {
     pub(crate) tools: Vec<(String, Pos)>,
     pub(crate) limits: Limits,
     pub(crate) retry: RetryPolicy,
+    pub(crate) provider: ProviderSettings,
+    /// Where `provider.tool_choice` names a tool (checked once the agent's tools are known).
+    pub(crate) tool_choice_pos: Option<Pos>,
     pub(crate) concurrency: Concurrency,
     /// `approvals.tools`, with their positions.
     pub(crate) approval_tools: Vec<(String, Pos)>,
@@ -106,6 +121,8 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         tools: Vec::new(),
         limits: Limits::default(),
         retry: RetryPolicy::default(),
+        provider: ProviderSettings::default(),
+        tool_choice_pos: None,
         concurrency: Concurrency::Reject,
         approval_tools: Vec::new(),
         approval_timeout: None,
@@ -146,6 +163,12 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     }
     if let Some(node) = map.take("retry") {
         retry(node, d, &mut spec.retry);
+    }
+    if let Some(node) = map.take("provider") {
+        provider(node, d, &mut spec.provider);
+        if matches!(spec.provider.tool_choice, ToolChoice::Tool(_)) {
+            spec.tool_choice_pos = d.map(node, "provider").and_then(|m| m.key_pos("tool_choice"));
+        }
     }
     if let Some(node) = map.take("output") {
         spec.output_schema = output(node, d);
@@ -286,6 +309,83 @@ fn retry(node: &Node, d: &mut Decoder<'_>, retry: &mut RetryPolicy) {
         retry.max_backoff = t;
     }
     map.finish(d, "retry", RETRY_KEYS);
+}
+
+fn provider(node: &Node, d: &mut Decoder<'_>, settings: &mut ProviderSettings) {
+    let Some(mut map) = d.map(node, "provider") else { return };
+    if let Some(node) = map.take("base_url")
+        && let Some(url) = d.text(node, "provider.base_url")
+    {
+        let url = url.trim().to_owned();
+        let scheme_ok = url.starts_with("http://") || url.starts_with("https://");
+        if !scheme_ok || url.len() <= "https://".len() {
+            d.error(
+                node.pos,
+                format!("`provider.base_url` must be an http:// or https:// URL, not {url:?}"),
+            )
+            .hint = Some("write the API's root, for example `http://127.0.0.1:8080/v1`".into());
+        } else {
+            settings.base_url = Some(url);
+        }
+    }
+    let max = i64::from(u32::MAX);
+    if let Some(n) = map.take("max_tokens").and_then(|v| d.int(v, "provider.max_tokens", 1, max)) {
+        settings.max_tokens = Some(n as u32);
+    }
+    if let Some(node) = map.take("temperature") {
+        match node.kind {
+            Kind::Int(n) if (0..=2).contains(&n) => settings.temperature = Some(n as f64),
+            Kind::Float(x) if (0.0..=2.0).contains(&x) => settings.temperature = Some(x),
+            _ => {
+                d.error(node.pos, "`provider.temperature` must be a number between 0 and 2");
+            }
+        }
+    }
+    if let Some(node) = map.take("tool_choice")
+        && let Some(choice) = d.text(node, "provider.tool_choice")
+    {
+        settings.tool_choice = match choice.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            tool => ToolChoice::Tool(tool.to_owned()),
+        };
+    }
+    if let Some(node) = map.take("parallel_tool_calls") {
+        match node.kind {
+            Kind::Bool(b) => settings.parallel_tool_calls = Some(b),
+            _ => {
+                d.error(node.pos, "`provider.parallel_tool_calls` must be true or false");
+            }
+        }
+    }
+    if let Some(n) = map.take("thinking_budget").and_then(|v| d.int(v, "provider.thinking_budget", 1024, max))
+    {
+        settings.thinking_budget = Some(n as u32);
+    }
+    if let Some(node) = map.take("reasoning_effort") {
+        settings.reasoning_effort = d.text(node, "provider.reasoning_effort");
+    }
+    if let Some(node) = map.take("headers")
+        && let Some(mut headers) = d.map(node, "provider.headers")
+    {
+        for (name, pos, value) in headers.rest() {
+            let valid_name =
+                !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b));
+            if !valid_name {
+                d.error(pos, format!("`provider.headers`: {name:?} is not an HTTP header name"));
+                continue;
+            }
+            if let Some(value) = d.string(value, &format!("provider.headers.{name}")) {
+                if value.contains(['\r', '\n']) {
+                    d.error(pos, format!("`provider.headers.{name}` must be one line"));
+                    continue;
+                }
+                settings.headers.push((name.to_owned(), value));
+            }
+        }
+    }
+    map.finish(d, "provider", PROVIDER_KEYS);
 }
 
 fn output(node: &Node, d: &mut Decoder<'_>) -> Option<Value> {

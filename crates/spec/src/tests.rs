@@ -381,3 +381,61 @@ fn hostile_input_never_panics() {
         }
     }
 }
+
+#[test]
+fn provider_settings_load_and_bad_ones_are_pointed_at() {
+    let dir = tree(&[(
+        "a.yaml",
+        "model: anthropic/claude-sonnet-4-5\nprovider:\n  base_url: http://127.0.0.1:9/\n  max_tokens: 2048\n  temperature: 0.5\n  tool_choice: required\n  parallel_tool_calls: false\n  thinking_budget: 4096\n  headers: { X-Team: search }\n",
+    )]);
+    let spec = load(&dir.path().join("a.yaml"), &OPTIONS).spec.unwrap();
+    assert_eq!(
+        spec.provider,
+        keel_core::ProviderSettings {
+            base_url: Some("http://127.0.0.1:9/".into()),
+            max_tokens: Some(2048),
+            temperature: Some(0.5),
+            tool_choice: keel_core::ToolChoice::Required,
+            parallel_tool_calls: Some(false),
+            thinking_budget: Some(4096),
+            reasoning_effort: None,
+            headers: vec![("X-Team".into(), "search".into())],
+        }
+    );
+    check(
+        &[(
+            "a.yaml",
+            "model: openai/gpt-4o\nprovider:\n  base_url: ftp://x\n  temperature: 7\n  parallel_tool_calls: yes please\n  thinking_budget: 10\n  max_token: 5\n  headers: { \"bad name\": x }\n",
+        )],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `provider.base_url` must be an http:// or https:// URL, not "ftp://x"
+              --> a.yaml:3:13
+              hint: write the API's root, for example `http://127.0.0.1:8080/v1`
+            error[KEEL_SPEC_INVALID]: `provider.temperature` must be a number between 0 and 2
+              --> a.yaml:4:16
+            error[KEEL_SPEC_INVALID]: `provider.parallel_tool_calls` must be true or false
+              --> a.yaml:5:24
+            error[KEEL_SPEC_INVALID]: `provider.thinking_budget` must be at least 1024, not 10
+              --> a.yaml:6:20
+            error[KEEL_SPEC_INVALID]: unknown key `max_token` in `provider`
+              --> a.yaml:7:3
+              hint: did you mean `max_tokens`?
+            error[KEEL_SPEC_INVALID]: `provider.headers`: "bad name" is not an HTTP header name
+              --> a.yaml:8:14
+        "#]],
+    );
+}
+
+#[test]
+fn a_forced_tool_must_be_one_of_the_agents() {
+    check(
+        &[("a.yaml", "model: openai/gpt-4o\ntools: [day-name]\nprovider: { tool_choice: day_name }\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `provider.tool_choice` names `day_name`, which the agent does not have
+              --> a.yaml:3:13
+              hint: did you mean `day-name`?
+        "#]],
+    );
+}

@@ -381,7 +381,7 @@ fn cancel_during_tools_answers_every_call() {
 
 #[test]
 fn provider_failure_fails_the_run_with_its_code() {
-    let error = ProviderError::new(ProviderErrorKind::RateLimited { retry_after: None }, "slow down");
+    let error = ProviderError::new(ProviderErrorKind::RateLimited, "slow down");
     check(
         machine(agent(|_| {})),
         vec![Input::Start, Input::ModelFailed(error)],

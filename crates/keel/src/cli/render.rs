@@ -138,6 +138,20 @@ impl Render for HumanRenderer {
                 self.streamed = true;
                 self.mid_line = !delta.ends_with('\n');
             }
+            // Reasoning is for `--json` consumers; the terminal shows the answer.
+            Event::ReasoningDelta { .. } => {}
+            Event::TurnRetry { attempt, code, message, wait, .. } => {
+                self.stop_spinner();
+                self.end_line()?;
+                let partial = if self.streamed { " (the partial answer above is void)" } else { "" };
+                writeln!(
+                    std::io::stderr().lock(),
+                    "↻ the model call failed ({code}: {message}); retrying in {:.1} s, attempt {attempt}{partial}",
+                    wait.as_secs_f64()
+                )?;
+                self.streamed = false;
+                self.start_spinner();
+            }
             Event::ToolStart { call_id, name, input } => {
                 self.tool_names.insert(call_id.clone(), name.clone());
                 self.tool_line("→", call_id, &compact(input))?;

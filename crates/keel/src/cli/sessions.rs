@@ -115,6 +115,7 @@ async fn show(id: &str, json: bool, args: &StoreArgs) -> Outcome {
                     name.as_deref().unwrap_or("(unnamed)"),
                     data.len()
                 )?,
+                Part::Reasoning(reasoning) => writeln!(out, "{who}: (thinking) {}", reasoning.text)?,
                 Part::ToolCall(call) => {
                     writeln!(out, "{who}: → {} {} [{}]", call.name, call.input, call.call_id)?
                 }

@@ -166,8 +166,9 @@ async fn invalid_definitions_and_inputs_are_refused_with_codes() {
     assert_eq!(bad_stop.code, ErrorCode::SpecInvalid);
     let bad_schema = Agent::builder().model("mock").output_schema(json!({"type": 5})).build().unwrap_err();
     assert!(bad_schema.message.contains("output schema"), "{}", bad_schema.message);
-    let unavailable = Agent::builder().model("anthropic/claude-sonnet").build().unwrap_err();
+    let unavailable = Agent::builder().model("acme/model-1").build().unwrap_err();
     assert_eq!(unavailable.code, ErrorCode::ProviderUnavailable);
+    assert!(unavailable.message.contains("unknown provider `acme`"), "{}", unavailable.message);
 
     let agent = Agent::builder().model("mock").build().unwrap();
     assert_eq!(agent.run("bad id!", "hi").unwrap_err().code, ErrorCode::SessionIdInvalid);

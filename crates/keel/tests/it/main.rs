@@ -4,6 +4,7 @@ mod api;
 mod approvals;
 mod cli;
 mod durability;
+mod providers;
 mod serve;
 mod support;
 mod tidy;

@@ -12,13 +12,13 @@ use serde_json::{Value, json};
 use crate::support::agent_dir;
 
 /// A `keel serve` process, killed when dropped.
-struct Served {
+pub(crate) struct Served {
     child: Child,
     base: String,
 }
 
 impl Served {
-    fn start(agent: &Path, store: &str, env: &[(&str, &str)]) -> Served {
+    pub(crate) fn start(agent: &Path, store: &str, env: &[(&str, &str)]) -> Served {
         let mut command = Command::new(assert_cmd::cargo::cargo_bin("keel"));
         command
             .arg("serve")
@@ -52,7 +52,7 @@ impl Served {
         Served { child, base: base.expect("keel serve printed its address") }
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }
 
@@ -70,17 +70,17 @@ impl Drop for Served {
 
 /// One SSE message.
 #[derive(Debug, Clone, PartialEq)]
-struct Sse {
+pub(crate) struct Sse {
     id: Option<String>,
     event: Option<String>,
     data: String,
 }
 
 impl Sse {
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_str(&self.data).unwrap()
     }
-    fn kind(&self) -> String {
+    pub(crate) fn kind(&self) -> String {
         self.json()["type"].as_str().unwrap_or_default().to_owned()
     }
 }
@@ -113,12 +113,12 @@ fn parse_sse(buffer: &mut String) -> Vec<Sse> {
 }
 
 /// Reads a whole SSE response.
-async fn read_sse(response: reqwest::Response) -> Vec<Sse> {
+pub(crate) async fn read_sse(response: reqwest::Response) -> Vec<Sse> {
     let mut text = response.text().await.unwrap();
     parse_sse(&mut text)
 }
 
-fn client() -> reqwest::Client {
+pub(crate) fn client() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
 }
 
@@ -138,7 +138,7 @@ mock:
     - text: 'Today is {{last_tool_output}}.'
 ";
 
-fn sqlite(dir: &Path) -> String {
+pub(crate) fn sqlite(dir: &Path) -> String {
     format!("sqlite:{}", dir.join("keel.db").display())
 }
 
