@@ -142,6 +142,9 @@ pub struct SessionSummary {
     pub runs: u64,
     /// When it was last written, in milliseconds since the Unix epoch.
     pub updated_at_ms: u64,
+    /// Tokens used by every model call of the session, summed as their steps were journaled
+    /// (a replayed step is not counted again).
+    pub usage: crate::event::Usage,
 }
 
 /// What one step of a run writes: its journal entry (when the step produced a fresh result),
@@ -286,6 +289,12 @@ pub trait Store: Send + Sync {
 
     /// The last tick schedule `name` fired for, if any.
     fn schedule_last_fire<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;
+
+    /// One session's summary; `None` when the store has no such session.
+    fn session_summary<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Option<SessionSummary>, StoreError>>;
 
     /// Every session, most recently written first.
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>>;

@@ -259,13 +259,16 @@ pub(crate) async fn transcript(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let session = identity.session(session_id(path)?);
-    let messages = state.engine.store().load_messages(&session).await?;
+    let store = state.engine.store();
+    let messages = store.load_messages(&session).await?;
     let pending = state.engine.pending(Some(&session)).await?;
     if messages.is_empty() && pending.is_empty() {
         return Err(ApiError::new(ErrorCode::SessionNotFound, format!("no session {}", session.external())));
     }
+    let usage = store.session_summary(&session).await?.map(|s| s.usage).unwrap_or_default();
     let body = json!({
         "sessionId": session.external(),
+        "usage": { "inputTokens": usage.input_tokens, "outputTokens": usage.output_tokens },
         "messages": messages.iter().map(|m| message_to_json(m)).collect::<Vec<_>>(),
         "pending": pending.iter().map(pending_to_json).collect::<Vec<_>>(),
     });

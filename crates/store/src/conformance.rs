@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::{
-    Decision, Fence, Message, ModelReply, PendingInput, PendingKind, RunId, RunRecord, RunState, SessionId,
-    StepCommit, StepName, Store, StoreError, Usage,
+    Decision, Fence, Message, ModelReply, Part, PendingInput, PendingKind, RunId, RunRecord, RunState,
+    SessionId, StepCommit, StepName, Store, StoreError, Usage,
 };
 use serde_json::json;
 
@@ -27,6 +27,7 @@ pub async fn run_all(store: &dyn Store) {
     pending_inputs_are_decided_once(store).await;
     a_paused_run_holds_its_session(store).await;
     session_state_commits_with_its_step(store).await;
+    session_usage_counts_each_model_call_once(store).await;
 }
 
 /// Writes through [`Store::commit_step`], the one write path, one part at a time: the suite's
@@ -537,4 +538,49 @@ pub async fn session_state_commits_with_its_step(store: &dyn Store) {
     assert_eq!(store.load_session_state(&other).await.unwrap(), None);
     assert!(store.delete_session(&session).await.unwrap());
     assert_eq!(store.load_session_state(&session).await.unwrap(), None, "a deleted session kept its state");
+}
+
+/// A session's usage sums its journaled model calls; a replayed step, or a commit refused for a
+/// stale lease, does not count again.
+pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
+    let session = SessionId::new("conformance-usage").unwrap();
+    assert_eq!(store.session_summary(&session).await.unwrap(), None, "no such session yet");
+    let record = run_record("usage", &session, 0);
+    let input = [Arc::new(Message::user("hi"))];
+    store.commit_step(new_run_commit(&record, "process-a", &input, 0)).await.unwrap();
+    let ttl = std::time::Duration::from_secs(60);
+    let reply = |n: u64| ModelReply {
+        parts: vec![Part::Text("ok".into())],
+        usage: Usage { input_tokens: 100 * n, output_tokens: n },
+    };
+    let turn = |n: u32| StepName::ModelTurn(n);
+    for (n, position) in [(0u32, 1u64), (1, 2)] {
+        let entry =
+            JournalEntry { step: turn(n), record: JournalRecord::ModelReply(reply(u64::from(n) + 1)) };
+        let answer = [Arc::new(Message::assistant("ok"))];
+        let step = StepCommit {
+            entry: Some(&entry),
+            first_position: position,
+            messages: &answer,
+            fence: Some(Fence { owner: "process-a", epoch: 1, ttl }),
+            ..bare(&session, &record.run_id)
+        };
+        store.commit_step(step).await.unwrap();
+        // The same step again, as a replay after a crash would write it.
+        store.commit_step(step).await.unwrap();
+    }
+    let stale_entry = JournalEntry { step: turn(2), record: JournalRecord::ModelReply(reply(50)) };
+    let stale = StepCommit {
+        entry: Some(&stale_entry),
+        fence: Some(Fence { owner: "process-b", epoch: 9, ttl }),
+        ..bare(&session, &record.run_id)
+    };
+    assert!(store.commit_step(stale).await.is_err());
+    let summary = store.session_summary(&session).await.unwrap().expect("the session exists");
+    assert_eq!(summary.usage, Usage { input_tokens: 300, output_tokens: 3 });
+    assert_eq!((summary.messages, summary.runs), (3, 1));
+    let listed = store.list_sessions().await.unwrap();
+    assert_eq!(listed.iter().find(|s| s.id == session).map(|s| s.usage), Some(summary.usage));
+    assert!(store.delete_session(&session).await.unwrap());
+    assert_eq!(store.session_summary(&session).await.unwrap(), None);
 }

@@ -13,7 +13,7 @@ use keel_core::journal::JournalEntry;
 use keel_core::journal::JournalRecord;
 use keel_core::{
     BoxFuture, Decision, Message, PendingInput, RunId, RunRecord, RunState, SessionId, SessionSummary,
-    StepCommit, Store, StoreError,
+    StepCommit, Store, StoreError, Usage,
 };
 
 #[derive(Default)]
@@ -23,6 +23,8 @@ struct SessionData {
     updated_at_ms: u64,
     /// The session's state object.
     state: Option<serde_json::Value>,
+    /// Tokens of the session's journaled model calls.
+    usage: Usage,
 }
 
 /// Who drives a run, until when, at which epoch.
@@ -110,11 +112,23 @@ impl Inner {
         self.journals.get(run).is_some_and(|journal| journal.iter().any(|e| &e.step == step))
     }
 
-    /// Records a journal entry; the first record of a step wins.
-    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) {
+    /// Records a journal entry; the first record of a step wins. Returns whether it was new.
+    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> bool {
         let journal = self.journals.entry(run.clone()).or_default();
-        if !journal.iter().any(|existing| existing.step == entry.step) {
-            journal.push(entry.clone());
+        if journal.iter().any(|existing| existing.step == entry.step) {
+            return false;
+        }
+        journal.push(entry.clone());
+        true
+    }
+
+    fn summary(&self, id: &SessionId, data: &SessionData) -> SessionSummary {
+        SessionSummary {
+            id: id.clone(),
+            messages: data.messages.len() as u64,
+            runs: self.runs.values().filter(|r| &r.session_id == id).count() as u64,
+            updated_at_ms: data.updated_at_ms,
+            usage: data.usage,
         }
     }
 }
@@ -205,8 +219,11 @@ impl Store for MemoryStore {
                         }
                     }
                 }
-                if let Some(entry) = commit.entry {
-                    inner.append_journal(commit.run, entry);
+                if let Some(entry) = commit.entry
+                    && inner.append_journal(commit.run, entry)
+                    && let JournalRecord::ModelReply(reply) = &entry.record
+                {
+                    inner.sessions.entry(commit.session.clone()).or_default().usage.add(reply.usage);
                 }
                 inner.append_messages(commit.session, commit.run, commit.first_position, commit.messages)?;
                 if let Some(state) = commit.session_state {
@@ -355,7 +372,7 @@ impl Store for MemoryStore {
             return ready(Err(StoreError::not_pending(id)));
         };
         let entry = JournalEntry { step: pending.step(), record: JournalRecord::Decision(decision.clone()) };
-        inner.append_journal(&pending.run_id, &entry);
+        let _ = inner.append_journal(&pending.run_id, &entry);
         if let Some(record) = inner.runs.get_mut(&pending.run_id)
             && record.state == RunState::AwaitingInput
         {
@@ -401,18 +418,18 @@ impl Store for MemoryStore {
 
     fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
         let inner = self.lock();
-        let mut sessions: Vec<SessionSummary> = inner
-            .sessions
-            .iter()
-            .map(|(id, data)| SessionSummary {
-                id: id.clone(),
-                messages: data.messages.len() as u64,
-                runs: inner.runs.values().filter(|r| &r.session_id == id).count() as u64,
-                updated_at_ms: data.updated_at_ms,
-            })
-            .collect();
+        let mut sessions: Vec<SessionSummary> =
+            inner.sessions.iter().map(|(id, data)| inner.summary(id, data)).collect();
         sessions.sort_by(|a, b| b.updated_at_ms.cmp(&a.updated_at_ms).then_with(|| a.id.cmp(&b.id)));
         ready(Ok(sessions))
+    }
+
+    fn session_summary<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Option<SessionSummary>, StoreError>> {
+        let inner = self.lock();
+        ready(Ok(inner.sessions.get(session).map(|data| inner.summary(session, data))))
     }
 
     fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>> {

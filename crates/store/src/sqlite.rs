@@ -30,7 +30,7 @@ use keel_core::persist::{
 };
 use keel_core::{
     BoxFuture, Decision, Message, PendingInput, RunId, RunRecord, RunState, SessionId, SessionSummary,
-    StepCommit, StepName, Store, StoreError,
+    StepCommit, StepName, Store, StoreError, Usage,
 };
 use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
 
@@ -94,6 +94,9 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX pending_by_run ON pending_inputs (run_id);",
     // Version 5: the session's state object (JSON), which tools read and replace.
     "ALTER TABLE sessions ADD COLUMN state TEXT;",
+    // Version 6: tokens of the session's model calls, summed as their steps are journaled.
+    "ALTER TABLE sessions ADD COLUMN input_tokens INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE sessions ADD COLUMN output_tokens INTEGER NOT NULL DEFAULT 0;",
 ];
 
 /// The schema version this build writes.
@@ -387,11 +390,17 @@ impl Store for SqliteStore {
             if let Some((owner, epoch, ttl)) = &fence {
                 hold_lease(c, &run, owner, *epoch, *ttl, new_run.is_some())?;
             }
-            if let Some(entry) = &entry {
-                insert_journal(c, &run, entry)?;
-            }
+            let new_entry = match &entry {
+                Some(entry) => insert_journal(c, &run, entry)?,
+                None => false,
+            };
             if !messages.is_empty() {
                 insert_messages(c, &session, &run, first_position, &messages)?;
+            }
+            if new_entry
+                && let Some(JournalEntry { record: JournalRecord::ModelReply(reply), .. }) = &entry
+            {
+                add_usage(c, &session, reply.usage)?;
             }
             for pending in &pending {
                 insert_pending(c, pending)?;
@@ -673,33 +682,24 @@ impl Store for SqliteStore {
         let connection = self.lock();
         let result = (|| {
             let mut statement = connection
-                .prepare_cached(
-                    "SELECT s.id, s.updated_at, s.message_count,
-                        (SELECT COUNT(*) FROM runs r WHERE r.session_id = s.id)
-                     FROM sessions s ORDER BY s.updated_at DESC, s.id",
-                )
+                .prepare_cached(&format!("{SUMMARY_SELECT} ORDER BY s.updated_at DESC, s.id"))
                 .map_err(map_error)?;
-            let rows = statement
-                .query_map([], |row| {
-                    Ok((
-                        row.get::<_, String>(0)?,
-                        row.get::<_, i64>(1)?,
-                        row.get::<_, i64>(2)?,
-                        row.get::<_, i64>(3)?,
-                    ))
-                })
-                .map_err(map_error)?;
-            rows.map(|row| {
-                let (id, updated_at, messages, runs) = row.map_err(map_error)?;
-                Ok(SessionSummary {
-                    id: SessionId::from_store(id).map_err(corrupt)?,
-                    messages: messages as u64,
-                    runs: runs as u64,
-                    updated_at_ms: updated_at as u64,
-                })
-            })
-            .collect()
+            let rows = statement.query_map([], summary_row).map_err(map_error)?;
+            rows.map(|row| row.map_err(map_error)?).collect()
         })();
+        ready(result)
+    }
+
+    fn session_summary<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Option<SessionSummary>, StoreError>> {
+        let connection = self.lock();
+        let result = connection
+            .prepare_cached(&format!("{SUMMARY_SELECT} WHERE s.id = ?1"))
+            .and_then(|mut s| s.query_row([session.as_str()], summary_row).optional())
+            .map_err(map_error)
+            .and_then(Option::transpose);
         ready(result)
     }
 
@@ -720,6 +720,25 @@ impl Store for SqliteStore {
         }));
         Box::pin(async move { write.await.map(|deleted| deleted > 0) })
     }
+}
+
+/// The columns of a [`SessionSummary`], for [`summary_row`].
+const SUMMARY_SELECT: &str = "SELECT s.id, s.updated_at, s.message_count,
+    (SELECT COUNT(*) FROM runs r WHERE r.session_id = s.id), s.input_tokens, s.output_tokens
+    FROM sessions s";
+
+/// A row of [`SUMMARY_SELECT`]; the inner error is a stored id that does not decode.
+fn summary_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Result<SessionSummary, StoreError>> {
+    let id: String = row.get(0)?;
+    let count = |i: usize| row.get::<_, i64>(i).map(|n| n.max(0) as u64);
+    let (updated_at, messages, runs, input, output) = (count(1)?, count(2)?, count(3)?, count(4)?, count(5)?);
+    Ok(SessionId::from_store(id).map_err(corrupt).map(|id| SessionSummary {
+        id,
+        messages,
+        runs,
+        updated_at_ms: updated_at,
+        usage: Usage { input_tokens: input, output_tokens: output },
+    }))
 }
 
 /// Appends messages idempotently (see [`Store::append_messages`]) within a transaction.
@@ -902,8 +921,8 @@ fn hold_lease(
     Ok(())
 }
 
-/// Records a journal entry; the first record of a step wins.
-fn insert_journal(connection: &Connection, run: &RunId, entry: &JournalEntry) -> Result<(), StoreError> {
+/// Records a journal entry; the first record of a step wins. Returns whether it was new.
+fn insert_journal(connection: &Connection, run: &RunId, entry: &JournalEntry) -> Result<bool, StoreError> {
     connection
         .prepare_cached(
             "INSERT INTO journal (run_id, step, seq, body)
@@ -913,7 +932,29 @@ fn insert_journal(connection: &Connection, run: &RunId, entry: &JournalEntry) ->
         .and_then(|mut s| {
             s.execute(params![run.as_str(), entry.step.to_string(), encode_record(&entry.record)])
         })
-        .map(|_| ())
+        .map(|inserted| inserted == 1)
+        .map_err(map_error)
+}
+
+/// Adds a model call's tokens to its session's totals.
+fn add_usage(connection: &Connection, session: &SessionId, usage: Usage) -> Result<(), StoreError> {
+    let tokens = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    connection
+        .prepare_cached(
+            "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
+             VALUES (?1, 0, ?2, ?2, ?3, ?4)
+             ON CONFLICT (id) DO UPDATE SET input_tokens = input_tokens + excluded.input_tokens,
+               output_tokens = output_tokens + excluded.output_tokens",
+        )
+        .and_then(|mut s| {
+            s.execute(params![
+                session.as_str(),
+                crate::now_ms() as i64,
+                tokens(usage.input_tokens),
+                tokens(usage.output_tokens)
+            ])
+        })
+        .map(drop)
         .map_err(map_error)
 }
 

@@ -75,12 +75,24 @@ async fn list(args: &StoreArgs) -> Outcome {
         return Ok(exit::OK);
     }
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{:<40} {:>8} {:>5}  updated (UTC)", "session", "messages", "runs")?;
+    writeln!(
+        out,
+        "{:<40} {:>8} {:>5} {:>10} {:>10}  updated (UTC)",
+        "session", "messages", "runs", "tokens in", "out"
+    )?;
     for session in sessions {
         let updated = jiff::Timestamp::from_millisecond(session.updated_at_ms as i64)
             .map(|t| t.strftime("%Y-%m-%d %H:%M:%S").to_string())
             .unwrap_or_default();
-        writeln!(out, "{:<40} {:>8} {:>5}  {updated}", session.id, session.messages, session.runs)?;
+        writeln!(
+            out,
+            "{:<40} {:>8} {:>5} {:>10} {:>10}  {updated}",
+            session.id,
+            session.messages,
+            session.runs,
+            session.usage.input_tokens,
+            session.usage.output_tokens
+        )?;
     }
     Ok(exit::OK)
 }
@@ -129,6 +141,10 @@ async fn show(id: &str, json: bool, args: &StoreArgs) -> Outcome {
     }
     if !json && let Some(state) = store.load_session_state(&id).await.map_err(|e| store_failed(&e))? {
         writeln!(out, "state: {state}")?;
+    }
+    if !json && let Some(summary) = store.session_summary(&id).await.map_err(|e| store_failed(&e))? {
+        let usage = summary.usage;
+        writeln!(out, "usage: {} input tokens, {} output tokens", usage.input_tokens, usage.output_tokens)?;
     }
     Ok(exit::OK)
 }

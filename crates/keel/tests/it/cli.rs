@@ -409,7 +409,8 @@ fn a_sqlite_store_continues_a_conversation_across_processes() {
     assert_eq!(lines[0], "user: What day is it?");
     assert!(lines[1].starts_with("assistant: → day-name {}"), "{transcript}");
     assert_eq!(lines[4], "user: thanks!");
-    assert_eq!(lines.len(), 6, "{transcript}");
+    assert!(lines[6].starts_with("usage: ") && lines[6].ends_with(" output tokens"), "{transcript}");
+    assert_eq!(lines.len(), 7, "{transcript}");
     let json = keel().args(["sessions", "show", "chat-1", "--json", "--store", &store]).output().unwrap();
     for line in String::from_utf8(json.stdout).unwrap().lines() {
         let message: Value = serde_json::from_str(line).unwrap();
@@ -513,6 +514,7 @@ fn prune_removes_sessions_unused_for_longer_than_the_time_to_live() {
         .success()
         .stderr(predicate::str::contains("compacted: 1 journal entries"));
     let show = keel().args(["sessions", "show", "fresh", "--store", &store]).output().unwrap();
-    assert_eq!(String::from_utf8(show.stdout).unwrap(), "user: hi\nassistant: hi\n");
+    let shown = String::from_utf8(show.stdout).unwrap();
+    assert!(shown.starts_with("user: hi\nassistant: hi\nusage: "), "{shown}");
     assert!(std::fs::metadata(&db).unwrap().len() <= before);
 }

@@ -332,6 +332,16 @@ async fn a_conversation_switches_provider_mid_session() {
     assert_eq!(messages[2]["content"][0]["tool_use_id"], "call_1");
     assert_eq!(messages[3]["content"], json!([{"type": "text", "text": "Today is known."}]));
     assert_eq!(messages[4]["content"], json!([{"type": "text", "text": "And tomorrow?"}]));
+
+    // The session's usage adds up both providers' calls.
+    let store_arg = store.clone();
+    let shown = tokio::task::spawn_blocking(move || {
+        keel().args(["sessions", "show", "s1", "--store", &store_arg]).output().unwrap()
+    })
+    .await
+    .unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(shown.contains("usage: 120 input tokens, 18 output tokens"), "{shown}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -393,8 +403,9 @@ async fn keel_serve_retries_a_broken_stream_and_clients_are_told_to_drop_the_par
     assert_eq!(done["text"], "The whole answer, once.");
     assert_eq!(server.requests().len(), 4);
 
-    // The transcript holds the answer once.
+    // The transcript holds the answer once, and the usage is the successful attempt's.
     let session: Value = client().get(served.url("/chat/s")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(session["usage"], json!({"inputTokens": 60, "outputTokens": 9}));
     assert_eq!(
         session["messages"],
         json!([
@@ -419,4 +430,63 @@ async fn permanent_errors_fail_the_run_with_their_code_at_once() {
     assert!(stderr.contains("KEEL_PROVIDER_AUTH") && stderr.contains("invalid x-api-key"), "{stderr}");
     assert!(!stderr.contains("SECRET-42"), "the key is never printed: {stderr}");
     assert_eq!(server.requests().len(), 1, "an auth error is not retried");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keel_serve_streams_anthropic_and_ollama_replies() {
+    for (model, wire, env_base, key) in [
+        (
+            "anthropic/claude-haiku-4-5",
+            Wire::Anthropic,
+            "ANTHROPIC_BASE_URL",
+            Some(("ANTHROPIC_API_KEY", "k")),
+        ),
+        ("ollama/llama3.2", Wire::Ollama, "OLLAMA_HOST", None),
+    ] {
+        let server = WireServer::start(vec![text_stream(wire, "Served over the wire.")]).await;
+        let dir = agent_dir(&[("agent.yaml", &format!("model: {model}\n"))]);
+        let url = server.url();
+        let mut env = vec![(env_base, url.as_str())];
+        env.extend(key);
+        let served = Served::start(dir.path(), "memory", &env);
+        let response = client()
+            .post(served.url("/chat"))
+            .json(&json!({"sessionId": "s", "input": "hi"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200, "{model}");
+        let events: Vec<Value> = read_sse(response).await.into_iter().map(|e| e.json()).collect();
+        let deltas: Vec<&str> = events
+            .iter()
+            .filter(|e| e["type"] == "text.delta")
+            .map(|e| e["delta"].as_str().unwrap())
+            .collect();
+        assert_eq!(deltas, ["Served ", "over ", "the ", "wire."], "{model}");
+        let done = events.iter().find(|e| e["type"] == "run.done").unwrap();
+        assert_eq!(done["usage"], json!({"inputTokens": 60, "outputTokens": 9}), "{model}");
+        assert_eq!(server.only_request().json()["messages"].as_array().unwrap().len(), 1, "{model}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_stalls_times_out_and_the_turn_is_retried() {
+    let server = WireServer::start(vec![
+        text_stream(Wire::Ollama, "never finished").hang_after(80),
+        text_stream(Wire::Ollama, "Second try."),
+    ])
+    .await;
+    let dir = agent_dir(&[(
+        "agent.yaml",
+        "model: ollama/llama3.2\nlimits: { provider_timeout: 1s }\nretry: { initial_backoff: 10ms }\n",
+    )]);
+    let output =
+        keel_run(dir.path(), strings(&["hi", "--json"]), pairs(&[("OLLAMA_HOST", &server.url())])).await;
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let events: Vec<Value> =
+        String::from_utf8_lossy(&output.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let retry = events.iter().find(|e| e["type"] == "turn.retry").expect("a turn.retry event");
+    assert_eq!(retry["code"], "KEEL_PROVIDER_TIMEOUT");
+    assert!(retry["message"].as_str().unwrap().contains("provider_timeout"), "{retry}");
+    assert_eq!(events.last().unwrap()["text"], "Second try.");
 }
