@@ -65,14 +65,23 @@ assert end["usage"]["inputTokens"] > 0 and end["usage"]["outputTokens"] > 0, f"{
 PY
 }
 
+# `keel run` exits 0 on a final answer and 4 when the run stopped at `max_turns`.
+run_keel() {
+  local status=0
+  "$@" >"$OUT" || status=$?
+  if [ "$status" != 0 ] && [ "$status" != 4 ]; then
+    echo "keel run exited $status" >&2; cat "$OUT" >&2; exit 1
+  fi
+}
+
 OUT=$(mktemp)
 echo "== openai-compatible/qwen (OpenAI Chat Completions wire)"
-OPENAI_BASE_URL="http://127.0.0.1:$PORT/v1" "$KEEL" run "$AGENT" "What is the weather in Paris?" --json >"$OUT"
+OPENAI_BASE_URL="http://127.0.0.1:$PORT/v1" run_keel "$KEEL" run "$AGENT" "What is the weather in Paris?" --json
 check openai-compatible "$OUT"
 
 echo "== anthropic/qwen (Anthropic Messages wire, same server)"
 ANTHROPIC_BASE_URL="http://127.0.0.1:$PORT" ANTHROPIC_API_KEY=local-test \
-  "$KEEL" run "$AGENT" "What is the weather in Paris?" --model anthropic/qwen --json >"$OUT"
+  run_keel "$KEEL" run "$AGENT" "What is the weather in Paris?" --model anthropic/qwen --json
 check anthropic "$OUT"
 rm -f "$OUT"
 echo "llm-e2e: ok"
