@@ -215,7 +215,9 @@ impl Provider for AnthropicMessages {
                 ],
                 &self.settings.headers,
             )?;
-            let mut response = http::post("anthropic", &self.url, headers, &body).await?;
+            let key = Some(self.api_key.as_str());
+            let mut response =
+                http::post("anthropic", &self.url, headers, &body).await.map_err(|e| http::redact(e, key))?;
             if http::media_type(response.headers()) != "text/event-stream" {
                 let html = http::is_html(response.headers());
                 let body = http::read_capped(response, 64 * 1024).await;
@@ -223,9 +225,9 @@ impl Provider for AnthropicMessages {
             }
             let mut decoder = MessagesStream::new();
             while let Some(chunk) = http::next_chunk("anthropic", &mut response).await? {
-                decoder.feed(&chunk, sink)?;
+                decoder.feed(&chunk, sink).map_err(|e| http::redact(e, key))?;
             }
-            decoder.finish(sink)
+            decoder.finish(sink).map_err(|e| http::redact(e, key))
         })
     }
 }

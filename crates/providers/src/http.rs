@@ -120,6 +120,17 @@ pub(crate) async fn next_chunk(
     })
 }
 
+/// Removes the API key from an error's message, in case a server echoed it back: error
+/// messages end up in logs, events and terminals.
+pub(crate) fn redact(mut error: ProviderError, key: Option<&str>) -> ProviderError {
+    if let Some(key) = key.filter(|k| k.len() >= 4)
+        && error.message.contains(key)
+    {
+        error.message = error.message.replace(key, "[redacted]");
+    }
+    error
+}
+
 /// Whether the response says it is HTML (a proxy's error page, a wrong base URL).
 pub(crate) fn is_html(headers: &HeaderMap) -> bool {
     headers

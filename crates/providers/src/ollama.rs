@@ -196,16 +196,18 @@ impl Provider for OllamaChat {
                 pairs.push(("authorization", auth));
             }
             let headers = http::headers("ollama", &pairs, &self.settings.headers)?;
-            let mut response = http::post("ollama", &self.url, headers, &body).await?;
+            let key = self.api_key.as_deref();
+            let mut response =
+                http::post("ollama", &self.url, headers, &body).await.map_err(|e| http::redact(e, key))?;
             if http::is_html(response.headers()) {
                 let body = http::read_capped(response, 64 * 1024).await;
                 return Err(http::error_response("ollama", Some(200), &body, true));
             }
             let mut decoder = ChatLines::new();
             while let Some(chunk) = http::next_chunk("ollama", &mut response).await? {
-                decoder.feed(&chunk, sink)?;
+                decoder.feed(&chunk, sink).map_err(|e| http::redact(e, key))?;
             }
-            decoder.finish(sink)
+            decoder.finish(sink).map_err(|e| http::redact(e, key))
         })
     }
 }

@@ -262,7 +262,9 @@ impl Provider for OpenAiChat {
                 self.fixed_headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
             pairs.extend(fixed);
             let headers = http::headers(provider, &pairs, &self.settings.headers)?;
-            let mut response = http::post(provider, &self.url, headers, &body).await?;
+            let key = self.api_key.as_deref();
+            let mut response =
+                http::post(provider, &self.url, headers, &body).await.map_err(|e| http::redact(e, key))?;
             let media_type = http::media_type(response.headers());
             if media_type == "application/json" {
                 // A server that does not stream: one completion object.
@@ -275,9 +277,9 @@ impl Provider for OpenAiChat {
             }
             let mut decoder = ChatStream::new(provider);
             while let Some(chunk) = http::next_chunk(provider, &mut response).await? {
-                decoder.feed(&chunk, sink)?;
+                decoder.feed(&chunk, sink).map_err(|e| http::redact(e, key))?;
             }
-            decoder.finish(sink)
+            decoder.finish(sink).map_err(|e| http::redact(e, key))
         })
     }
 }

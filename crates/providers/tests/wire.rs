@@ -376,6 +376,11 @@ async fn http_errors_are_classified_with_their_retry_after() {
     let context = fault(Reply::json(400, &json!({"error": {"message": "This model's maximum context length is 128000 tokens.", "code": "context_length_exceeded"}}))).await;
     assert_eq!(context.kind, ProviderErrorKind::ContextTooLong);
 
+    // A server that echoes the key in its message does not get it printed.
+    let echoed =
+        fault(Reply::json(401, &json!({"error": {"message": "Incorrect API key provided: sk-test."}}))).await;
+    assert_eq!(echoed.message, "openai answered HTTP 401: Incorrect API key provided: [redacted].");
+
     let missing = fault(Reply::json(
         404,
         &json!({"error": {"message": "The model `gpt-9` does not exist", "code": "model_not_found"}}),
