@@ -29,16 +29,39 @@ pub struct SseEvent<'a> {
     pub data: &'a str,
 }
 
-/// The stream is not valid UTF-8 (the only way a body can fail framing).
+/// The longest line a decoder holds while waiting for its end: far above any real event (a
+/// whole tool input in one chunk), low enough that a server that never sends a line end cannot
+/// exhaust memory.
+pub const MAX_LINE: usize = 32 * 1024 * 1024;
+
+/// Why a body cannot be framed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FramingError {
     /// Where the bad line starts, in bytes from the start of the body.
     pub offset: u64,
+    /// What is wrong with it.
+    pub problem: FramingProblem,
+}
+
+/// What is wrong with a line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FramingProblem {
+    /// It is not valid UTF-8.
+    NotUtf8,
+    /// It is longer than [`MAX_LINE`].
+    TooLong,
 }
 
 impl fmt::Display for FramingError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "the stream is not valid UTF-8 (line at byte {})", self.offset)
+        match self.problem {
+            FramingProblem::NotUtf8 => {
+                write!(f, "the stream is not valid UTF-8 (line at byte {})", self.offset)
+            }
+            FramingProblem::TooLong => {
+                write!(f, "the stream has a line over {MAX_LINE} bytes (from byte {})", self.offset)
+            }
+        }
     }
 }
 
@@ -50,6 +73,9 @@ struct Lines {
     consumed: u64,
     /// The last line ended with `CR`: a `LF` right after it belongs to that line end.
     after_cr: bool,
+    /// How much of `buf` is known to hold no line end: a long line arriving in many pieces is
+    /// scanned once, not once per piece.
+    scanned: usize,
 }
 
 impl Lines {
@@ -61,12 +87,14 @@ impl Lines {
     ) -> Result<(), E> {
         self.buf.extend_from_slice(chunk);
         let mut start = 0;
-        while let Some(found) = memchr::memchr2(b'\n', b'\r', &self.buf[start..]) {
-            let end = start + found;
+        let mut from = self.scanned.min(self.buf.len());
+        while let Some(found) = memchr::memchr2(b'\n', b'\r', &self.buf[from..]) {
+            let end = from + found;
             if self.after_cr && end == start && self.buf[end] == b'\n' {
                 // The LF of a CRLF split across two pieces.
                 self.after_cr = false;
                 start = end + 1;
+                from = start;
                 continue;
             }
             self.after_cr = false;
@@ -80,9 +108,14 @@ impl Lines {
                     self.after_cr = true;
                 }
             }
+            from = start;
         }
         self.consumed += start as u64;
         self.buf.drain(..start);
+        self.scanned = self.buf.len();
+        if self.buf.len() > MAX_LINE {
+            return Err(FramingError { offset: self.consumed, problem: FramingProblem::TooLong }.into());
+        }
         Ok(())
     }
 
@@ -98,12 +131,15 @@ impl Lines {
         let text = self.text(0, end)?;
         line(text)?;
         self.buf.clear();
+        self.scanned = 0;
         Ok(())
     }
 
     fn text(&self, start: usize, end: usize) -> Result<&str, FramingError> {
-        std::str::from_utf8(&self.buf[start..end])
-            .map_err(|_| FramingError { offset: self.consumed + start as u64 })
+        std::str::from_utf8(&self.buf[start..end]).map_err(|_| FramingError {
+            offset: self.consumed + start as u64,
+            problem: FramingProblem::NotUtf8,
+        })
     }
 }
 
@@ -285,7 +321,21 @@ mod tests {
     #[test]
     fn invalid_utf8_is_an_error_with_its_offset() {
         let error = events_of(&[b"data: ok\n\n", b"data: \xff\xfe\n\n"]).unwrap_err();
-        assert_eq!(error, FramingError { offset: 10 });
+        assert_eq!(error, FramingError { offset: 10, problem: FramingProblem::NotUtf8 });
+    }
+
+    #[test]
+    fn a_line_that_never_ends_is_refused_before_it_exhausts_memory() {
+        let mut decoder = SseDecoder::new();
+        let piece = vec![b'x'; 1024 * 1024];
+        let mut result = Ok(());
+        for _ in 0..40 {
+            result = decoder.feed(&piece, |_| Ok::<_, FramingError>(()));
+            if result.is_err() {
+                break;
+            }
+        }
+        assert_eq!(result, Err(FramingError { offset: 0, problem: FramingProblem::TooLong }));
     }
 
     #[test]
