@@ -23,6 +23,7 @@ pub(crate) struct Metrics {
     runs: Family<Labels, Counter>,
     run_seconds: Histogram,
     model_calls: Counter,
+    model_retries: Family<Labels, Counter>,
     tool_calls: Family<Labels, Counter>,
     tokens: Family<Labels, Counter>,
     requests: Family<Labels, Counter>,
@@ -55,6 +56,12 @@ impl Metrics {
         );
         let model_calls = Counter::default();
         registry.register("model_calls", "Model calls made (one per turn)", model_calls.clone());
+        let model_retries = Family::<Labels, Counter>::default();
+        registry.register(
+            "model_retries",
+            "Model call attempts that failed and were retried, by error code",
+            model_retries.clone(),
+        );
         let tool_calls = Family::<Labels, Counter>::default();
         registry.register(
             "tool_calls",
@@ -81,6 +88,7 @@ impl Metrics {
             runs,
             run_seconds,
             model_calls,
+            model_retries,
             tool_calls,
             tokens,
             requests,
@@ -95,6 +103,9 @@ impl Metrics {
         match event {
             Event::TurnStart { .. } => {
                 self.model_calls.inc();
+            }
+            Event::TurnRetry { code, .. } => {
+                self.model_retries.get_or_create(&vec![("code", code.as_str().to_owned())]).inc();
             }
             Event::ToolDone { .. } => {
                 self.tool_calls.get_or_create(&vec![("outcome", "ok".to_owned())]).inc();

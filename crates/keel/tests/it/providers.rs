@@ -402,6 +402,9 @@ async fn keel_serve_retries_a_broken_stream_and_clients_are_told_to_drop_the_par
     let done = events.iter().find(|e| e["type"] == "run.done").unwrap();
     assert_eq!(done["text"], "The whole answer, once.");
     assert_eq!(server.requests().len(), 4);
+    let metrics = client().get(served.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("keel_model_retries_total{code=\"KEEL_PROVIDER_ERROR\"} 2"), "{metrics}");
+    assert!(metrics.contains("keel_model_retries_total{code=\"KEEL_PROVIDER_RATE_LIMITED\"} 1"), "{metrics}");
 
     // The transcript holds the answer once, and the usage is the successful attempt's.
     let session: Value = client().get(served.url("/chat/s")).send().await.unwrap().json().await.unwrap();
