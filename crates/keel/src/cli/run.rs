@@ -50,6 +50,10 @@ pub(crate) fn load_agent(
     };
     Ok(match Agent::from_spec(spec, store) {
         Ok(agent) => Ok(agent),
+        Err(keel::LoadError::Setup(failure)) => {
+            writeln!(stderr, "error[{}]: {}", failure.code, failure.message)?;
+            Err(exit::INVALID_AGENT)
+        }
         Err(error) => {
             writeln!(stderr, "error[{}]: {}", error.code(), error)?;
             Err(exit::INVALID_AGENT)

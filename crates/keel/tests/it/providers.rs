@@ -258,7 +258,13 @@ async fn a_missing_key_fails_before_any_request_and_says_what_to_do() {
         keel_run(dir.path(), strings(&["hi"]), pairs(&[("ANTHROPIC_BASE_URL", &server.url())])).await;
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("KEEL_PROVIDER_KEY_MISSING"), "{stderr}");
+    assert_eq!(stderr.matches("KEEL_PROVIDER_KEY_MISSING").count(), 1, "the code, once: {stderr}");
+    assert!(
+        stderr.starts_with(
+            "error[KEEL_PROVIDER_KEY_MISSING]: model `anthropic/claude-haiku-4-5` needs an API key"
+        ),
+        "{stderr}"
+    );
     assert!(stderr.contains("ANTHROPIC_API_KEY") && stderr.contains("--model mock"), "{stderr}");
     assert!(server.requests().is_empty(), "nothing was sent");
 }
