@@ -158,6 +158,15 @@ pub struct ProviderSettings {
     pub headers: Vec<(String, String)>,
 }
 
+/// What the network tools (`http_request`, `web_fetch`) may reach (spec key `http`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HttpSettings {
+    /// Host names they may reach (`api.github.com`, `*.example.com`); empty: any public host.
+    pub allow: Vec<String>,
+    /// Whether loopback addresses are reachable (local development and tests only).
+    pub allow_loopback: bool,
+}
+
 /// Whether and which tools the model must call (`provider.tool_choice`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum ToolChoice {

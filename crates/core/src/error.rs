@@ -66,6 +66,9 @@ pub enum ErrorCode {
     ToolCancelled,
     /// A tool call was not run because a human rejected it (or nobody approved it in time).
     ToolRejected,
+    /// A built-in tool refused what the call asked for: a private address, a host outside
+    /// `http.allow`, a path outside the workspace...
+    ToolRefused,
     /// An approval or question id is not pending (unknown, already decided, or its run ended).
     NotPending,
     /// A decision does not fit what is pending (an answer to an approval, a verdict on a question).
@@ -143,6 +146,7 @@ impl ErrorCode {
         ErrorCode::ToolBudgetExhausted,
         ErrorCode::ToolCancelled,
         ErrorCode::ToolRejected,
+        ErrorCode::ToolRefused,
         ErrorCode::NotPending,
         ErrorCode::DecisionInvalid,
         ErrorCode::OutputInvalid,
@@ -197,6 +201,7 @@ impl ErrorCode {
             ErrorCode::ToolBudgetExhausted => "KEEL_TOOL_BUDGET_EXHAUSTED",
             ErrorCode::ToolCancelled => "KEEL_TOOL_CANCELLED",
             ErrorCode::ToolRejected => "KEEL_TOOL_REJECTED",
+            ErrorCode::ToolRefused => "KEEL_TOOL_REFUSED",
             ErrorCode::NotPending => "KEEL_NOT_PENDING",
             ErrorCode::DecisionInvalid => "KEEL_DECISION_INVALID",
             ErrorCode::OutputInvalid => "KEEL_OUTPUT_INVALID",

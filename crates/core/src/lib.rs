@@ -28,8 +28,8 @@ pub mod tool;
 pub mod wire;
 
 pub use agent::{
-    AgentDef, CommandToolDef, Concurrency, Limits, MockEntry, MockFailure, MockScript, MockToolCall,
-    ProviderSettings, RetryPolicy, ToolChoice,
+    AgentDef, CommandToolDef, Concurrency, HttpSettings, Limits, MockEntry, MockFailure, MockScript,
+    MockToolCall, ProviderSettings, RetryPolicy, ToolChoice,
 };
 pub use error::{ErrorCode, RunFailure};
 pub use event::{Event, StopReason, Usage};

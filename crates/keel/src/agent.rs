@@ -87,8 +87,9 @@ impl Agent {
     /// Builds an agent from a loaded spec and a store.
     pub fn from_spec(spec: AgentSpec, store: Arc<dyn Store>) -> Result<Agent, LoadError> {
         let mut tools: Vec<Arc<dyn Tool>> = Vec::new();
+        let config = keel_tools::BuiltinConfig { http: spec.http.clone() };
         for name in &spec.builtin_tools {
-            let tool = keel_tools::builtin(name).ok_or_else(|| {
+            let tool = keel_tools::builtin(name, &config).ok_or_else(|| {
                 LoadError::Setup(RunFailure::new(
                     ErrorCode::SpecInvalid,
                     format!("unknown built-in tool `{name}`"),
@@ -111,7 +112,7 @@ impl Agent {
             .store(store)
             .tools(tools);
         for name in spec.approval_tools {
-            builder = builder.require_approval(name);
+            builder = builder.require_approval(keel_tools::tool_name(&name));
         }
         if let Some(script) = spec.mock {
             builder = builder.mock_script(script);
@@ -183,8 +184,11 @@ impl Agent {
 
 /// Loads and validates a spec with keel's built-in tool and provider names.
 pub fn load_spec(path: &Path) -> Result<AgentSpec, LoadError> {
-    let options =
-        LoadOptions { builtin_tools: keel_tools::BUILTIN_NAMES, providers: keel_providers::PROVIDER_NAMES };
+    let options = LoadOptions {
+        builtin_tools: keel_tools::BUILTIN_NAMES,
+        providers: keel_providers::PROVIDER_NAMES,
+        tool_name: keel_tools::tool_name,
+    };
     let loaded = keel_spec::load(path, &options);
     loaded.spec.ok_or(LoadError::Spec { diagnostics: loaded.diagnostics })
 }

@@ -369,7 +369,8 @@ pub(crate) fn finish(
     for (key, name, pos) in
         named.chain(forced_tool.iter().map(|(name, pos)| ("provider.tool_choice", name, *pos)))
     {
-        if !builtin_tools.contains(name) && !command_names.contains(&name.as_str()) {
+        let builtin = builtin_tools.iter().any(|b| b == name || (options.tool_name)(b) == name);
+        if !builtin && !command_names.contains(&name.as_str()) {
             let candidates: Vec<&str> =
                 builtin_tools.iter().map(String::as_str).chain(command_names.iter().copied()).collect();
             let hint = match did_you_mean(name, &candidates) {
@@ -390,7 +391,8 @@ pub(crate) fn finish(
     }
     let mock = spec.mock.map(|(script, called)| {
         for (name, pos) in called {
-            let known = builtin_tools.contains(&name) || command_names.contains(&name.as_str());
+            let known = builtin_tools.iter().any(|b| *b == name || (options.tool_name)(b) == name)
+                || command_names.contains(&name.as_str());
             if !known {
                 diagnostics.push(Diagnostic::warning(
                     ErrorCode::SpecInvalid,
@@ -417,6 +419,7 @@ pub(crate) fn finish(
         limits: spec.limits,
         retry: spec.retry,
         provider: spec.provider,
+        http: spec.http,
         concurrency: spec.concurrency,
         approval_tools: spec.approval_tools.into_iter().map(|(name, _)| name).collect(),
         approval_timeout: spec.approval_timeout.unwrap_or(keel_core::AgentDef::DEFAULT_APPROVAL_TIMEOUT),

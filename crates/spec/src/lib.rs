@@ -50,6 +50,8 @@ pub struct AgentSpec {
     pub retry: RetryPolicy,
     /// How to talk to the provider (`provider`).
     pub provider: keel_core::ProviderSettings,
+    /// What the network tools may reach (`http`).
+    pub http: keel_core::HttpSettings,
     /// What a second input to a busy session does.
     pub concurrency: Concurrency,
     /// Tools whose calls wait for a human's approval (`approvals.tools`).
@@ -82,6 +84,9 @@ pub struct LoadOptions<'a> {
     pub builtin_tools: &'a [&'a str],
     /// The provider names a `model` may start with (`keel_providers::PROVIDER_NAMES`).
     pub providers: &'a [&'a str],
+    /// The name the model knows a built-in by, for its spec name (`keel_tools::tool_name`:
+    /// `http` → `http_request`), so approvals and mock scripts may use either.
+    pub tool_name: fn(&str) -> &str,
 }
 
 /// The outcome of loading: the spec when there is no error, and every diagnostic (warnings

@@ -4,8 +4,8 @@ use std::path::Path;
 
 use keel_core::agent::OutputSchema;
 use keel_core::{
-    Concurrency, ErrorCode, Limits, MockEntry, MockFailure, MockScript, MockToolCall, ProviderSettings,
-    RetryPolicy, ToolChoice,
+    Concurrency, ErrorCode, HttpSettings, Limits, MockEntry, MockFailure, MockScript, MockToolCall,
+    ProviderSettings, RetryPolicy, ToolChoice,
 };
 use serde_json::Value;
 
@@ -39,7 +39,7 @@ pub(crate) const KEYS: &[&str] = &[
 
 /// Keys of the design this build does not implement yet: refusing them is safer than ignoring
 /// them (an ignored `approvals` would run risky tools without asking).
-const NOT_YET: &[&str] = &["http", "workspace", "compaction", "mcp", "triggers", "memory"];
+const NOT_YET: &[&str] = &["workspace", "compaction", "mcp", "triggers", "memory"];
 
 const LIMIT_KEYS: &[&str] = &[
     "max_turns",
@@ -73,6 +73,7 @@ pub(crate) struct FileSpec {
     pub(crate) limits: Limits,
     pub(crate) retry: RetryPolicy,
     pub(crate) provider: ProviderSettings,
+    pub(crate) http: HttpSettings,
     /// Where `provider.tool_choice` names a tool (checked once the agent's tools are known).
     pub(crate) tool_choice_pos: Option<Pos>,
     pub(crate) concurrency: Concurrency,
@@ -122,6 +123,7 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         limits: Limits::default(),
         retry: RetryPolicy::default(),
         provider: ProviderSettings::default(),
+        http: HttpSettings::default(),
         tool_choice_pos: None,
         concurrency: Concurrency::Reject,
         approval_tools: Vec::new(),
@@ -163,6 +165,9 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     }
     if let Some(node) = map.take("retry") {
         retry(node, d, &mut spec.retry);
+    }
+    if let Some(node) = map.take("http") {
+        http(node, d, &mut spec.http);
     }
     if let Some(node) = map.take("provider") {
         provider(node, d, &mut spec.provider);
@@ -309,6 +314,38 @@ fn retry(node: &Node, d: &mut Decoder<'_>, retry: &mut RetryPolicy) {
         retry.max_backoff = t;
     }
     map.finish(d, "retry", RETRY_KEYS);
+}
+
+fn http(node: &Node, d: &mut Decoder<'_>, settings: &mut HttpSettings) {
+    let Some(mut map) = d.map(node, "http") else { return };
+    if let Some(node) = map.take("allow")
+        && let Some(hosts) = d.string_list(node, "http.allow")
+    {
+        for (host, pos) in hosts {
+            let name = host.strip_prefix("*.").unwrap_or(&host);
+            let valid = !name.is_empty()
+                && !name.contains("..")
+                && name.trim_end_matches('.').split('.').all(|label| {
+                    !label.is_empty() && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                });
+            if valid {
+                settings.allow.push(host.to_ascii_lowercase());
+            } else {
+                d.error(pos, format!("`http.allow`: {host:?} is not a host name")).hint = Some(
+                    "write host names like `api.github.com`, or `*.example.com` for its subdomains".into(),
+                );
+            }
+        }
+    }
+    if let Some(node) = map.take("allow_loopback") {
+        match node.kind {
+            Kind::Bool(b) => settings.allow_loopback = b,
+            _ => {
+                d.error(node.pos, "`http.allow_loopback` must be true or false");
+            }
+        }
+    }
+    map.finish(d, "http", &["allow", "allow_loopback"]);
 }
 
 fn provider(node: &Node, d: &mut Decoder<'_>, settings: &mut ProviderSettings) {

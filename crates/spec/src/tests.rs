@@ -8,8 +8,9 @@ use serde_json::json;
 use super::*;
 
 const OPTIONS: LoadOptions<'static> = LoadOptions {
-    builtin_tools: &["current-date", "day-name", "ask_question"],
+    builtin_tools: &["current-date", "day-name", "ask_question", "http"],
     providers: &["mock", "openai", "anthropic", "ollama", "openrouter"],
+    tool_name: |name| name,
 };
 
 /// Writes `files` (path, content) under a fresh directory and returns it.
@@ -147,7 +148,7 @@ fn unknown_tools_and_providers_get_suggestions() {
               hint: did you mean `day-name`?
             error[KEEL_SPEC_INVALID]: unknown tool `weather`
               --> agent.toml:2:21
-              hint: available tools: current-date, day-name, ask_question
+              hint: available tools: current-date, day-name, ask_question, http
         "#]],
     );
     check(
@@ -159,7 +160,7 @@ fn unknown_tools_and_providers_get_suggestions() {
               hint: did you mean `day-name`?
             error[KEEL_SPEC_INVALID]: unknown tool `weather`
               --> agent.toml:2:21
-              hint: available tools: current-date, day-name, ask_question
+              hint: available tools: current-date, day-name, ask_question, http
         "#]],
     );
 }
@@ -436,6 +437,45 @@ fn a_forced_tool_must_be_one_of_the_agents() {
             error[KEEL_SPEC_INVALID]: `provider.tool_choice` names `day_name`, which the agent does not have
               --> a.yaml:3:13
               hint: did you mean `day-name`?
+        "#]],
+    );
+}
+
+#[test]
+fn http_settings_load_and_bad_hosts_are_pointed_at() {
+    let dir = tree(&[(
+        "a.yaml",
+        "model: mock\ntools: [http]\nhttp: { allow: [api.github.com, \"*.Example.com\"], allow_loopback: true }\n",
+    )]);
+    let spec = load(&dir.path().join("a.yaml"), &OPTIONS).spec.unwrap();
+    assert_eq!(
+        spec.http,
+        keel_core::HttpSettings {
+            allow: vec!["api.github.com".into(), "*.example.com".into()],
+            allow_loopback: true
+        }
+    );
+    check(
+        &[(
+            "a.yaml",
+            "model: mock\nhttp:\n  allow: [\"http://x.com\", \"a..b\", \"*.\"]\n  allow_loopback: 1\n  deny: []\n",
+        )],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `http.allow`: "http://x.com" is not a host name
+              --> a.yaml:3:11
+              hint: write host names like `api.github.com`, or `*.example.com` for its subdomains
+            error[KEEL_SPEC_INVALID]: `http.allow`: "a..b" is not a host name
+              --> a.yaml:3:27
+              hint: write host names like `api.github.com`, or `*.example.com` for its subdomains
+            error[KEEL_SPEC_INVALID]: `http.allow`: "*." is not a host name
+              --> a.yaml:3:35
+              hint: write host names like `api.github.com`, or `*.example.com` for its subdomains
+            error[KEEL_SPEC_INVALID]: `http.allow_loopback` must be true or false
+              --> a.yaml:4:19
+            error[KEEL_SPEC_INVALID]: unknown key `deny` in `http`
+              --> a.yaml:5:3
+              hint: known keys: allow, allow_loopback
         "#]],
     );
 }

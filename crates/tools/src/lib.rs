@@ -1,7 +1,8 @@
 //! keel-tools: tools an agent can use.
 //!
-//! - built-ins, by name ([`builtin`], [`BUILTIN_NAMES`]): `current-date`, `day-name`, and
-//!   `ask_question` ([`AskQuestion`]), which pauses the run for a human's answer;
+//! - built-ins, by name ([`builtin`], [`BUILTIN_NAMES`]): `current-date`, `day-name`,
+//!   `ask_question` ([`AskQuestion`]), which pauses the run for a human's answer, and
+//!   `http_request` ([`HttpTool`], spec name `http`), behind the SSRF guard of [`net`];
 //! - tools from plain async Rust functions, with the input schema derived by schemars
 //!   ([`function_tool`]);
 //! - command tools ([`CommandTool`]): a program run with the input JSON on stdin.
@@ -9,6 +10,8 @@
 mod clock;
 mod command;
 mod function;
+pub mod http;
+pub mod net;
 mod question;
 
 use std::sync::Arc;
@@ -18,17 +21,37 @@ use keel_core::Tool;
 pub use clock::ClockTool;
 pub use command::CommandTool;
 pub use function::{function_tool, function_tool_with_context};
+pub use http::{GuardedClient, HttpTool};
 pub use question::AskQuestion;
 
-/// The names of the built-in tools, for specs to refer to.
-pub const BUILTIN_NAMES: &[&str] = &["current-date", "day-name", AskQuestion::NAME];
+/// The names of the built-in tools, for specs to refer to. `http` is the spec's short name of
+/// the `http_request` tool; both are accepted.
+pub const BUILTIN_NAMES: &[&str] = &["current-date", "day-name", AskQuestion::NAME, "http", HttpTool::NAME];
 
-/// The built-in tool called `name`.
-pub fn builtin(name: &str) -> Option<Arc<dyn Tool>> {
-    match name {
+/// What the configurable built-ins are configured with (the spec's `http` key...).
+#[derive(Clone, Debug, Default)]
+pub struct BuiltinConfig {
+    /// Where the network tools may go.
+    pub http: keel_core::HttpSettings,
+}
+
+/// The name the model knows a built-in by, for a name a spec uses (`http` → `http_request`).
+pub fn tool_name(spec_name: &str) -> &str {
+    match spec_name {
+        "http" => HttpTool::NAME,
+        other => other,
+    }
+}
+
+/// The built-in tool a spec calls `name`, configured by `config`.
+pub fn builtin(name: &str, config: &BuiltinConfig) -> Option<Arc<dyn Tool>> {
+    match tool_name(name) {
         "current-date" => Some(Arc::new(ClockTool::current_date())),
         "day-name" => Some(Arc::new(ClockTool::day_name())),
         AskQuestion::NAME => Some(Arc::new(AskQuestion::new())),
+        HttpTool::NAME => {
+            Some(Arc::new(HttpTool::new(GuardedClient::new(net::NetPolicy::from(&config.http)))))
+        }
         _ => None,
     }
 }

@@ -9,6 +9,7 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
     let options = keel_spec::LoadOptions {
         builtin_tools: keel_tools::BUILTIN_NAMES,
         providers: keel_providers::PROVIDER_NAMES,
+        tool_name: keel_tools::tool_name,
     };
     let loaded = keel_spec::load(&args.agent, &options);
     let mut stderr = std::io::stderr().lock();

@@ -29,6 +29,7 @@ pub(crate) fn load_agent(
     let options = keel_spec::LoadOptions {
         builtin_tools: keel_tools::BUILTIN_NAMES,
         providers: keel_providers::PROVIDER_NAMES,
+        tool_name: keel_tools::tool_name,
     };
     let loaded = keel_spec::load(path, &options);
     for diagnostic in &loaded.diagnostics {

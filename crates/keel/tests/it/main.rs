@@ -8,3 +8,4 @@ mod providers;
 mod serve;
 mod support;
 mod tidy;
+mod tools;
