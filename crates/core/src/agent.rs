@@ -167,6 +167,29 @@ pub struct HttpSettings {
     pub allow_loopback: bool,
 }
 
+/// The directory the workspace tools work in (spec key `workspace`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkspaceSettings {
+    /// The directory (absolute once loaded: relative paths are resolved from the spec's
+    /// directory).
+    pub path: PathBuf,
+    /// What the agent may do there.
+    pub mode: WorkspaceMode,
+    /// Whether `write_file` and `edit_file` wait for a human's approval (default: yes).
+    pub approve_writes: bool,
+}
+
+/// What the agent may do in its workspace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkspaceMode {
+    /// No workspace tools.
+    Disabled,
+    /// `read_file` and `list_files`.
+    ReadOnly,
+    /// Also `write_file` and `edit_file`.
+    Writable,
+}
+
 /// Whether and which tools the model must call (`provider.tool_choice`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum ToolChoice {

@@ -100,6 +100,19 @@ impl Agent {
         for tool in spec.command_tools {
             tools.push(Arc::new(CommandTool::new(tool.def)));
         }
+        let mut write_approvals = Vec::new();
+        if let Some(workspace) = &spec.workspace {
+            let workspace_tools = keel_tools::workspace_tools(workspace).map_err(|error| {
+                LoadError::Setup(RunFailure::new(
+                    ErrorCode::SpecInvalid,
+                    format!("cannot open the workspace {}: {error}", workspace.path.display()),
+                ))
+            })?;
+            tools.extend(workspace_tools);
+            if workspace.mode == keel_core::WorkspaceMode::Writable && workspace.approve_writes {
+                write_approvals.extend(keel_tools::WORKSPACE_WRITE_TOOLS.iter().map(|n| (*n).to_owned()));
+            }
+        }
         let mut builder = Agent::builder()
             .name(spec.name)
             .instructions(spec.instructions)
@@ -111,8 +124,15 @@ impl Agent {
             .provider_settings(spec.provider)
             .store(store)
             .tools(tools);
-        for name in spec.approval_tools {
-            builder = builder.require_approval(keel_tools::tool_name(&name));
+        let mut approvals: Vec<String> =
+            spec.approval_tools.iter().map(|name| keel_tools::tool_name(name).to_owned()).collect();
+        for name in write_approvals {
+            if !approvals.contains(&name) {
+                approvals.push(name);
+            }
+        }
+        for name in approvals {
+            builder = builder.require_approval(name);
         }
         if let Some(script) = spec.mock {
             builder = builder.mock_script(script);

@@ -361,6 +361,12 @@ pub(crate) fn finish(
             );
         }
     }
+    // The workspace tools come with `workspace`, without being listed.
+    let workspace_names: &[&str] = match spec.workspace.as_ref().map(|w| w.mode) {
+        Some(keel_core::WorkspaceMode::ReadOnly) => &["read_file", "list_files"],
+        Some(keel_core::WorkspaceMode::Writable) => &["read_file", "list_files", "write_file", "edit_file"],
+        _ => &[],
+    };
     let forced_tool = match (&spec.provider.tool_choice, spec.tool_choice_pos) {
         (keel_core::ToolChoice::Tool(name), Some(pos)) => Some((name.clone(), pos)),
         _ => None,
@@ -370,7 +376,7 @@ pub(crate) fn finish(
         named.chain(forced_tool.iter().map(|(name, pos)| ("provider.tool_choice", name, *pos)))
     {
         let builtin = builtin_tools.iter().any(|b| b == name || (options.tool_name)(b) == name);
-        if !builtin && !command_names.contains(&name.as_str()) {
+        if !builtin && !command_names.contains(&name.as_str()) && !workspace_names.contains(&name.as_str()) {
             let candidates: Vec<&str> =
                 builtin_tools.iter().map(String::as_str).chain(command_names.iter().copied()).collect();
             let hint = match did_you_mean(name, &candidates) {
@@ -392,7 +398,8 @@ pub(crate) fn finish(
     let mock = spec.mock.map(|(script, called)| {
         for (name, pos) in called {
             let known = builtin_tools.iter().any(|b| *b == name || (options.tool_name)(b) == name)
-                || command_names.contains(&name.as_str());
+                || command_names.contains(&name.as_str())
+                || workspace_names.contains(&name.as_str());
             if !known {
                 diagnostics.push(Diagnostic::warning(
                     ErrorCode::SpecInvalid,
@@ -420,6 +427,7 @@ pub(crate) fn finish(
         retry: spec.retry,
         provider: spec.provider,
         http: spec.http,
+        workspace: spec.workspace,
         concurrency: spec.concurrency,
         approval_tools: spec.approval_tools.into_iter().map(|(name, _)| name).collect(),
         approval_timeout: spec.approval_timeout.unwrap_or(keel_core::AgentDef::DEFAULT_APPROVAL_TIMEOUT),

@@ -52,6 +52,8 @@ pub struct AgentSpec {
     pub provider: keel_core::ProviderSettings,
     /// What the network tools may reach (`http`).
     pub http: keel_core::HttpSettings,
+    /// The workspace directory of the file tools (`workspace`).
+    pub workspace: Option<keel_core::WorkspaceSettings>,
     /// What a second input to a busy session does.
     pub concurrency: Concurrency,
     /// Tools whose calls wait for a human's approval (`approvals.tools`).

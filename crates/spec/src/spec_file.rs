@@ -5,7 +5,7 @@ use std::path::Path;
 use keel_core::agent::OutputSchema;
 use keel_core::{
     Concurrency, ErrorCode, HttpSettings, Limits, MockEntry, MockFailure, MockScript, MockToolCall,
-    ProviderSettings, RetryPolicy, ToolChoice,
+    ProviderSettings, RetryPolicy, ToolChoice, WorkspaceMode, WorkspaceSettings,
 };
 use serde_json::Value;
 
@@ -39,7 +39,7 @@ pub(crate) const KEYS: &[&str] = &[
 
 /// Keys of the design this build does not implement yet: refusing them is safer than ignoring
 /// them (an ignored `approvals` would run risky tools without asking).
-const NOT_YET: &[&str] = &["workspace", "compaction", "mcp", "triggers", "memory"];
+const NOT_YET: &[&str] = &["compaction", "mcp", "triggers", "memory"];
 
 const LIMIT_KEYS: &[&str] = &[
     "max_turns",
@@ -74,6 +74,7 @@ pub(crate) struct FileSpec {
     pub(crate) retry: RetryPolicy,
     pub(crate) provider: ProviderSettings,
     pub(crate) http: HttpSettings,
+    pub(crate) workspace: Option<WorkspaceSettings>,
     /// Where `provider.tool_choice` names a tool (checked once the agent's tools are known).
     pub(crate) tool_choice_pos: Option<Pos>,
     pub(crate) concurrency: Concurrency,
@@ -124,6 +125,7 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         retry: RetryPolicy::default(),
         provider: ProviderSettings::default(),
         http: HttpSettings::default(),
+        workspace: None,
         tool_choice_pos: None,
         concurrency: Concurrency::Reject,
         approval_tools: Vec::new(),
@@ -168,6 +170,9 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     }
     if let Some(node) = map.take("http") {
         http(node, d, &mut spec.http);
+    }
+    if let Some(node) = map.take("workspace") {
+        spec.workspace = workspace(node, d, &base_dir);
     }
     if let Some(node) = map.take("provider") {
         provider(node, d, &mut spec.provider);
@@ -314,6 +319,52 @@ fn retry(node: &Node, d: &mut Decoder<'_>, retry: &mut RetryPolicy) {
         retry.max_backoff = t;
     }
     map.finish(d, "retry", RETRY_KEYS);
+}
+
+fn workspace(node: &Node, d: &mut Decoder<'_>, base_dir: &Path) -> Option<WorkspaceSettings> {
+    let mut map = d.map(node, "workspace")?;
+    let path_node = map.take("path");
+    let mode_node = map.take("mode");
+    let approve_node = map.take("approve_writes");
+    map.finish(d, "workspace", &["path", "mode", "approve_writes"]);
+    let mode = match mode_node {
+        None => WorkspaceMode::ReadOnly,
+        Some(node) => match d.string(node, "workspace.mode")?.as_str() {
+            "disabled" => WorkspaceMode::Disabled,
+            "readonly" => WorkspaceMode::ReadOnly,
+            "writable" => WorkspaceMode::Writable,
+            other => {
+                let hint = did_you_mean(other, &["disabled", "readonly", "writable"])
+                    .map_or("use disabled, readonly or writable".to_owned(), |c| {
+                        format!("did you mean `{c}`?")
+                    });
+                d.error(node.pos, format!("unknown workspace mode {other:?}")).hint = Some(hint);
+                return None;
+            }
+        },
+    };
+    let approve_writes = match approve_node.map(|n| (n, &n.kind)) {
+        None => true,
+        Some((_, Kind::Bool(b))) => *b,
+        Some((n, _)) => {
+            d.error(n.pos, "`workspace.approve_writes` must be true or false");
+            return None;
+        }
+    };
+    let Some(path_node) = path_node else {
+        d.error(node.pos, "`workspace` needs `path`").hint =
+            Some("write `workspace: { path: ./data, mode: readonly }`".into());
+        return None;
+    };
+    let given = d.text(path_node, "workspace.path")?;
+    let path = base_dir.join(&given);
+    if mode != WorkspaceMode::Disabled && !path.is_dir() {
+        d.error(path_node.pos, format!("the workspace directory {} does not exist", path.display())).hint =
+            Some("create it, or fix `workspace.path` (relative to the spec file's directory)".into());
+        return None;
+    }
+    let path = std::fs::canonicalize(&path).unwrap_or(path);
+    Some(WorkspaceSettings { path, mode, approve_writes })
 }
 
 fn http(node: &Node, d: &mut Decoder<'_>, settings: &mut HttpSettings) {

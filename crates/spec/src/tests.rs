@@ -299,12 +299,12 @@ fn skills_problems() {
 #[test]
 fn features_of_later_versions_are_refused_not_ignored() {
     check(
-        &[("a.yaml", "model: mock\nworkspace: { path: . }\nconcurrency: queue\n")],
+        &[("a.yaml", "model: mock\nmcp: [ { name: docs, command: [x] } ]\nconcurrency: queue\n")],
         "a.yaml",
         expect![[r#"
-            error[KEEL_SPEC_UNSUPPORTED]: `workspace` is not supported by this version of keel yet
+            error[KEEL_SPEC_UNSUPPORTED]: `mcp` is not supported by this version of keel yet
               --> a.yaml:2:1
-              hint: remove `workspace` to run the agent with this version
+              hint: remove `mcp` to run the agent with this version
         "#]],
     );
 }
@@ -476,6 +476,39 @@ fn http_settings_load_and_bad_hosts_are_pointed_at() {
             error[KEEL_SPEC_INVALID]: unknown key `deny` in `http`
               --> a.yaml:5:3
               hint: known keys: allow, allow_loopback
+        "#]],
+    );
+}
+
+#[test]
+fn workspace_settings_resolve_their_directory_and_bad_ones_are_pointed_at() {
+    let dir = tree(&[
+        (
+            "a.yaml",
+            "model: mock\nworkspace: { path: data, mode: writable }\napprovals: { tools: [read_file] }\n",
+        ),
+        ("data/x", ""),
+    ]);
+    let spec = load(&dir.path().join("a.yaml"), &OPTIONS).spec.unwrap();
+    let workspace = spec.workspace.unwrap();
+    assert_eq!(workspace.path, std::fs::canonicalize(dir.path().join("data")).unwrap());
+    assert_eq!((workspace.mode, workspace.approve_writes), (keel_core::WorkspaceMode::Writable, true));
+    check(
+        &[("a.yaml", "model: mock\nworkspace: { path: missing, mode: readonly }\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: the workspace directory missing does not exist
+              --> a.yaml:2:20
+              hint: create it, or fix `workspace.path` (relative to the spec file's directory)
+        "#]],
+    );
+    check(
+        &[("a.yaml", "model: mock\nworkspace: { mode: writeable, approve_writes: no }\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: unknown workspace mode "writeable"
+              --> a.yaml:2:20
+              hint: did you mean `writable`?
         "#]],
     );
 }

@@ -13,6 +13,7 @@ mod function;
 pub mod http;
 pub mod net;
 mod question;
+pub mod workspace;
 
 use std::sync::Arc;
 
@@ -34,6 +35,29 @@ pub struct BuiltinConfig {
     /// Where the network tools may go.
     pub http: keel_core::HttpSettings,
 }
+
+/// The workspace tools for `settings`: none when disabled, `read_file` and `list_files` when
+/// read-only, and `write_file` and `edit_file` too when writable. Fails when the directory
+/// cannot be opened.
+pub fn workspace_tools(settings: &keel_core::WorkspaceSettings) -> std::io::Result<Vec<Arc<dyn Tool>>> {
+    use keel_core::WorkspaceMode;
+    use workspace::{EditFile, ListFiles, ReadFile, Workspace, WriteFile};
+    if settings.mode == WorkspaceMode::Disabled {
+        return Ok(Vec::new());
+    }
+    let workspace = Workspace::open(&settings.path)?;
+    let mut tools: Vec<Arc<dyn Tool>> =
+        vec![Arc::new(ReadFile::new(workspace.clone())), Arc::new(ListFiles::new(workspace.clone()))];
+    if settings.mode == WorkspaceMode::Writable {
+        tools.push(Arc::new(WriteFile::new(workspace.clone())));
+        tools.push(Arc::new(EditFile::new(workspace)));
+    }
+    Ok(tools)
+}
+
+/// The workspace tools that change files, which wait for approval unless
+/// `workspace.approve_writes` is false.
+pub const WORKSPACE_WRITE_TOOLS: &[&str] = &["write_file", "edit_file"];
 
 /// The name the model knows a built-in by, for a name a spec uses (`http` → `http_request`).
 pub fn tool_name(spec_name: &str) -> &str {

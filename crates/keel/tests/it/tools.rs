@@ -87,3 +87,67 @@ mock:
     assert!(errors[0]["error"].as_str().unwrap().contains("http.allow_loopback"), "{events:?}");
     assert!(server.requests().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workspace_tools_read_list_write_and_edit_in_their_directory_only() {
+    let spec = "model: mock
+workspace: { path: ./data, mode: writable, approve_writes: false }
+mock:
+  script:
+    - tool_calls:
+        - { name: list_files, input: {} }
+        - { name: read_file, input: { path: notes.md } }
+        - { name: read_file, input: { path: ../agent.yaml } }
+    - tool_calls: [{ name: write_file, input: { path: out/summary.md, content: 'two notes' } }]
+    - tool_calls: [{ name: edit_file, input: { path: out/summary.md, old_text: two, new_text: three } }]
+    - text: 'Done.'
+";
+    let dir = agent_dir(&[("agent.yaml", spec), ("data/notes.md", "tea\ncoffee\n")]);
+    let (events, code) = run_json(dir.path(), "summarise").await;
+    assert_eq!(code, Some(0), "{events:?}");
+    // Parallel calls finish in any order: match results to calls by id.
+    let output_of = |tool: &str| {
+        let call =
+            of_type(&events, "tool.start").into_iter().find(|e| e["name"] == tool).unwrap()["callId"].clone();
+        of_type(&events, "tool.done").into_iter().find(|e| e["callId"] == call).unwrap()["output"].clone()
+    };
+    assert_eq!(output_of("list_files")["entries"][0]["path"], "notes.md");
+    assert_eq!(output_of("read_file")["content"], "tea\ncoffee\n");
+    let refused = of_type(&events, "tool.error");
+    assert_eq!(refused.len(), 1, "{events:?}");
+    assert!(refused[0]["error"].as_str().unwrap().contains("`..`"));
+    assert_eq!(std::fs::read_to_string(dir.path().join("data/out/summary.md")).unwrap(), "three notes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workspace_writes_wait_for_approval_by_default_and_readonly_has_no_writes() {
+    let spec = "model: mock
+workspace: { path: ./data, mode: writable }
+mock:
+  script:
+    - tool_calls: [{ name: write_file, input: { path: x.md, content: 'hello' } }]
+    - text: 'Written.'
+";
+    let dir = agent_dir(&[("agent.yaml", spec), ("data/.keep", "")]);
+    let (events, code) = run_json(dir.path(), "write").await;
+    assert_eq!(code, Some(5), "the run waits for a human: {events:?}");
+    assert_eq!(of_type(&events, "approval.requested")[0]["tool"], "write_file");
+    assert!(!dir.path().join("data/x.md").exists(), "nothing is written before the approval");
+
+    let readonly = "model: mock
+workspace: { path: ./data }
+mock:
+  script:
+    - tool_calls: [{ name: write_file, input: { path: x.md, content: 'hello' } }]
+    - text: 'Could not.'
+";
+    let dir = agent_dir(&[("agent.yaml", readonly), ("data/.keep", "")]);
+    let (events, code) = run_json(dir.path(), "write").await;
+    assert_eq!(code, Some(0));
+    let error = of_type(&events, "tool.error")[0]["error"].as_str().unwrap().to_owned();
+    assert!(
+        error.starts_with("unknown tool `write_file`; available tools: read_file, list_files"),
+        "{error}"
+    );
+    assert!(!dir.path().join("data/x.md").exists());
+}
