@@ -179,6 +179,21 @@ pub struct WorkspaceSettings {
     pub approve_writes: bool,
 }
 
+/// How the `shell` tool runs (spec key `shell`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShellSettings {
+    /// Pass keel's whole environment to commands (default: a minimal one, without secrets).
+    pub inherit_env: bool,
+    /// Whether each command waits for a human's approval (default: yes).
+    pub approve: bool,
+}
+
+impl Default for ShellSettings {
+    fn default() -> ShellSettings {
+        ShellSettings { inherit_env: false, approve: true }
+    }
+}
+
 /// What the agent may do in its workspace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WorkspaceMode {

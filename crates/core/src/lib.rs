@@ -29,7 +29,7 @@ pub mod wire;
 
 pub use agent::{
     AgentDef, CommandToolDef, Concurrency, HttpSettings, Limits, MockEntry, MockFailure, MockScript,
-    MockToolCall, ProviderSettings, RetryPolicy, ToolChoice, WorkspaceMode, WorkspaceSettings,
+    MockToolCall, ProviderSettings, RetryPolicy, ShellSettings, ToolChoice, WorkspaceMode, WorkspaceSettings,
 };
 pub use error::{ErrorCode, RunFailure};
 pub use event::{Event, StopReason, Usage};

@@ -87,7 +87,11 @@ impl Agent {
     /// Builds an agent from a loaded spec and a store.
     pub fn from_spec(spec: AgentSpec, store: Arc<dyn Store>) -> Result<Agent, LoadError> {
         let mut tools: Vec<Arc<dyn Tool>> = Vec::new();
-        let config = keel_tools::BuiltinConfig { http: spec.http.clone() };
+        let config = keel_tools::BuiltinConfig {
+            http: spec.http.clone(),
+            workspace: spec.workspace.clone(),
+            shell: spec.shell,
+        };
         for name in &spec.builtin_tools {
             let tool = keel_tools::builtin(name, &config).ok_or_else(|| {
                 LoadError::Setup(RunFailure::new(
@@ -101,6 +105,11 @@ impl Agent {
             tools.push(Arc::new(CommandTool::new(tool.def)));
         }
         let mut write_approvals = Vec::new();
+        if spec.shell.approve
+            && spec.builtin_tools.iter().any(|name| name == keel_tools::shell::ShellTool::NAME)
+        {
+            write_approvals.push(keel_tools::shell::ShellTool::NAME.to_owned());
+        }
         if let Some(workspace) = &spec.workspace {
             let workspace_tools = keel_tools::workspace_tools(workspace).map_err(|error| {
                 LoadError::Setup(RunFailure::new(

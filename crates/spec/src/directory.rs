@@ -361,6 +361,20 @@ pub(crate) fn finish(
             );
         }
     }
+    let has_workspace = spec.workspace.as_ref().is_some_and(|w| w.mode != keel_core::WorkspaceMode::Disabled);
+    if let Some((_, pos)) = spec.tools.iter().find(|(name, _)| name == "shell")
+        && !has_workspace
+    {
+        diagnostics.push(
+            Diagnostic::error(
+                ErrorCode::SpecInvalid,
+                file,
+                *pos,
+                "`shell` runs in the workspace, and the agent has none",
+            )
+            .with_hint("add `workspace: { path: ./work, mode: writable }`"),
+        );
+    }
     // The workspace tools come with `workspace`, without being listed.
     let workspace_names: &[&str] = match spec.workspace.as_ref().map(|w| w.mode) {
         Some(keel_core::WorkspaceMode::ReadOnly) => &["read_file", "list_files"],
@@ -428,6 +442,7 @@ pub(crate) fn finish(
         provider: spec.provider,
         http: spec.http,
         workspace: spec.workspace,
+        shell: spec.shell,
         concurrency: spec.concurrency,
         approval_tools: spec.approval_tools.into_iter().map(|(name, _)| name).collect(),
         approval_timeout: spec.approval_timeout.unwrap_or(keel_core::AgentDef::DEFAULT_APPROVAL_TIMEOUT),

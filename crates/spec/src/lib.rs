@@ -54,6 +54,8 @@ pub struct AgentSpec {
     pub http: keel_core::HttpSettings,
     /// The workspace directory of the file tools (`workspace`).
     pub workspace: Option<keel_core::WorkspaceSettings>,
+    /// How the `shell` tool runs (`shell`).
+    pub shell: keel_core::ShellSettings,
     /// What a second input to a busy session does.
     pub concurrency: Concurrency,
     /// Tools whose calls wait for a human's approval (`approvals.tools`).

@@ -5,7 +5,7 @@ use std::path::Path;
 use keel_core::agent::OutputSchema;
 use keel_core::{
     Concurrency, ErrorCode, HttpSettings, Limits, MockEntry, MockFailure, MockScript, MockToolCall,
-    ProviderSettings, RetryPolicy, ToolChoice, WorkspaceMode, WorkspaceSettings,
+    ProviderSettings, RetryPolicy, ShellSettings, ToolChoice, WorkspaceMode, WorkspaceSettings,
 };
 use serde_json::Value;
 
@@ -28,6 +28,7 @@ pub(crate) const KEYS: &[&str] = &[
     "approvals",
     "concurrency",
     "workspace",
+    "shell",
     "output",
     "compaction",
     "mcp",
@@ -75,6 +76,7 @@ pub(crate) struct FileSpec {
     pub(crate) provider: ProviderSettings,
     pub(crate) http: HttpSettings,
     pub(crate) workspace: Option<WorkspaceSettings>,
+    pub(crate) shell: ShellSettings,
     /// Where `provider.tool_choice` names a tool (checked once the agent's tools are known).
     pub(crate) tool_choice_pos: Option<Pos>,
     pub(crate) concurrency: Concurrency,
@@ -126,6 +128,7 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         provider: ProviderSettings::default(),
         http: HttpSettings::default(),
         workspace: None,
+        shell: ShellSettings::default(),
         tool_choice_pos: None,
         concurrency: Concurrency::Reject,
         approval_tools: Vec::new(),
@@ -173,6 +176,23 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     }
     if let Some(node) = map.take("workspace") {
         spec.workspace = workspace(node, d, &base_dir);
+    }
+    if let Some(node) = map.take("shell")
+        && let Some(mut shell) = d.map(node, "shell")
+    {
+        for (key, target) in
+            [("inherit_env", &mut spec.shell.inherit_env), ("approve", &mut spec.shell.approve)]
+        {
+            if let Some(value) = shell.take(key) {
+                match value.kind {
+                    Kind::Bool(b) => *target = b,
+                    _ => {
+                        d.error(value.pos, format!("`shell.{key}` must be true or false"));
+                    }
+                }
+            }
+        }
+        shell.finish(d, "shell", &["inherit_env", "approve"]);
     }
     if let Some(node) = map.take("provider") {
         provider(node, d, &mut spec.provider);

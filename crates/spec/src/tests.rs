@@ -8,7 +8,7 @@ use serde_json::json;
 use super::*;
 
 const OPTIONS: LoadOptions<'static> = LoadOptions {
-    builtin_tools: &["current-date", "day-name", "ask_question", "http"],
+    builtin_tools: &["current-date", "day-name", "ask_question", "http", "shell"],
     providers: &["mock", "openai", "anthropic", "ollama", "openrouter"],
     tool_name: |name| name,
 };
@@ -148,7 +148,7 @@ fn unknown_tools_and_providers_get_suggestions() {
               hint: did you mean `day-name`?
             error[KEEL_SPEC_INVALID]: unknown tool `weather`
               --> agent.toml:2:21
-              hint: available tools: current-date, day-name, ask_question, http
+              hint: available tools: current-date, day-name, ask_question, http, shell
         "#]],
     );
     check(
@@ -160,7 +160,7 @@ fn unknown_tools_and_providers_get_suggestions() {
               hint: did you mean `day-name`?
             error[KEEL_SPEC_INVALID]: unknown tool `weather`
               --> agent.toml:2:21
-              hint: available tools: current-date, day-name, ask_question, http
+              hint: available tools: current-date, day-name, ask_question, http, shell
         "#]],
     );
 }
@@ -509,6 +509,24 @@ fn workspace_settings_resolve_their_directory_and_bad_ones_are_pointed_at() {
             error[KEEL_SPEC_INVALID]: unknown workspace mode "writeable"
               --> a.yaml:2:20
               hint: did you mean `writable`?
+        "#]],
+    );
+}
+
+#[test]
+fn shell_needs_a_workspace_and_takes_two_switches() {
+    check(
+        &[("a.yaml", "model: mock\ntools: [shell]\nshell: { inherit_env: yes, approve: false, timeout: 3 }\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `shell` runs in the workspace, and the agent has none
+              --> a.yaml:2:9
+              hint: add `workspace: { path: ./work, mode: writable }`
+            error[KEEL_SPEC_INVALID]: `shell.inherit_env` must be true or false
+              --> a.yaml:3:23
+            error[KEEL_SPEC_INVALID]: unknown key `timeout` in `shell`
+              --> a.yaml:3:44
+              hint: known keys: inherit_env, approve
         "#]],
     );
 }

@@ -11,10 +11,10 @@
 use std::process::Stdio;
 
 use keel_core::{BoxFuture, CommandToolDef, ErrorCode, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec};
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
 use serde_json::Value;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
+
+use crate::process::{GroupKiller, read_capped, read_tail};
 use tokio::process::Command;
 
 /// The most stdout kept from a command (the output cap of the agent applies after).
@@ -37,49 +37,6 @@ impl CommandTool {
             input_schema: config.input_schema.clone(),
         };
         CommandTool { spec, config }
-    }
-}
-
-/// Kills a process group when dropped, unless disarmed: covers timeouts, cancelled runs and
-/// panics alike.
-struct GroupKiller(Option<Pid>);
-
-impl Drop for GroupKiller {
-    fn drop(&mut self) {
-        if let Some(group) = self.0 {
-            // ESRCH (already gone) is fine.
-            let _ = killpg(group, Signal::SIGKILL);
-        }
-    }
-}
-
-async fn read_capped(mut reader: impl AsyncRead + Unpin, cap: usize) -> std::io::Result<(Vec<u8>, bool)> {
-    let mut kept = Vec::new();
-    let mut chunk = [0u8; 8192];
-    let mut truncated = false;
-    loop {
-        let n = reader.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok((kept, truncated));
-        }
-        let room = cap.saturating_sub(kept.len());
-        kept.extend_from_slice(&chunk[..n.min(room)]);
-        truncated |= n > room;
-    }
-}
-
-async fn read_tail(mut reader: impl AsyncRead + Unpin, tail: usize) -> std::io::Result<Vec<u8>> {
-    let mut kept = Vec::new();
-    let mut chunk = [0u8; 8192];
-    loop {
-        let n = reader.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(kept);
-        }
-        kept.extend_from_slice(&chunk[..n]);
-        if kept.len() > tail * 2 {
-            kept.drain(..kept.len() - tail);
-        }
     }
 }
 
@@ -108,7 +65,7 @@ impl CommandTool {
                     self.config.working_dir.display()
                 ))
             })?;
-        let mut killer = GroupKiller(child.id().and_then(|id| i32::try_from(id).ok()).map(Pid::from_raw));
+        let mut killer = GroupKiller::for_child(child.id());
 
         let mut stdin = child.stdin.take().expect("stdin is piped");
         let stdout = child.stdout.take().expect("stdout is piped");
@@ -146,9 +103,7 @@ impl CommandTool {
         };
         let status = status.map_err(|e| ToolError::failed(format!("waiting for `{program}` failed: {e}")))?;
         // The leader exited; still reap the group's stragglers (a script's background jobs).
-        if let Some(group) = killer.0.take() {
-            let _ = killpg(group, Signal::SIGKILL);
-        }
+        killer.kill_now();
         let stderr_tail = String::from_utf8_lossy(&err.unwrap_or_default()).trim().to_owned();
         if !status.success() {
             let how = match status.code() {
@@ -273,7 +228,7 @@ mod tests {
 
     /// Whether a process is alive (signal 0 checks without sending anything).
     fn alive(pid: i32) -> bool {
-        nix::sys::signal::kill(Pid::from_raw(pid), None).is_ok()
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
     }
 
     #[tokio::test]

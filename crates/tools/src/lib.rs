@@ -12,7 +12,9 @@ mod command;
 mod function;
 pub mod http;
 pub mod net;
+mod process;
 mod question;
+pub mod shell;
 pub mod workspace;
 
 use std::sync::Arc;
@@ -27,13 +29,18 @@ pub use question::AskQuestion;
 
 /// The names of the built-in tools, for specs to refer to. `http` is the spec's short name of
 /// the `http_request` tool; both are accepted.
-pub const BUILTIN_NAMES: &[&str] = &["current-date", "day-name", AskQuestion::NAME, "http", HttpTool::NAME];
+pub const BUILTIN_NAMES: &[&str] =
+    &["current-date", "day-name", AskQuestion::NAME, "http", HttpTool::NAME, shell::ShellTool::NAME];
 
 /// What the configurable built-ins are configured with (the spec's `http` key...).
 #[derive(Clone, Debug, Default)]
 pub struct BuiltinConfig {
     /// Where the network tools may go.
     pub http: keel_core::HttpSettings,
+    /// The workspace (`shell` runs there).
+    pub workspace: Option<keel_core::WorkspaceSettings>,
+    /// How `shell` runs.
+    pub shell: keel_core::ShellSettings,
 }
 
 /// The workspace tools for `settings`: none when disabled, `read_file` and `list_files` when
@@ -75,6 +82,10 @@ pub fn builtin(name: &str, config: &BuiltinConfig) -> Option<Arc<dyn Tool>> {
         AskQuestion::NAME => Some(Arc::new(AskQuestion::new())),
         HttpTool::NAME => {
             Some(Arc::new(HttpTool::new(GuardedClient::new(net::NetPolicy::from(&config.http)))))
+        }
+        shell::ShellTool::NAME => {
+            let workspace = config.workspace.as_ref()?;
+            Some(Arc::new(shell::ShellTool::new(workspace.path.clone(), config.shell.inherit_env)))
         }
         _ => None,
     }

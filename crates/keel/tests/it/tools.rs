@@ -11,11 +11,18 @@ use crate::support::{agent_dir, keel};
 
 /// Runs `keel run DIR INPUT --json` off the async runtime; the events and the exit code.
 async fn run_json(dir: &Path, input: &str) -> (Vec<Value>, Option<i32>) {
+    run_json_with(dir, input, &[]).await
+}
+
+/// [`run_json`] with extra environment variables for keel.
+async fn run_json_with(dir: &Path, input: &str, env: &[(&str, &str)]) -> (Vec<Value>, Option<i32>) {
     let dir = dir.to_owned();
     let input = input.to_owned();
+    let env: Vec<(String, String)> = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
     let output = tokio::task::spawn_blocking(move || {
         keel()
             .current_dir(&dir)
+            .envs(env)
             .arg("run")
             .arg(&dir)
             .arg(&input)
@@ -150,4 +157,49 @@ mock:
         "{error}"
     );
     assert!(!dir.path().join("data/x.md").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shell_runs_in_the_workspace_without_keels_secrets_and_asks_first_by_default() {
+    let spec = |extra: &str| {
+        format!(
+            "model: mock
+tools: [shell]
+workspace: {{ path: ./work, mode: writable, approve_writes: false }}
+{extra}
+mock:
+  script:
+    - tool_calls: [{{ name: shell, input: {{ command: 'echo hi > made.txt; env' }} }}]
+    - text: 'Done.'
+"
+        )
+    };
+    let secret = [("OPENAI_API_KEY", "sk-keel-test-secret")];
+    let dir = agent_dir(&[("agent.yaml", &spec("shell: { approve: false }")), ("work/.keep", "")]);
+    let (events, code) = run_json_with(dir.path(), "go", &secret).await;
+    assert_eq!(code, Some(0), "{events:?}");
+    let output = &of_type(&events, "tool.done")[0]["output"];
+    assert_eq!(output["exit_code"], 0);
+    assert!(
+        !output["stdout"].as_str().unwrap().contains("sk-keel-test-secret"),
+        "a secret reached the shell"
+    );
+    assert_eq!(std::fs::read_to_string(dir.path().join("work/made.txt")).unwrap(), "hi\n");
+
+    let dir = agent_dir(&[
+        ("agent.yaml", &spec("shell: { approve: false, inherit_env: true }")),
+        ("work/.keep", ""),
+    ]);
+    let (events, _) = run_json_with(dir.path(), "go", &secret).await;
+    let output = &of_type(&events, "tool.done")[0]["output"];
+    assert!(
+        output["stdout"].as_str().unwrap().contains("sk-keel-test-secret"),
+        "inherit_env passes keel's environment"
+    );
+
+    let dir = agent_dir(&[("agent.yaml", &spec("")), ("work/.keep", "")]);
+    let (events, code) = run_json(dir.path(), "go").await;
+    assert_eq!(code, Some(5), "shell waits for approval by default: {events:?}");
+    assert_eq!(of_type(&events, "approval.requested")[0]["tool"], "shell");
+    assert!(!dir.path().join("work/made.txt").exists());
 }
