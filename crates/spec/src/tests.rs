@@ -516,7 +516,10 @@ fn workspace_settings_resolve_their_directory_and_bad_ones_are_pointed_at() {
 #[test]
 fn shell_needs_a_workspace_and_takes_two_switches() {
     check(
-        &[("a.yaml", "model: mock\ntools: [shell]\nshell: { inherit_env: yes, approve: false, timeout: 3 }\n")],
+        &[(
+            "a.yaml",
+            "model: mock\ntools: [shell]\nshell: { inherit_env: yes, approve: false, timeout: 3 }\n",
+        )],
         "a.yaml",
         expect![[r#"
             error[KEEL_SPEC_INVALID]: `shell` runs in the workspace, and the agent has none

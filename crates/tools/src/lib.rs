@@ -15,6 +15,7 @@ pub mod net;
 mod process;
 mod question;
 pub mod shell;
+pub mod web_fetch;
 pub mod workspace;
 
 use std::sync::Arc;
@@ -29,8 +30,16 @@ pub use question::AskQuestion;
 
 /// The names of the built-in tools, for specs to refer to. `http` is the spec's short name of
 /// the `http_request` tool; both are accepted.
-pub const BUILTIN_NAMES: &[&str] =
-    &["current-date", "day-name", AskQuestion::NAME, "http", HttpTool::NAME, shell::ShellTool::NAME];
+pub const BUILTIN_NAMES: &[&str] = &[
+    "current-date",
+    "day-name",
+    AskQuestion::NAME,
+    "http",
+    HttpTool::NAME,
+    "web-fetch",
+    web_fetch::WebFetch::NAME,
+    shell::ShellTool::NAME,
+];
 
 /// What the configurable built-ins are configured with (the spec's `http` key...).
 #[derive(Clone, Debug, Default)]
@@ -70,6 +79,7 @@ pub const WORKSPACE_WRITE_TOOLS: &[&str] = &["write_file", "edit_file"];
 pub fn tool_name(spec_name: &str) -> &str {
     match spec_name {
         "http" => HttpTool::NAME,
+        "web-fetch" => web_fetch::WebFetch::NAME,
         other => other,
     }
 }
@@ -82,6 +92,9 @@ pub fn builtin(name: &str, config: &BuiltinConfig) -> Option<Arc<dyn Tool>> {
         AskQuestion::NAME => Some(Arc::new(AskQuestion::new())),
         HttpTool::NAME => {
             Some(Arc::new(HttpTool::new(GuardedClient::new(net::NetPolicy::from(&config.http)))))
+        }
+        web_fetch::WebFetch::NAME => {
+            Some(Arc::new(web_fetch::WebFetch::new(GuardedClient::new(net::NetPolicy::from(&config.http)))))
         }
         shell::ShellTool::NAME => {
             let workspace = config.workspace.as_ref()?;

@@ -203,3 +203,32 @@ mock:
     assert_eq!(of_type(&events, "approval.requested")[0]["tool"], "shell");
     assert!(!dir.path().join("work/made.txt").exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn web_fetch_reads_a_page_as_markdown_in_a_run() {
+    let page = "<html><head><title>Release notes</title></head><body><nav>Menu</nav><article><h1>Release 2.0</h1>\
+                <p>This release makes every tool call a durable step, so that a crash never repeats a payment. \
+                Read the <a href='/docs/durability'>durability guide</a> for the details of the journal.</p>\
+                <p>It also adds approvals that survive restarts, and a playground page for trying agents out in a browser.</p>\
+                </article></body></html>";
+    let server = WireServer::start(vec![Reply::new(200, "text/html", page)]).await;
+    let spec = format!(
+        "model: mock
+tools: [web-fetch]
+http: {{ allow_loopback: true }}
+mock:
+  script:
+    - tool_calls: [{{ name: web_fetch, input: {{ url: '{}/releases/2.0' }} }}]
+    - text: 'Read it.'
+",
+        server.url()
+    );
+    let dir = agent_dir(&[("agent.yaml", &spec)]);
+    let (events, code) = run_json(dir.path(), "what changed?").await;
+    assert_eq!(code, Some(0), "{events:?}");
+    let output = &of_type(&events, "tool.done")[0]["output"];
+    assert_eq!(output["title"], "Release notes");
+    let content = output["content"].as_str().unwrap();
+    assert!(content.contains("a crash never repeats a payment"), "{content}");
+    assert!(content.contains(&format!("[durability guide]({}/docs/durability)", server.url())), "{content}");
+}
