@@ -1,8 +1,10 @@
 //! keel-tools: tools an agent can use.
 //!
 //! - built-ins, by name ([`builtin`], [`BUILTIN_NAMES`]): `current-date`, `day-name`,
-//!   `ask_question` ([`AskQuestion`]), which pauses the run for a human's answer, and
-//!   `http_request` ([`HttpTool`], spec name `http`), behind the SSRF guard of [`net`];
+//!   `ask_question` ([`AskQuestion`]), which pauses the run for a human's answer,
+//!   `http_request` ([`HttpTool`], spec name `http`) and `web_fetch`, behind the SSRF guard of
+//!   [`net`], `shell`, `js` (sandboxed JavaScript), and the workspace file tools
+//!   ([`workspace_tools`]);
 //! - tools from plain async Rust functions, with the input schema derived by schemars
 //!   ([`function_tool`]);
 //! - command tools ([`CommandTool`]): a program run with the input JSON on stdin.
@@ -11,6 +13,7 @@ mod clock;
 mod command;
 mod function;
 pub mod http;
+pub mod js;
 pub mod net;
 mod process;
 mod question;
@@ -39,6 +42,7 @@ pub const BUILTIN_NAMES: &[&str] = &[
     "web-fetch",
     web_fetch::WebFetch::NAME,
     shell::ShellTool::NAME,
+    js::JsTool::NAME,
 ];
 
 /// What the configurable built-ins are configured with (the spec's `http` key...).
@@ -96,6 +100,7 @@ pub fn builtin(name: &str, config: &BuiltinConfig) -> Option<Arc<dyn Tool>> {
         web_fetch::WebFetch::NAME => {
             Some(Arc::new(web_fetch::WebFetch::new(GuardedClient::new(net::NetPolicy::from(&config.http)))))
         }
+        js::JsTool::NAME => Some(Arc::new(js::JsTool::new())),
         shell::ShellTool::NAME => {
             let workspace = config.workspace.as_ref()?;
             Some(Arc::new(shell::ShellTool::new(workspace.path.clone(), config.shell.inherit_env)))

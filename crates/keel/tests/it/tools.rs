@@ -232,3 +232,24 @@ mock:
     assert!(content.contains("a crash never repeats a payment"), "{content}");
     assert!(content.contains(&format!("[durability guide]({}/docs/durability)", server.url())), "{content}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn js_computes_in_a_run_and_a_runaway_script_becomes_a_tool_error() {
+    let spec = "model: mock
+tools: [js]
+mock:
+  script:
+    - tool_calls:
+        - { name: js, input: { code: 'const prices = [12.5, 7.25, 30]; console.log(prices.length, \"items\"); return prices.reduce((a, b) => a + b, 0);' } }
+        - { name: js, input: { code: 'while (true) {}', cpu_ms: 200 } }
+    - text: 'Total computed.'
+";
+    let dir = agent_dir(&[("agent.yaml", spec)]);
+    let (events, code) = run_json(dir.path(), "sum it").await;
+    assert_eq!(code, Some(0), "{events:?}");
+    let done = of_type(&events, "tool.done");
+    assert_eq!(done[0]["output"], serde_json::json!({"value": 49.75, "logs": ["3 items"]}));
+    let errors = of_type(&events, "tool.error");
+    assert!(errors[0]["error"].as_str().unwrap().contains("more than 200 ms of CPU time"), "{events:?}");
+    assert_eq!(events.last().unwrap()["text"], "Total computed.");
+}
