@@ -32,6 +32,7 @@ use crate::message::{Message, Part, Role, ToolCall, ToolResult, output_to_text};
 use crate::provider::{ModelReply, ModelRequest, ProviderError};
 use crate::tool::{ToolError, ToolOutcome};
 
+pub mod compose;
 #[cfg(test)]
 mod tests;
 
@@ -138,6 +139,8 @@ struct PendingCall {
     result: Option<ToolOutcome>,
     /// What the call waits for before it can run (or, for a question, before it has a result).
     human: Option<HumanWait>,
+    /// The script of a `compose` call, while its steps run.
+    compose: Option<compose::Plan>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -299,7 +302,7 @@ impl Machine {
         self.transcript.push(Arc::new(Message { role: Role::Assistant, parts }));
         self.persist_last(actions, 1);
 
-        let message = self.transcript.last().expect("just pushed");
+        let message = Arc::clone(self.transcript.last().expect("just pushed"));
         if message.tool_calls().next().is_none() {
             let text = message.text();
             return self.final_answer(text, actions);
@@ -364,7 +367,28 @@ impl Machine {
                         call_id: call.call_id.clone(),
                         result: Some(Err(error)),
                         human: None,
+                        compose: None,
                     });
+                }
+                None if self.agent.tools.composes(&call.name) => {
+                    let mut entry = PendingCall {
+                        call_id: call.call_id.clone(),
+                        result: None,
+                        human: None,
+                        compose: None,
+                    };
+                    match compose::Plan::parse(&call.input, &self.agent.tools) {
+                        Ok(mut plan) => match self.compose_advance(&call.call_id, &mut plan, actions) {
+                            Some(outcome) => {
+                                entry.result = Some(self.compose_finished(&call.call_id, outcome, actions))
+                            }
+                            None => entry.compose = Some(plan),
+                        },
+                        Err(error) => {
+                            entry.result = Some(self.compose_finished(&call.call_id, Err(error), actions))
+                        }
+                    }
+                    pending.push(entry);
                 }
                 None => {
                     self.tool_calls += 1;
@@ -391,7 +415,12 @@ impl Machine {
                         actions.push(Action::CallTool { step, call: call.clone() });
                         None
                     };
-                    pending.push(PendingCall { call_id: call.call_id.clone(), result: None, human });
+                    pending.push(PendingCall {
+                        call_id: call.call_id.clone(),
+                        result: None,
+                        human,
+                        compose: None,
+                    });
                 }
             }
         }
@@ -400,6 +429,9 @@ impl Machine {
     }
 
     fn on_tool_done(&mut self, call_id: &str, outcome: ToolOutcome, actions: &mut Vec<Action>) {
+        if let Some(index) = self.compose_step_owner(call_id) {
+            return self.on_compose_step_done(index, call_id, outcome, actions);
+        }
         let max_chars = self.agent.limits.max_tool_output_chars;
         let Some(pending) = self.calls.iter_mut().find(|p| p.call_id == call_id && p.result.is_none()) else {
             let failure = RunFailure::new(
@@ -482,6 +514,116 @@ impl Machine {
             }
         };
         self.on_tool_done(call_id, outcome, actions);
+    }
+
+    /// The index of the `compose` call whose running step has this call id.
+    fn compose_step_owner(&self, call_id: &str) -> Option<usize> {
+        self.calls.iter().position(|pending| {
+            pending.result.is_none()
+                && pending.compose.as_ref().is_some_and(|plan| {
+                    plan.steps
+                        .get(plan.next)
+                        .is_some_and(|step| call_id == compose_call_id(&pending.call_id, &step.id))
+                })
+        })
+    }
+
+    fn on_compose_step_done(
+        &mut self,
+        index: usize,
+        call_id: &str,
+        outcome: ToolOutcome,
+        actions: &mut Vec<Action>,
+    ) {
+        let max_chars = self.agent.limits.max_tool_output_chars;
+        let parent = self.calls[index].call_id.clone();
+        let mut plan = self.calls[index].compose.take().expect("the owner has a plan");
+        let outcome = outcome.map(|output| cap_output(output, max_chars));
+        actions.push(Action::Emit(match &outcome {
+            Ok(output) => Event::ToolDone { call_id: call_id.to_owned(), output: output.clone() },
+            Err(error) => Event::ToolError { call_id: call_id.to_owned(), error: error.message.clone() },
+        }));
+        let step = plan.steps[plan.next].clone();
+        let finished = match outcome {
+            Ok(output) => {
+                plan.outputs.insert(step.id.clone(), output);
+                plan.next += 1;
+                self.compose_advance(&parent, &mut plan, actions)
+            }
+            Err(error) => Some(Err(ToolError::with_code(
+                error.code,
+                format!("step `{}` (`{}`) failed: {}", step.id, step.tool, error.message),
+                error.transient,
+            ))),
+        };
+        match finished {
+            Some(outcome) => {
+                let result = self.compose_finished(&parent, outcome, actions);
+                self.calls[index].result = Some(result);
+                self.complete_turn_if_done(actions);
+            }
+            None => self.calls[index].compose = Some(plan),
+        }
+    }
+
+    /// Starts the script's next step; `Some` when the script is over (all steps done, or one
+    /// could not start).
+    fn compose_advance(
+        &mut self,
+        parent: &str,
+        plan: &mut compose::Plan,
+        actions: &mut Vec<Action>,
+    ) -> Option<ToolOutcome> {
+        let Some(next) = plan.resolve_next() else {
+            return Some(Ok(plan.output()));
+        };
+        let (step, input) = match next {
+            Ok(next) => next,
+            Err(error) => return Some(Err(error)),
+        };
+        if self.agent.limits.max_tool_calls.is_some_and(|max| self.tool_calls >= max) {
+            self.budget_spent = true;
+            return Some(Err(ToolError::with_code(
+                ErrorCode::ToolBudgetExhausted,
+                format!(
+                    "step `{}` was not run: the run's tool calls are spent (`limits.max_tool_calls`)",
+                    step.id
+                ),
+                false,
+            )));
+        }
+        if let Err(problems) = self.agent.tools.validate_input(&step.tool, &input) {
+            return Some(Err(ToolError::with_code(
+                ErrorCode::ToolInputInvalid,
+                format!("step `{}`: invalid input for `{}`: {problems}", step.id, step.tool),
+                false,
+            )));
+        }
+        self.tool_calls += 1;
+        let call_id = compose_call_id(parent, &step.id);
+        actions.push(Action::Emit(Event::ToolStart {
+            call_id: call_id.clone(),
+            name: step.tool.clone(),
+            input: input.clone(),
+        }));
+        let call = ToolCall { call_id: call_id.clone(), name: step.tool.clone(), input };
+        actions.push(Action::CallTool { step: StepName::Tool { name: step.tool, call_id }, call });
+        None
+    }
+
+    /// The result of a finished script, announced under the compose call's id.
+    fn compose_finished(
+        &mut self,
+        parent: &str,
+        outcome: ToolOutcome,
+        actions: &mut Vec<Action>,
+    ) -> ToolOutcome {
+        let outcome = outcome.map(|output| cap_output(output, self.agent.limits.max_tool_output_chars));
+        actions.push(Action::Emit(match &outcome {
+            Ok(output) => Event::ToolDone { call_id: parent.to_owned(), output: output.clone() },
+            Err(error) => Event::ToolError { call_id: parent.to_owned(), error: error.message.clone() },
+        }));
+        outcome
     }
 
     fn complete_turn_if_done(&mut self, actions: &mut Vec<Action>) {
@@ -603,6 +745,11 @@ impl Machine {
         }
         self.finish(StopReason::Cancelled, None, actions);
     }
+}
+
+/// The call id of a compose step: `<compose call id>.<step id>`.
+fn compose_call_id(parent: &str, step: &str) -> String {
+    format!("{parent}.{step}")
 }
 
 /// Gives every tool call of a reply a usable id: the model's own when it is present and not

@@ -138,6 +138,13 @@ pub trait Tool: Send + Sync {
     fn asks_human(&self) -> bool {
         false
     }
+
+    /// Whether this tool is `compose` (code mode): instead of calling it, the run loop runs its
+    /// input's `steps` (calls of other tools, each its own durable step) and their outputs are
+    /// the call's output. See [`crate::machine`].
+    fn composes(&self) -> bool {
+        false
+    }
 }
 
 impl<T: Tool + ?Sized> Tool for Arc<T> {
@@ -147,6 +154,10 @@ impl<T: Tool + ?Sized> Tool for Arc<T> {
 
     fn asks_human(&self) -> bool {
         (**self).asks_human()
+    }
+
+    fn composes(&self) -> bool {
+        (**self).composes()
     }
 
     fn call<'a>(&'a self, input: Value, ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
@@ -282,6 +293,16 @@ impl ToolSet {
     /// Whether tool `name` is a question to the human (see [`Tool::asks_human`]).
     pub fn asks_human(&self, name: &str) -> bool {
         self.get(name).is_some_and(|tool| tool.asks_human())
+    }
+
+    /// Whether `name` is the `compose` tool (see [`Tool::composes`]).
+    pub fn composes(&self, name: &str) -> bool {
+        self.get(name).is_some_and(|tool| tool.composes())
+    }
+
+    /// Whether calls of `name` may need approval (a rule of any kind is set).
+    pub fn has_approval_rule(&self, name: &str) -> bool {
+        self.index.get(name).is_some_and(|&i| matches!(self.approvals.get(i), Some(Some(_))))
     }
 
     /// Checks an input against the tool's schema, describing every problem found.

@@ -92,7 +92,8 @@ impl Agent {
             workspace: spec.workspace.clone(),
             shell: spec.shell,
         };
-        for name in &spec.builtin_tools {
+        let compose = spec.builtin_tools.iter().any(|name| name == keel_tools::compose::ComposeTool::NAME);
+        for name in spec.builtin_tools.iter().filter(|name| *name != keel_tools::compose::ComposeTool::NAME) {
             let tool = keel_tools::builtin(name, &config).ok_or_else(|| {
                 LoadError::Setup(RunFailure::new(
                     ErrorCode::SpecInvalid,
@@ -145,6 +146,9 @@ impl Agent {
         }
         if let Some(script) = spec.mock {
             builder = builder.mock_script(script);
+        }
+        if compose {
+            builder = builder.compose();
         }
         if let Some(schema) = spec.output_schema {
             builder = builder.output_schema(schema);
@@ -239,6 +243,7 @@ pub struct AgentBuilder {
     approval_timeout: Option<std::time::Duration>,
     mock_script: Option<MockScript>,
     provider_settings: ProviderSettings,
+    compose: bool,
     provider: Option<Arc<dyn Provider>>,
     store: Option<Arc<dyn Store>>,
 }
@@ -343,6 +348,14 @@ impl AgentBuilder {
         self
     }
 
+    /// Adds the `compose` tool (code mode): the model can run a script of several calls of the
+    /// agent's other tools in one call, each a durable step. Tools that need approval or ask a
+    /// human cannot be composed.
+    pub fn compose(mut self) -> Self {
+        self.compose = true;
+        self
+    }
+
     /// A provider to use instead of the one `model` names.
     pub fn provider(mut self, provider: Arc<dyn Provider>) -> Self {
         self.provider = Some(provider);
@@ -368,7 +381,19 @@ impl AgentBuilder {
                 ));
             }
         };
-        let mut tools = ToolSet::new(self.tools).map_err(|error: ToolSetError| invalid(error.to_string()))?;
+        let mut all_tools = self.tools;
+        if self.compose {
+            let excluded: Vec<&str> = self.approvals.iter().map(|(name, _)| name.as_str()).collect();
+            let composable: Vec<&str> = all_tools
+                .iter()
+                .filter(|tool| !tool.asks_human() && !tool.composes())
+                .map(|tool| tool.spec().name.as_str())
+                .filter(|name| !excluded.contains(name))
+                .collect();
+            let compose = keel_tools::compose::ComposeTool::new(&composable);
+            all_tools.push(Arc::new(compose));
+        }
+        let mut tools = ToolSet::new(all_tools).map_err(|error: ToolSetError| invalid(error.to_string()))?;
         for (name, rule) in self.approvals {
             tools.require_approval(&name, rule).map_err(|error| invalid(error.to_string()))?;
         }

@@ -11,6 +11,7 @@
 
 mod clock;
 mod command;
+pub mod compose;
 mod function;
 pub mod http;
 pub mod js;
@@ -43,6 +44,7 @@ pub const BUILTIN_NAMES: &[&str] = &[
     web_fetch::WebFetch::NAME,
     shell::ShellTool::NAME,
     js::JsTool::NAME,
+    compose::ComposeTool::NAME,
 ];
 
 /// What the configurable built-ins are configured with (the spec's `http` key...).

@@ -253,3 +253,129 @@ mock:
     assert!(errors[0]["error"].as_str().unwrap().contains("more than 200 ms of CPU time"), "{events:?}");
     assert_eq!(events.last().unwrap()["text"], "Total computed.");
 }
+
+const ECHO_TOOL: &str =
+    "description = \"Echoes its input\"\ncommand = [\"cat\"]\n[input_schema]\ntype = \"object\"\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compose_runs_a_data_flow_script_of_tools_in_one_call() {
+    let steps: Vec<String> =
+        (0..17).map(|i| format!("{{ id: s{i}, tool: day-name, input: {{}} }}")).collect();
+    let spec = format!(
+        "model: mock
+tools: [compose, current-date, day-name, ask_question]
+approvals: {{ tools: [echo_secret] }}
+mock:
+  script:
+    - tool_calls:
+        - name: compose
+          input:
+            steps:
+              - {{ id: today, tool: current-date, input: {{}} }}
+              - {{ id: shout, tool: echo, input: {{ day: {{ $from: today, $path: weekday }}, all: {{ $from: today }} }} }}
+        - name: compose
+          input: {{ steps: [{}] }}
+        - name: compose
+          input: {{ steps: [{{ id: a, tool: echo_secret, input: {{}} }}] }}
+        - name: compose
+          input:
+            steps:
+              - {{ id: a, tool: echo, input: {{ n: 1 }} }}
+              - {{ id: b, tool: echo, input: {{ m: {{ $from: a, $path: missing.field }} }} }}
+    - text: 'Composed.'
+",
+        steps.join(", ")
+    );
+    let dir = agent_dir(&[
+        ("agent.yaml", &spec),
+        ("tools/echo.toml", ECHO_TOOL),
+        ("tools/echo_secret.toml", ECHO_TOOL),
+    ]);
+    let (events, code) = run_json(dir.path(), "go").await;
+    assert_eq!(code, Some(0), "{events:?}");
+    let result_of = |call_id: &str| {
+        events
+            .iter()
+            .find(|e| (e["type"] == "tool.done" || e["type"] == "tool.error") && e["callId"] == call_id)
+            .unwrap_or_else(|| panic!("no result for {call_id}: {events:?}"))
+            .clone()
+    };
+    let starts: Vec<&Value> = of_type(&events, "tool.start");
+    let first = starts[0]["callId"].as_str().unwrap().to_owned();
+    // Each step is a call of its own, announced and answered under `<call>.<step>`.
+    let shout = result_of(&format!("{first}.shout"));
+    let today = result_of(&format!("{first}.today"));
+    assert_eq!(shout["output"]["day"], today["output"]["weekday"]);
+    assert_eq!(shout["output"]["all"], today["output"]);
+    let composed = result_of(&first);
+    assert_eq!(composed["output"]["result"], shout["output"]);
+    assert_eq!(composed["output"]["steps"]["today"], today["output"]);
+
+    let errors: Vec<String> =
+        of_type(&events, "tool.error").iter().map(|e| e["error"].as_str().unwrap().to_owned()).collect();
+    assert!(
+        errors.iter().any(|e| e.contains("has more than 16 items")),
+        "a long script is refused whole: {errors:?}"
+    );
+    assert!(
+        errors.iter().any(|e| e.contains("\"echo_secret\" is not one of")),
+        "a tool that needs approval is not composable: {errors:?}"
+    );
+    assert!(
+        errors.iter().any(|e| e.contains("the output of `a` has nothing at `missing.field`")),
+        "{errors:?}"
+    );
+    assert_eq!(events.last().unwrap()["text"], "Composed.");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_mid_script_resumes_without_rerunning_the_steps_that_finished() {
+    let append = "description = \"Counts its runs\"\ncommand = [\"sh\", \"-c\", \"echo run >> count.txt; echo '{\\\"n\\\": 7}'\"]\n[input_schema]\ntype = \"object\"\n";
+    // Kills keel (its parent) the first time, like a crash in the middle of the script.
+    let crash = "description = \"Crashes once\"\ncommand = [\"sh\", \"-c\", \"if [ ! -f crashed ]; then touch crashed; kill -9 $PPID; sleep 5; fi; cat\"]\n[input_schema]\ntype = \"object\"\n";
+    let spec = "model: mock
+tools: [compose]
+mock:
+  script:
+    - tool_calls:
+        - name: compose
+          input:
+            steps:
+              - { id: count, tool: append, input: {} }
+              - { id: crash, tool: crash, input: { v: { $from: count, $path: n } } }
+    - text: 'Survived.'
+";
+    let dir = agent_dir(&[("agent.yaml", spec), ("tools/append.toml", append), ("tools/crash.toml", crash)]);
+    let store = format!("sqlite:{}", dir.path().join("keel.db").display());
+    let run = |args: Vec<String>| {
+        let dir = dir.path().to_owned();
+        let store = store.clone();
+        tokio::task::spawn_blocking(move || {
+            keel()
+                .current_dir(&dir)
+                .env("KEEL_RUN_LEASE", "200ms")
+                .arg("run")
+                .arg(&dir)
+                .args(&args)
+                .args(["--session", "s", "--store", &store, "--json"])
+                .timeout(Duration::from_secs(60))
+                .output()
+                .unwrap()
+        })
+    };
+    let crashed = run(vec!["go".into()]).await.unwrap();
+    assert_eq!(crashed.status.code(), None, "keel was killed mid-script");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let resumed = run(Vec::new()).await.unwrap();
+    let stdout = String::from_utf8_lossy(&resumed.stdout);
+    assert!(resumed.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&resumed.stderr));
+    let events: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let crash_step = events
+        .iter()
+        .find(|e| e["type"] == "tool.done" && e["callId"].as_str().unwrap().ends_with(".crash"))
+        .unwrap();
+    assert_eq!(crash_step["output"], serde_json::json!({"v": 7}));
+    assert_eq!(events.last().unwrap()["text"], "Survived.");
+    let runs = std::fs::read_to_string(dir.path().join("count.txt")).unwrap();
+    assert_eq!(runs.lines().count(), 1, "the finished step did not run again after the crash");
+}
