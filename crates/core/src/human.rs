@@ -93,19 +93,8 @@ pub fn pending_id(step: &StepName, run: &RunId) -> String {
         StepName::Question(_) => "qu_",
         _ => "ap_",
     };
-    // FNV-1a, 64 bits: stable across builds and platforms (the std hashers are not), and ids
-    // only need to be unique among one store's open approvals. The final mix (MurmurHash3's)
-    // makes calls that differ in one character get ids that look nothing alike.
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in run.as_str().bytes().chain([0]).chain(step.to_string().bytes()) {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    hash ^= hash >> 33;
-    hash = hash.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    hash ^= hash >> 33;
-    hash = hash.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    hash ^= hash >> 33;
+    // Ids only need to be unique among one store's open approvals.
+    let hash = crate::ids::stable_hash(&[run.as_str(), &step.to_string()]);
     format!("{prefix}{hash:016x}")
 }
 

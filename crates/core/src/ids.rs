@@ -44,6 +44,20 @@ impl SessionId {
         SessionId(format!("{scope}{}{}", Self::SCOPE_SEPARATOR, id.0).into())
     }
 
+    /// The session of a subagent's run for one tool call (`sub-<name>-<hash of run and call>`),
+    /// in the same owner's scope: deterministic, so a replay of the call finds the run it
+    /// started instead of starting a second one.
+    pub fn child(&self, run: &RunId, call_id: &str, name: &str) -> SessionId {
+        let hash = stable_hash(&[run.as_str(), call_id, name]);
+        let short: String =
+            name.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-').take(64).collect();
+        let id = SessionId(format!("sub-{short}-{hash:016x}").into());
+        match self.0.split_once(Self::SCOPE_SEPARATOR) {
+            Some((scope, _)) => SessionId::scoped(scope, &id),
+            None => id,
+        }
+    }
+
     /// The id as its client knows it: without the owner's scope.
     pub fn external(&self) -> &str {
         self.0.split_once(Self::SCOPE_SEPARATOR).map_or(&self.0, |(_, id)| id)
@@ -174,6 +188,26 @@ impl fmt::Display for StepName {
             StepName::Question(call_id) => write!(f, "question:{call_id}"),
         }
     }
+}
+
+/// A 64-bit hash that is the same across builds and platforms (the std hashers are not): FNV-1a
+/// over the parts, separated by NUL, then MurmurHash3's final mix so that inputs differing in
+/// one character give values that look nothing alike.
+pub(crate) fn stable_hash(parts: &[&str]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for (i, part) in parts.iter().enumerate() {
+        let separator: &[u8] = if i == 0 { &[] } else { &[0] };
+        for &byte in separator.iter().chain(part.as_bytes()) {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    hash ^= hash >> 33;
+    hash = hash.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    hash ^= hash >> 33;
+    hash = hash.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    hash ^= hash >> 33;
+    hash
 }
 
 #[cfg(test)]

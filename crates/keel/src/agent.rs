@@ -11,6 +11,8 @@ use keel_core::{
     Provider, ProviderSettings, RetryPolicy, RunFailure, RunId, SessionId, Store, Tool, ToolSet,
 };
 use keel_runtime::{Engine, RunHandle};
+
+use crate::subagent::SubagentTool;
 use keel_spec::{AgentSpec, Diagnostic, LoadOptions};
 use keel_store::MemoryStore;
 use keel_tools::CommandTool;
@@ -104,6 +106,12 @@ impl Agent {
         }
         for tool in spec.command_tools {
             tools.push(Arc::new(CommandTool::new(tool.def)));
+        }
+        for sub in spec.subagents {
+            let name = sub.name.clone();
+            let description = sub.description.clone();
+            let child = Agent::from_spec(sub, store.clone())?;
+            tools.push(Arc::new(SubagentTool::new(&name, description.as_deref(), child.engine)));
         }
         let mut write_approvals = Vec::new();
         if spec.shell.approve
@@ -345,6 +353,15 @@ impl AgentBuilder {
     /// choice, thinking... (spec key `provider`).
     pub fn provider_settings(mut self, settings: ProviderSettings) -> Self {
         self.provider_settings = settings;
+        self
+    }
+
+    /// Adds `agent` as a tool named after it: a call runs the agent on a session of its own
+    /// (derived from the call, so a replay finds that run again) and returns its final answer.
+    /// Give the child the same store as this agent so that its runs are as durable.
+    pub fn subagent(mut self, agent: &Agent, description: Option<&str>) -> Self {
+        let name = agent.definition().name.clone();
+        self.tools.push(Arc::new(SubagentTool::new(&name, description, agent.engine.clone())));
         self
     }
 

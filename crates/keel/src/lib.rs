@@ -46,6 +46,7 @@
 //! ```
 
 mod agent;
+mod subagent;
 
 pub use agent::{Agent, AgentBuilder, LoadError, load_spec};
 pub use keel_core::machine::RunOutcome;
@@ -62,3 +63,4 @@ pub use keel_runtime::{RunHandle, RunResult, record_decision};
 pub use keel_spec::{AgentSpec, Diagnostic, Severity};
 pub use keel_store::{MemoryStore, SqliteStore};
 pub use keel_tools::{AskQuestion, CommandTool, function_tool, function_tool_with_context};
+pub use subagent::SubagentTool;

@@ -14,7 +14,7 @@ use crate::tree::{self, Kind};
 use crate::{AgentSpec, CommandToolSpec, LoadOptions, SPEC_FILE_NAMES};
 
 /// Directories of the design this build does not read yet.
-const NOT_YET_DIRS: &[&str] = &["subagents", "schedules", "channels", "memory"];
+const NOT_YET_DIRS: &[&str] = &["schedules", "channels", "memory"];
 
 const SKILL_KEYS: &[&str] =
     &["name", "description", "license", "allowed-tools", "metadata", "compatibility", "version"];
@@ -68,6 +68,48 @@ fn file_name(path: &Path) -> String {
     path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
+/// Loads the agent directories under `subagents/`: each becomes a tool named after its
+/// directory.
+fn load_subagents(
+    dir: &Path,
+    absolute: &Path,
+    options: &LoadOptions<'_>,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Vec<AgentSpec> {
+    let root = dir.join("subagents");
+    let Ok(entries) = std::fs::read_dir(&root) else { return Vec::new() };
+    let mut paths: Vec<PathBuf> =
+        entries.filter_map(Result::ok).map(|e| e.path()).filter(|p| p.is_dir()).collect();
+    paths.sort();
+    let mut subagents = Vec::new();
+    for path in paths {
+        let name = file_name(&path);
+        if !keel_core::tool::validate_tool_name(&name) {
+            diagnostics.push(
+                Diagnostic::error(ErrorCode::SpecInvalid, &path, Pos::default(), format!("invalid subagent name {name:?}"))
+                    .with_hint("a subagent is a tool: name its directory with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`"),
+            );
+            continue;
+        }
+        // A symlink back up the tree would make the agent its own subagent, forever.
+        let canonical = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone());
+        if absolute.starts_with(&canonical) {
+            diagnostics.push(Diagnostic::error(
+                ErrorCode::SpecInvalid,
+                &path,
+                Pos::default(),
+                format!("subagents/{name} leads back to an agent that contains it"),
+            ));
+            continue;
+        }
+        if let Some(mut spec) = load(&path, options, diagnostics) {
+            spec.name = name;
+            subagents.push(spec);
+        }
+    }
+    subagents
+}
+
 /// Loads an agent directory whose spec file is `file`.
 pub(crate) fn load_with_spec_file(
     dir: &Path,
@@ -105,6 +147,7 @@ pub(crate) fn load_with_spec_file(
     }
     let requested = spec.as_ref().and_then(|s| s.skills.clone());
     let skills = load_skills(dir, &absolute, requested.as_deref(), file, diagnostics);
+    let subagents = load_subagents(dir, &absolute, options, diagnostics);
 
     for name in NOT_YET_DIRS {
         let path = dir.join(name);
@@ -146,7 +189,17 @@ pub(crate) fn load_with_spec_file(
         append_skill(&mut instructions, &skill.name, &skill.description, &skill.body);
         skill_names.push(skill.name);
     }
-    finish(spec, default_name, instructions, command_tools, skill_names, file, options, diagnostics)
+    finish(
+        spec,
+        default_name,
+        instructions,
+        command_tools,
+        skill_names,
+        subagents,
+        file,
+        options,
+        diagnostics,
+    )
 }
 
 /// A path under `dir` written relative, made absolute under `absolute`.
@@ -316,11 +369,17 @@ pub(crate) fn finish(
     dir_instructions: String,
     command_tools: Vec<CommandToolSpec>,
     skills: Vec<String>,
+    subagents: Vec<AgentSpec>,
     file: &Path,
     options: &LoadOptions<'_>,
     diagnostics: &mut Vec<Diagnostic>,
 ) -> Option<AgentSpec> {
-    let command_names: Vec<&str> = command_tools.iter().map(|t| t.def.name.as_str()).collect();
+    // Subagents are tools too, for approvals and mock scripts to name.
+    let command_names: Vec<&str> = command_tools
+        .iter()
+        .map(|t| t.def.name.as_str())
+        .chain(subagents.iter().map(|s| s.name.as_str()))
+        .collect();
     for tool in &command_tools {
         if options.builtin_tools.contains(&tool.def.name.as_str()) {
             diagnostics.push(
@@ -443,6 +502,7 @@ pub(crate) fn finish(
         http: spec.http,
         workspace: spec.workspace,
         shell: spec.shell,
+        subagents,
         concurrency: spec.concurrency,
         approval_tools: spec.approval_tools.into_iter().map(|(name, _)| name).collect(),
         approval_timeout: spec.approval_timeout.unwrap_or(keel_core::AgentDef::DEFAULT_APPROVAL_TIMEOUT),

@@ -56,6 +56,8 @@ pub struct AgentSpec {
     pub workspace: Option<keel_core::WorkspaceSettings>,
     /// How the `shell` tool runs (`shell`).
     pub shell: keel_core::ShellSettings,
+    /// The agents of `subagents/<name>/`, each exposed to this one as the tool `<name>`.
+    pub subagents: Vec<AgentSpec>,
     /// What a second input to a busy session does.
     pub concurrency: Concurrency,
     /// Tools whose calls wait for a human's approval (`approvals.tools`).

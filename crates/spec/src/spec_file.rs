@@ -636,6 +636,7 @@ pub(crate) fn load_standalone(
         String::new(),
         Vec::new(),
         Vec::new(),
+        Vec::new(),
         file,
         options,
         diagnostics,

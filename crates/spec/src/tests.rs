@@ -533,3 +533,26 @@ fn shell_needs_a_workspace_and_takes_two_switches() {
         "#]],
     );
 }
+
+#[test]
+fn subagents_load_as_named_agents_and_loops_are_refused() {
+    let dir = tree(&[
+        ("a/agent.yaml", "model: mock\napprovals: { tools: [helper] }\n"),
+        ("a/subagents/helper/agent.yaml", "description: Helps.\nmodel: mock\n"),
+        ("a/subagents/helper/instructions.md", "Be brief.\n"),
+    ]);
+    let spec = load(&dir.path().join("a"), &OPTIONS).spec.unwrap();
+    assert_eq!(spec.subagents.len(), 1);
+    assert_eq!((spec.subagents[0].name.as_str(), spec.subagents[0].description.as_deref()), ("helper", Some("Helps.")));
+    assert_eq!(spec.subagents[0].instructions, "Be brief.\n");
+
+    let dir = tree(&[("a/agent.yaml", "model: mock\n"), ("a/subagents/bad name/agent.yaml", "model: mock\n")]);
+    std::os::unix::fs::symlink(dir.path().join("a"), dir.path().join("a/subagents/again")).unwrap();
+    expect![[r#"
+        error[KEEL_SPEC_INVALID]: subagents/again leads back to an agent that contains it
+          --> a/subagents/again
+        error[KEEL_SPEC_INVALID]: invalid subagent name "bad name"
+          --> a/subagents/bad name
+          hint: a subagent is a tool: name its directory with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`
+    "#]].assert_eq(&diagnostics(dir.path(), "a"));
+}

@@ -379,3 +379,67 @@ mock:
     let runs = std::fs::read_to_string(dir.path().join("count.txt")).unwrap();
     assert_eq!(runs.lines().count(), 1, "the finished step did not run again after the crash");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subagent_answers_as_a_tool_and_a_crash_resumes_its_run_instead_of_starting_another() {
+    let append = "description = \"Counts its runs\"\ncommand = [\"sh\", \"-c\", \"echo run >> count.txt; echo counted\"]\n[input_schema]\ntype = \"object\"\n";
+    let crash = "description = \"Crashes once\"\ncommand = [\"sh\", \"-c\", \"if [ ! -f crashed ]; then touch crashed; kill -9 $PPID; sleep 5; fi; echo fine\"]\n[input_schema]\ntype = \"object\"\n";
+    let parent = "model: mock
+mock:
+  script:
+    - tool_calls: [{ name: researcher, input: { input: 'Find the capital of France.' } }]
+    - text: 'The researcher says: {{last_tool_output}}'
+";
+    let child = "description: Looks facts up.
+model: mock
+mock:
+  script:
+    - tool_calls: [{ name: append, input: {} }]
+    - tool_calls: [{ name: crash, input: {} }]
+    - text: 'Paris.'
+";
+    let dir = agent_dir(&[
+        ("agent.yaml", parent),
+        ("subagents/researcher/agent.yaml", child),
+        ("subagents/researcher/tools/append.toml", append),
+        ("subagents/researcher/tools/crash.toml", crash),
+    ]);
+    let store = format!("sqlite:{}", dir.path().join("keel.db").display());
+    let keel_in = |args: Vec<String>| {
+        let dir = dir.path().to_owned();
+        tokio::task::spawn_blocking(move || {
+            keel()
+                .current_dir(&dir)
+                .env("KEEL_RUN_LEASE", "200ms")
+                .args(&args)
+                .timeout(Duration::from_secs(60))
+                .output()
+                .unwrap()
+        })
+    };
+    let run = |extra: Vec<&str>| {
+        let mut args: Vec<String> = vec!["run".into(), dir.path().display().to_string()];
+        args.extend(extra.into_iter().map(str::to_owned));
+        args.extend(["--session".into(), "s".into(), "--store".into(), store.clone(), "--json".into()]);
+        keel_in(args)
+    };
+    let crashed = run(vec!["What is the capital of France?"]).await.unwrap();
+    assert_eq!(crashed.status.code(), None, "the child's tool killed keel mid-run");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let resumed = run(Vec::new()).await.unwrap();
+    let stdout = String::from_utf8_lossy(&resumed.stdout);
+    assert!(resumed.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&resumed.stderr));
+    let events: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(events.last().unwrap()["text"], "The researcher says: Paris.");
+    let counted = std::fs::read_to_string(dir.path().join("subagents/researcher/count.txt")).unwrap();
+    assert_eq!(counted.lines().count(), 1, "the child's finished step did not run again");
+
+    // One child session, with one run: the replayed call resumed it rather than start another.
+    let listed =
+        keel_in(vec!["sessions".into(), "list".into(), "--store".into(), store.clone()]).await.unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    let children: Vec<&str> = listed.lines().filter(|l| l.starts_with("sub-researcher-")).collect();
+    assert_eq!(children.len(), 1, "{listed}");
+    let runs: Vec<&str> = children[0].split_whitespace().collect();
+    assert_eq!(runs[2], "1", "the child session has one run: {listed}");
+}
