@@ -102,6 +102,13 @@ impl RunId {
         RunId(id.into())
     }
 
+    /// The run id of a subagent's run for one tool call, derived like [`SessionId::child`].
+    pub fn child_run(run: &RunId, call_id: &str, name: &str) -> RunId {
+        let high = stable_hash(&[run.as_str(), call_id, name]);
+        let low = stable_hash(&[name, call_id, run.as_str()]);
+        RunId::from_suffix(&format!("sub{high:016x}{low:016x}"))
+    }
+
     /// Parses a run id as printed by [`RunId`]'s `Display`.
     pub fn parse(id: &str) -> Option<RunId> {
         let suffix = id.strip_prefix(Self::PREFIX)?;

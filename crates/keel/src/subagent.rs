@@ -1,16 +1,18 @@
 //! Subagents: another agent exposed as a tool.
 //!
-//! A call starts a child run of the subagent on a session of its own, derived from the parent's
-//! run and call ids ([`SessionId::child`]), and returns the child's final answer. Because the
-//! session is derived, a replay of the call (the parent crashed before journaling its result)
-//! finds the child's run instead of starting a second one: a finished child gives its answer
-//! again, an interrupted one is resumed from its journal. The child shares the parent's store.
+//! A call starts a child run of the subagent on a session of its own, both derived from the
+//! parent's run and call ids ([`SessionId::child`], [`RunId::child_run`]), and returns the
+//! child's final answer. Because they are derived, a replay of the call (the parent crashed
+//! before journaling its result) finds the child's run instead of starting a second one: a
+//! finished child gives its answer again, an interrupted one is resumed from its journal, a
+//! failed one is reported. The child shares the parent's store.
 
 use std::time::Duration;
 
 use keel_core::error::ErrorCode;
 use keel_core::{
-    BoxFuture, Message, Role, SessionId, StopReason, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec,
+    BoxFuture, Message, Role, RunId, RunState, SessionId, StopReason, Tool, ToolContext, ToolError,
+    ToolOutcome, ToolSpec,
 };
 use keel_runtime::{Engine, RunResult};
 use serde_json::{Value, json};
@@ -45,48 +47,64 @@ impl SubagentTool {
     }
 
     async fn run(&self, input: &str, ctx: &ToolContext) -> Result<RunResult, ToolError> {
-        let session = ctx.session_id.child(&ctx.run_id, &ctx.call_id, &self.spec.name);
+        let name = &self.spec.name;
+        let session = ctx.session_id.child(&ctx.run_id, &ctx.call_id, name);
+        let run_id = RunId::child_run(&ctx.run_id, &ctx.call_id, name);
         let store = self.engine.store();
-        let failed =
-            |e: &dyn std::fmt::Display| ToolError::failed(format!("subagent `{}`: {e}", self.spec.name));
+        let failed = |e: &dyn std::fmt::Display| ToolError::failed(format!("subagent `{name}`: {e}"));
         loop {
-            let messages = store.load_messages(&session).await.map_err(|e| failed(&e))?;
-            if messages.is_empty() {
-                match self.engine.start(session.clone(), Message::user(input)) {
+            let record = store.load_run(&run_id).await.map_err(|e| failed(&e))?;
+            let Some(record) = record else {
+                match self.engine.start_with_id(run_id.clone(), session.clone(), Message::user(input)) {
                     Ok(handle) => return handle.result().await.map_err(|e| failed(&e.message)),
-                    // Another process started it a moment ago: fall through to claiming it.
-                    Err(error) if error.code == ErrorCode::SessionBusy => {}
+                    // Another process is starting it this very moment: look again.
+                    Err(error) if error.code == ErrorCode::SessionBusy => {
+                        tokio::time::sleep(CLAIM_POLL).await;
+                        continue;
+                    }
                     Err(error) => return Err(failed(&error.message)),
                 }
-            } else if let Some(answer) = finished_answer(&messages) {
-                // The call ran before (a replay): the child's run is over, its answer stands.
-                return Ok(RunResult {
-                    run_id: ctx.run_id.clone(),
-                    session_id: session.clone(),
-                    text: answer,
-                    output: None,
-                    stopped: StopReason::Final,
-                    usage: Default::default(),
-                    pending: Vec::new(),
-                });
+            };
+            // The call ran before (a replay): the child's run exists and is never started twice.
+            match record.state {
+                RunState::Done => {
+                    let messages = store.load_messages(&session).await.map_err(|e| failed(&e))?;
+                    return Ok(RunResult {
+                        run_id: run_id.clone(),
+                        session_id: session.clone(),
+                        text: final_text(&messages),
+                        output: None,
+                        stopped: StopReason::Final,
+                        usage: Default::default(),
+                        pending: Vec::new(),
+                    });
+                }
+                RunState::Failed | RunState::Cancelled => {
+                    return Err(failed(&format!(
+                        "its run {run_id} ended {} (session {})",
+                        record.state.as_str(),
+                        session.external()
+                    )));
+                }
+                RunState::AwaitingInput => return Err(waiting(name, &session)),
+                RunState::Running => {
+                    // Interrupted (its lease expired): resume it from its journal. Still leased
+                    // by a live process: wait for it.
+                    let handles =
+                        self.engine.recover(Some(&session)).await.map_err(|e| failed(&e.message))?;
+                    if let Some(handle) = handles.into_iter().find(|h| h.run_id() == &run_id) {
+                        return handle.result().await.map_err(|e| failed(&e.message));
+                    }
+                    tokio::time::sleep(CLAIM_POLL).await;
+                }
             }
-            // The child's run was interrupted: resume it once its lease lets us.
-            let handles = self.engine.recover(Some(&session)).await.map_err(|e| failed(&e.message))?;
-            if let Some(handle) = handles.into_iter().next() {
-                return handle.result().await.map_err(|e| failed(&e.message));
-            }
-            if !self.engine.pending(Some(&session)).await.map_err(|e| failed(&e.message))?.is_empty() {
-                return Err(waiting(&self.spec.name, &session));
-            }
-            tokio::time::sleep(CLAIM_POLL).await;
         }
     }
 }
 
-/// The child's final answer, when its transcript ends with one.
-fn finished_answer(messages: &[std::sync::Arc<Message>]) -> Option<String> {
-    let last = messages.last()?;
-    (last.role == Role::Assistant && last.tool_calls().next().is_none()).then(|| last.text())
+/// The text of the child's last assistant message (empty when it has none).
+fn final_text(messages: &[std::sync::Arc<Message>]) -> String {
+    messages.iter().rev().find(|m| m.role == Role::Assistant).map(|m| m.text()).unwrap_or_default()
 }
 
 fn waiting(name: &str, session: &SessionId) -> ToolError {

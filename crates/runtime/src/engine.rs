@@ -247,9 +247,20 @@ impl Engine {
     /// Fails at once with `KEEL_SESSION_BUSY` when the session has a run in flight, and with
     /// `KEEL_INTERNAL` when called outside a Tokio runtime.
     pub fn start(&self, session: SessionId, input: Message) -> Result<RunHandle, RunFailure> {
+        self.start_with_id(new_run_id(), session, input)
+    }
+
+    /// [`Engine::start`] with a run id the caller chose: one it can derive again later, to find
+    /// the run (a subagent's run for a tool call). The id must be new to the store: look it up
+    /// with `Store::load_run` first, and re-drive a stored run with [`Engine::resume`].
+    pub fn start_with_id(
+        &self,
+        run_id: RunId,
+        session: SessionId,
+        input: Message,
+    ) -> Result<RunHandle, RunFailure> {
         let cancel = CancellationToken::new();
         let admission = self.shared.admit(&session, &cancel, self.shared.agent.concurrency)?;
-        let run_id = new_run_id();
         Ok(self.spawn(run_id.clone(), Plan::Fresh { run_id, session, input, admission }, cancel))
     }
 

@@ -543,10 +543,14 @@ fn subagents_load_as_named_agents_and_loops_are_refused() {
     ]);
     let spec = load(&dir.path().join("a"), &OPTIONS).spec.unwrap();
     assert_eq!(spec.subagents.len(), 1);
-    assert_eq!((spec.subagents[0].name.as_str(), spec.subagents[0].description.as_deref()), ("helper", Some("Helps.")));
+    assert_eq!(
+        (spec.subagents[0].name.as_str(), spec.subagents[0].description.as_deref()),
+        ("helper", Some("Helps."))
+    );
     assert_eq!(spec.subagents[0].instructions, "Be brief.\n");
 
-    let dir = tree(&[("a/agent.yaml", "model: mock\n"), ("a/subagents/bad name/agent.yaml", "model: mock\n")]);
+    let dir =
+        tree(&[("a/agent.yaml", "model: mock\n"), ("a/subagents/bad name/agent.yaml", "model: mock\n")]);
     std::os::unix::fs::symlink(dir.path().join("a"), dir.path().join("a/subagents/again")).unwrap();
     expect![[r#"
         error[KEEL_SPEC_INVALID]: subagents/again leads back to an agent that contains it
@@ -554,5 +558,6 @@ fn subagents_load_as_named_agents_and_loops_are_refused() {
         error[KEEL_SPEC_INVALID]: invalid subagent name "bad name"
           --> a/subagents/bad name
           hint: a subagent is a tool: name its directory with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`
-    "#]].assert_eq(&diagnostics(dir.path(), "a"));
+    "#]]
+    .assert_eq(&diagnostics(dir.path(), "a"));
 }

@@ -421,3 +421,42 @@ async fn tools_keep_a_session_state_object_that_survives_the_process() {
     assert_eq!(second.session_state("s").await.unwrap(), json!({"items": ["tea", "milk"]}));
     assert_eq!(second.session_state("other").await.unwrap(), serde_json::Value::Null, "state is per session");
 }
+
+#[tokio::test]
+async fn a_replayed_subagent_call_finds_its_child_run_instead_of_running_it_again() {
+    #[derive(Deserialize, JsonSchema)]
+    struct Empty {}
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&runs);
+    let count = keel::function_tool("count", "Counts", move |_: Empty| {
+        let counter = Arc::clone(&counter);
+        async move { Ok::<_, String>(counter.fetch_add(1, Ordering::SeqCst) + 1) }
+    });
+    let store: Arc<dyn keel::Store> = Arc::new(keel::MemoryStore::new());
+    let child = Agent::builder()
+        .name("helper")
+        .model("mock")
+        .mock_script(script(vec![call("count", json!({})), say("counted")]))
+        .tool(count)
+        .store(Arc::clone(&store))
+        .build()
+        .unwrap();
+    let tool = keel::SubagentTool::new("helper", Some("Counts things."), child.engine().clone());
+    let ctx = |call: &str| ToolContext {
+        run_id: keel::RunId::from_suffix("parent"),
+        session_id: keel::SessionId::new("s").unwrap(),
+        call_id: call.into(),
+        idempotency_key: "k".into(),
+        state: keel::SessionState::new(serde_json::Value::Null),
+    };
+    use keel::Tool as _;
+    assert_eq!(tool.call(json!({"input": "count"}), &ctx("c1")).await.unwrap(), json!("counted"));
+    // The same call again, as a replay would make it: the child's run is found, not repeated.
+    assert_eq!(tool.call(json!({"input": "count"}), &ctx("c1")).await.unwrap(), json!("counted"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // Another call is another child run.
+    tool.call(json!({"input": "count"}), &ctx("c2")).await.unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let sessions = store.list_sessions().await.unwrap();
+    assert_eq!(sessions.iter().filter(|s| s.id.as_str().starts_with("sub-helper-")).count(), 2);
+}
