@@ -627,3 +627,79 @@ fn cancelling_a_paused_run_gives_the_waiting_calls_results() {
         "#]],
     );
 }
+
+/// The compose tool as the machine sees it: a spec whose calls it runs itself.
+struct ComposeSpec(ToolSpec);
+
+impl Tool for ComposeSpec {
+    fn spec(&self) -> &ToolSpec {
+        &self.0
+    }
+    fn composes(&self) -> bool {
+        true
+    }
+    fn call<'a>(&'a self, _: Value, _: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
+        unreachable!("compose is run by the machine")
+    }
+}
+
+fn with_compose(def: &mut AgentDef) {
+    let compose = ToolSpec {
+        name: "compose".into(),
+        description: "Runs a script".into(),
+        input_schema: compose::input_schema(&["add", "echo"]),
+    };
+    def.tools = ToolSet::new(vec![add_tool(), echo_tool(), Arc::new(ComposeSpec(compose))]).unwrap();
+}
+
+#[test]
+fn compose_runs_its_steps_one_by_one_as_tool_steps() {
+    let script = json!({ "steps": [
+        { "id": "sum", "tool": "add", "input": { "a": 2, "b": 3 } },
+        { "id": "show", "tool": "echo", "input": { "total": { "$from": "sum" }, "again": [{ "$from": "sum" }] } },
+    ] });
+    let bad_ref = json!({ "steps": [
+        { "id": "x", "tool": "echo", "input": { "v": { "$from": "later" } } },
+        { "id": "later", "tool": "echo", "input": {} },
+    ] });
+    check(
+        machine(agent(with_compose)),
+        vec![
+            Input::Start,
+            calls(&[("c", "compose", script), ("d", "compose", bad_ref)]),
+            done("c.sum", Ok(json!(5))),
+            done("c.show", Ok(json!({"total": 5}))),
+            text("5", 1),
+        ],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c","name":"compose","input":{"steps":[{"id":"sum","input":{"a":2,"b":3},"tool":"add"},{"id":"show","input":{"again":[{"$from":"sum"}],"total":{"$from":"sum"}},"tool":"echo"}]}},{"type":"tool_call","call_id":"d","name":"compose","input":{"steps":[{"id":"x","input":{"v":{"$from":"later"}},"tool":"echo"},{"id":"later","input":{},"tool":"echo"}]}}]}
+              emit {"type":"tool.start","callId":"c","name":"compose","input":{"steps":[{"id":"sum","input":{"a":2,"b":3},"tool":"add"},{"id":"show","input":{"again":[{"$from":"sum"}],"total":{"$from":"sum"}},"tool":"echo"}]}}
+              emit {"type":"tool.start","callId":"c.sum","name":"add","input":{"a":2,"b":3}}
+              call tool tool:add:c.sum {"a":2,"b":3}
+              emit {"type":"tool.start","callId":"d","name":"compose","input":{"steps":[{"id":"x","input":{"v":{"$from":"later"}},"tool":"echo"},{"id":"later","input":{},"tool":"echo"}]}}
+              emit {"type":"tool.error","callId":"d","error":"step `x` takes `$from: later`, which is not an earlier step (earlier: none)"}
+            > tool done c.sum
+              emit {"type":"tool.done","callId":"c.sum","output":5}
+              emit {"type":"tool.start","callId":"c.show","name":"echo","input":{"again":[5],"total":5}}
+              call tool tool:echo:c.show {"again":[5],"total":5}
+            > tool done c.show
+              emit {"type":"tool.done","callId":"c.show","output":{"total":5}}
+              emit {"type":"tool.done","callId":"c","output":{"result":{"total":5},"steps":{"show":{"total":5},"sum":5}}}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c","name":"compose","output":{"result":{"total":5},"steps":{"show":{"total":5},"sum":5}},"is_error":false},{"type":"tool_result","call_id":"d","name":"compose","output":"step `x` takes `$from: later`, which is not an earlier step (earlier: none)","is_error":true}]}
+              emit {"type":"turn.start","turn":1}
+              call model llm:turn:1 (call_index 2, 5 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":1,"outputTokens":1}
+              persist #5 {"v":1,"role":"assistant","parts":[{"type":"text","text":"5"}]}
+              emit {"type":"run.done","text":"5","stopped":"final","usage":{"inputTokens":11,"outputTokens":6}}
+              finish Done { text: "5", output: None, stopped: Final, usage: Usage { input_tokens: 11, output_tokens: 6 } }
+        "#]],
+    );
+}
