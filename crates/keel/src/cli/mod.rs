@@ -2,6 +2,7 @@
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "the CLI is where output belongs")]
 
 mod approvals;
+mod chat;
 mod check;
 mod render;
 mod run;
@@ -46,6 +47,9 @@ enum Command {
     /// Run one turn of an agent and stream it to the terminal.
     #[command(after_help = EXIT_CODES)]
     Run(RunArgs),
+    /// Chat with an agent: one turn per line, streamed, in one session.
+    #[command(after_help = EXIT_CODES)]
+    Chat(ChatArgs),
     /// Serve an agent over HTTP: chat with SSE streaming, live session events, approvals.
     Serve(ServeArgs),
     /// Check an agent (spec file or directory) and print every problem.
@@ -180,6 +184,23 @@ pub(crate) struct RunArgs {
     pub(crate) json: bool,
 }
 
+/// Arguments of `keel chat`.
+#[derive(clap::Args)]
+pub(crate) struct ChatArgs {
+    /// The agent: a directory with agent.yaml, or a spec file (.yaml, .toml, .json).
+    pub(crate) agent: PathBuf,
+    /// The session to chat in (default: a new one, `chat-<date>-<time>`); with a sqlite store,
+    /// give an earlier session's id to go on with it.
+    #[arg(long)]
+    pub(crate) session: Option<String>,
+    /// Where sessions and journals live: `memory` or `sqlite:<path>`.
+    #[arg(long, env = "KEEL_STORE", default_value = "memory")]
+    pub(crate) store: String,
+    /// Use this model instead of the spec's (`mock`, `openai/gpt-4o-mini`, ...).
+    #[arg(long)]
+    pub(crate) model: Option<String>,
+}
+
 /// Arguments of `keel serve`.
 #[derive(clap::Args)]
 pub(crate) struct ServeArgs {
@@ -212,6 +233,7 @@ pub(crate) fn main() -> ExitCode {
     init_logging(if matches!(cli.command, Command::Serve(_)) { "info" } else { "warn" });
     let code = match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Chat(args) => chat::chat(args),
         Command::Serve(args) => serve::serve(args),
         Command::Check(args) => check::check(&args),
         Command::Sessions(command) => sessions::sessions(command),

@@ -106,15 +106,17 @@ async fn drive(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
     context.follow_through(handle).await
 }
 
-struct Context<'a> {
-    agent: &'a Agent,
-    args: &'a RunArgs,
+/// What following a run needs: the agent, and the command's arguments (for the store and
+/// agent paths that explain a pause).
+pub(crate) struct Context<'a> {
+    pub(crate) agent: &'a Agent,
+    pub(crate) args: &'a RunArgs,
 }
 
 impl Context<'_> {
     /// Follows a run to its end. When it pauses for a human: on a terminal, asks and continues;
     /// otherwise says how to decide and exits with [`exit::AWAITING_INPUT`].
-    async fn follow_through(&self, mut handle: RunHandle) -> std::io::Result<u8> {
+    pub(crate) async fn follow_through(&self, mut handle: RunHandle) -> std::io::Result<u8> {
         let interactive =
             !self.args.json && std::io::stdin().is_terminal() && std::io::stderr().is_terminal();
         loop {

@@ -518,3 +518,45 @@ fn prune_removes_sessions_unused_for_longer_than_the_time_to_live() {
     assert!(shown.starts_with("user: hi\nassistant: hi\nusage: "), "{shown}");
     assert!(std::fs::metadata(&db).unwrap().len() <= before);
 }
+
+#[test]
+fn chat_runs_a_turn_per_line_in_one_session() {
+    let dir = agent_dir(&[(
+        "agent.yaml",
+        "model: mock\ntools: [day-name]\nmock:\n  script:\n    - text: 'Hello!'\n    - tool_calls: [{ name: day-name, input: {} }]\n    - text: 'Today is {{last_tool_output}}.'\n",
+    )]);
+    let store = format!("sqlite:{}", dir.path().join("keel.db").display());
+    let output = keel()
+        .args(["chat"])
+        .arg(dir.path())
+        .args(["--session", "talk", "--store", &store])
+        .write_stdin("hi\n\nwhat day is it?\n/exit\nnot read\n")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let day = weekdays_now();
+    assert!(
+        day.iter().any(|d| stdout == format!("Hello!\nToday is {d}.\n")),
+        "two turns, the empty line skipped, nothing after /exit: {stdout:?}"
+    );
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(stderr.contains("session talk"), "{stderr}");
+    // Both turns are one conversation; a later chat on the same session goes on with it.
+    let show = keel().args(["sessions", "show", "talk", "--store", &store]).output().unwrap();
+    let transcript = String::from_utf8(show.stdout).unwrap();
+    assert!(transcript.starts_with("user: hi\nassistant: Hello!\nuser: what day is it?\n"), "{transcript}");
+    let again = keel()
+        .args(["chat"])
+        .arg(dir.path())
+        .args(["--session", "talk", "--store", &store])
+        .write_stdin("and now?\n")
+        .output()
+        .unwrap();
+    assert!(again.status.success());
+    assert_eq!(
+        String::from_utf8(again.stdout).unwrap(),
+        "and now?\n",
+        "the script is spent: the mock echoes"
+    );
+}

@@ -1,0 +1,104 @@
+//! `keel chat`: an interactive session, one turn per line read, streamed like `keel run`.
+
+use std::io::{IsTerminal, Write};
+
+use keel::{Agent, ErrorCode};
+
+use super::run::{Context, load_agent};
+use super::{ChatArgs, RunArgs, exit};
+
+pub(crate) fn chat(args: ChatArgs) -> std::io::Result<u8> {
+    let agent = match load_agent(&args.agent, args.model.as_deref(), &args.store)? {
+        Ok(agent) => agent,
+        Err(code) => return Ok(code),
+    };
+    let session = args
+        .session
+        .clone()
+        .unwrap_or_else(|| format!("chat-{}", jiff::Timestamp::now().strftime("%Y%m%d-%H%M%S")));
+    let run_args = RunArgs {
+        agent: args.agent.clone(),
+        input: None,
+        session,
+        store: args.store.clone(),
+        model: args.model.clone(),
+        json: false,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let code = runtime.block_on(converse(&agent, &run_args));
+    // A line read left pending at the prompt must not hold the exit up.
+    runtime.shutdown_background();
+    code
+}
+
+/// Reads one line from stdin; `None` at its end.
+async fn read_line() -> std::io::Result<Option<String>> {
+    tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        Ok((std::io::stdin().read_line(&mut line)? > 0).then_some(line))
+    })
+    .await
+    .unwrap_or_else(|join| Err(std::io::Error::other(join)))
+}
+
+async fn converse(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
+    let terminal = std::io::stdin().is_terminal();
+    let context = Context { agent, args };
+    // A turn a dead process left unfinished completes first, as with `keel run`.
+    match agent.recover(Some(&args.session)).await {
+        Ok(handles) => {
+            for handle in handles {
+                eprintln!("resuming run {} of session {}", handle.run_id(), args.session);
+                context.follow_through(handle).await?;
+            }
+        }
+        Err(failure) => {
+            eprintln!("error[{}]: {}", failure.code, failure.message);
+            return Ok(if failure.code == ErrorCode::SessionIdInvalid { 2 } else { exit::RUN_FAILED });
+        }
+    }
+    let definition = agent.definition();
+    eprintln!(
+        "keel chat: agent `{}` ({}), session {}; /exit or Ctrl-D to leave, Ctrl-C stops a reply",
+        definition.name, definition.model, args.session
+    );
+    loop {
+        if terminal {
+            let mut stderr = std::io::stderr().lock();
+            write!(stderr, "you> ")?;
+            stderr.flush()?;
+        }
+        let ctrl_c = tokio::signal::ctrl_c();
+        let line = tokio::select! {
+            line = read_line() => line?,
+            _ = ctrl_c => {
+                eprintln!();
+                return Ok(exit::INTERRUPTED);
+            }
+        };
+        let Some(line) = line else {
+            if terminal {
+                eprintln!();
+            }
+            return Ok(exit::OK);
+        };
+        let line = line.trim();
+        match line {
+            "" => continue,
+            "/exit" | "/quit" => return Ok(exit::OK),
+            _ => {}
+        }
+        let handle = match agent.run(&args.session, line) {
+            Ok(handle) => handle,
+            Err(failure) => {
+                eprintln!("error[{}]: {}", failure.code, failure.message);
+                continue;
+            }
+        };
+        // Without a terminal nobody can decide a pause: the chat stops where `keel run` would.
+        // A failed or stopped turn, or one cut with Ctrl-C, does not end the conversation.
+        if context.follow_through(handle).await? == exit::AWAITING_INPUT {
+            return Ok(exit::AWAITING_INPUT);
+        }
+    }
+}
