@@ -104,6 +104,7 @@ impl JsTool {
                 "type": "object",
                 "properties": {
                     "code": { "type": "string", "minLength": 1, "description": "The body of an async function, e.g. `const xs = [3, 1, 2]; return xs.sort();`" },
+                    "data": { "description": "Any JSON value, available to the code as `data` (in `compose`, the output of an earlier step)" },
                     "cpu_ms": { "type": "integer", "minimum": 1, "maximum": MAX_CPU_TIME.as_millis() as u64, "description": "CPU time limit; default 5000" }
                 },
                 "required": ["code"],
@@ -136,8 +137,14 @@ fn describe<'js>(ctx: &Ctx<'js>, thrown: JsValue<'js>) -> String {
     }
 }
 
-/// Runs `code` to completion on the current thread.
-fn run(code: &str, cpu_limit: Duration, cancelled: &Arc<AtomicBool>, logs: &Arc<Mutex<Logs>>) -> Outcome {
+/// Runs `code` to completion on the current thread, with `data` as the global `data`.
+fn run(
+    code: &str,
+    data: &str,
+    cpu_limit: Duration,
+    cancelled: &Arc<AtomicBool>,
+    logs: &Arc<Mutex<Logs>>,
+) -> Outcome {
     let runtime = match Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => return Outcome::Error(format!("the JavaScript engine did not start: {error}")),
@@ -170,7 +177,9 @@ fn run(code: &str, cpu_limit: Duration, cancelled: &Arc<AtomicBool>, logs: &Arc<
         });
         let installed = log
             .and_then(|log| ctx.globals().set("__keel_log", log))
-            .and_then(|()| ctx.eval::<(), _>(PRELUDE));
+            .and_then(|()| ctx.eval::<(), _>(PRELUDE))
+            .and_then(|()| ctx.json_parse(data))
+            .and_then(|data| ctx.globals().set("data", data));
         if let Err(error) = installed {
             return Outcome::Error(format!("the sandbox did not start: {error}"));
         }
@@ -242,6 +251,7 @@ impl Tool for JsTool {
     fn call<'a>(&'a self, input: Value, _ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
         Box::pin(async move {
             let code = input["code"].as_str().unwrap_or_default().to_owned();
+            let data = input.get("data").unwrap_or(&Value::Null).to_string();
             let cpu_limit =
                 input["cpu_ms"].as_u64().map_or(DEFAULT_CPU_TIME, Duration::from_millis).min(MAX_CPU_TIME);
             let cancelled = Arc::new(AtomicBool::new(false));
@@ -253,7 +263,7 @@ impl Tool for JsTool {
                 .name("keel-js".into())
                 .stack_size(THREAD_STACK)
                 .spawn(move || {
-                    let outcome = run(&code, cpu_limit, &cancelled, &thread_logs);
+                    let outcome = run(&code, &data, cpu_limit, &cancelled, &thread_logs);
                     let _ = send.send(outcome);
                 })
                 .map_err(|e| ToolError::failed(format!("cannot start the JavaScript sandbox: {e}")))?;

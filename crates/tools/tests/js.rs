@@ -42,6 +42,15 @@ async fn scripts_compute_await_and_log() {
     );
     assert_eq!(ok("console.warn('careful')").await, json!({ "value": null, "logs": ["[warn] careful"] }));
     assert_eq!(ok("return 'é👋'").await["value"], "é👋");
+    let with_data = JsTool::new()
+        .call(
+            json!({"code": "return data.rows.map((r) => r.n * 2)", "data": {"rows": [{"n": 1}, {"n": 21}]}}),
+            &ctx(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(with_data["value"], json!([2, 42]));
+    assert_eq!(ok("return data").await["value"], Value::Null, "no data: null");
 }
 
 #[tokio::test]

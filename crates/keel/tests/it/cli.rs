@@ -5,7 +5,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use predicates::prelude::*;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::support::{agent_dir, keel, repo_root, weekdays_now};
 
@@ -559,4 +559,35 @@ fn chat_runs_a_turn_per_line_in_one_session() {
         "and now?\n",
         "the script is spent: the mock echoes"
     );
+}
+
+#[test]
+fn the_desk_example_reads_computes_and_delegates_offline() {
+    keel()
+        .current_dir(repo_root())
+        .args(["check", "examples/desk"])
+        .assert()
+        .success()
+        .stderr("")
+        .stdout(predicate::str::starts_with("ok: agent `desk`"));
+    let output = keel()
+        .current_dir(repo_root())
+        .args(["run", "examples/desk", "How much did we spend this month?", "--json"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let events: Vec<Value> =
+        String::from_utf8(output.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let js = events
+        .iter()
+        .find(|e| e["type"] == "tool.done" && e["output"]["value"]["total"].is_number())
+        .expect("the js step ran");
+    assert_eq!(
+        js["output"]["value"],
+        json!({"count": 4, "total": 1234.5}),
+        "computed from notes/expenses.csv"
+    );
+    let done = events.last().unwrap();
+    assert_eq!(done["type"], "run.done");
+    assert!(done["text"].as_str().unwrap().contains("1,234.50 EUR"), "{done}");
 }
