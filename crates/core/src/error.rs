@@ -35,7 +35,7 @@ pub enum ErrorCode {
     ProviderAuth,
     /// The provider rejected the request as invalid.
     ProviderBadRequest,
-    /// The model names a provider this build cannot reach, or one that is not configured.
+    /// The model cannot be set up: an unknown provider, no model name, no or a bad base URL.
     ProviderUnavailable,
     /// The provider's API key variable is not set.
     ProviderKeyMissing,

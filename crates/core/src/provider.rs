@@ -87,7 +87,7 @@ pub enum ProviderErrorKind {
     BadRequest,
     /// The provider's API key variable is not set (found before any request).
     KeyMissing,
-    /// The provider is not available in this build or not configured.
+    /// The model cannot be set up: an unknown provider, no model name, no or a bad base URL.
     Unavailable,
 }
 
