@@ -302,6 +302,9 @@ pub struct MockFailure {
     pub message: String,
     /// Fail only the first `times` attempts of this call, then reply; `None` fails every attempt.
     pub times: Option<u32>,
+    /// Text streamed before each failure, as a stream cut mid-reply would leave it (clients
+    /// then get `turn.retry` and drop it).
+    pub partial: Option<String>,
 }
 
 /// A scripted tool call.

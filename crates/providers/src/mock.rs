@@ -54,6 +54,11 @@ fn play(
         let replies = entry.text.is_some() || !entry.tool_calls.is_empty();
         let fails_now = !replies || failure.times.is_none_or(|times| request.attempt <= times);
         if fails_now {
+            if let Some(partial) = &failure.partial {
+                for word in partial.split_inclusive(' ') {
+                    sink.text_delta(word);
+                }
+            }
             return Err(ProviderError::from_status(failure.status, failure.message.clone()));
         }
     }
@@ -192,12 +197,22 @@ mod tests {
                 },
                 MockEntry { text: Some("It is {{last_tool_output}} today.".into()), ..MockEntry::default() },
                 MockEntry {
-                    error: Some(MockFailure { status: 503, message: "overloaded".into(), times: Some(1) }),
+                    error: Some(MockFailure {
+                        status: 503,
+                        message: "overloaded".into(),
+                        times: Some(1),
+                        partial: None,
+                    }),
                     text: Some("recovered".into()),
                     ..MockEntry::default()
                 },
                 MockEntry {
-                    error: Some(MockFailure { status: 400, message: "bad".into(), times: None }),
+                    error: Some(MockFailure {
+                        status: 400,
+                        message: "bad".into(),
+                        times: None,
+                        partial: None,
+                    }),
                     ..MockEntry::default()
                 },
             ],

@@ -333,7 +333,7 @@ async fn a_panicking_tool_and_a_hanging_tool_become_tool_errors() {
 #[tokio::test]
 async fn transient_provider_errors_are_retried_and_permanent_ones_fail_the_run() {
     let flaky = MockEntry {
-        error: Some(MockFailure { status: 503, message: "overloaded".into(), times: Some(2) }),
+        error: Some(MockFailure { status: 503, message: "overloaded".into(), times: Some(2), partial: None }),
         text: Some("third time lucky".into()),
         ..MockEntry::default()
     };
@@ -342,7 +342,7 @@ async fn transient_provider_errors_are_retried_and_permanent_ones_fail_the_run()
     assert_eq!(result.text, "third time lucky");
 
     let broken = MockEntry {
-        error: Some(MockFailure { status: 500, message: "down".into(), times: None }),
+        error: Some(MockFailure { status: 500, message: "down".into(), times: None, partial: None }),
         ..MockEntry::default()
     };
     let store = Arc::new(MemoryStore::new());

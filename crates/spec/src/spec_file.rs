@@ -589,6 +589,7 @@ fn mock_error(node: &Node, d: &mut Decoder<'_>, what: &str) -> Option<MockFailur
             status,
             message: format!("mock provider error (status {status})"),
             times: None,
+            partial: None,
         });
     }
     let mut map = d.map(node, &what)?;
@@ -596,7 +597,8 @@ fn mock_error(node: &Node, d: &mut Decoder<'_>, what: &str) -> Option<MockFailur
     let status = map.take("status").and_then(|v| d.int(v, &format!("{what}.status"), 400, 599));
     let message = map.take("message").and_then(|v| d.string(v, &format!("{what}.message")));
     let times = map.take("times").and_then(|v| d.int(v, &format!("{what}.times"), 1, 1000));
-    map.finish(d, &what, &["status", "message", "times"]);
+    let partial = map.take("partial").and_then(|v| d.string(v, &format!("{what}.partial")));
+    map.finish(d, &what, &["status", "message", "times", "partial"]);
     let Some(status) = status else {
         if map_has_status {
             return None;
@@ -609,6 +611,7 @@ fn mock_error(node: &Node, d: &mut Decoder<'_>, what: &str) -> Option<MockFailur
         status,
         message: message.unwrap_or_else(|| format!("mock provider error (status {status})")),
         times: times.map(|t| t as u32),
+        partial,
     })
 }
 
