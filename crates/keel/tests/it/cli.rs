@@ -591,3 +591,30 @@ fn the_desk_example_reads_computes_and_delegates_offline() {
     assert_eq!(done["type"], "run.done");
     assert!(done["text"].as_str().unwrap().contains("1,234.50 EUR"), "{done}");
 }
+
+#[test]
+fn a_retried_turn_is_announced_on_the_terminal_and_in_json() {
+    let dir = agent_dir(&[(
+        "agent.yaml",
+        "model: mock\nretry: { initial_backoff: 10ms }\nmock:\n  script:\n    - error: { status: 503, times: 1, partial: 'Hel' }\n      text: 'Hello!'\n",
+    )]);
+    let output = keel().arg("run").arg(dir.path()).arg("hi").output().unwrap();
+    assert!(output.status.success());
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(
+        stderr.contains("↻ the model call failed (KEEL_PROVIDER_OVERLOADED: mock provider error (status 503)); retrying in")
+            && stderr.contains("(the partial answer above is void)"),
+        "{stderr}"
+    );
+    let json = keel().arg("run").arg(dir.path()).arg("hi").arg("--json").output().unwrap();
+    let events: Vec<Value> =
+        String::from_utf8(json.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        ["run.start", "turn.start", "text.delta", "turn.retry", "text.delta", "usage", "run.done"],
+        "{events:?}"
+    );
+    assert_eq!(events[3]["attempt"], 2);
+    assert_eq!(events[6]["text"], "Hello!");
+}
