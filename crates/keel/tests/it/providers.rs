@@ -499,3 +499,24 @@ async fn a_stream_that_stalls_times_out_and_the_turn_is_retried() {
     assert!(retry["message"].as_str().unwrap().contains("provider_timeout"), "{retry}");
     assert_eq!(events.last().unwrap()["text"], "Second try.");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_longer_than_keel_waits_fails_the_call_at_once() {
+    let server = WireServer::start(vec![
+        Reply::json(429, &json!({"error": {"message": "Rate limit reached", "code": "rate_limit_exceeded"}}))
+            .header("retry-after", "3600"),
+    ])
+    .await;
+    let dir = agent_dir(&[("agent.yaml", "model: openai/gpt-4o-mini\n")]);
+    let env = pairs(&[("OPENAI_API_KEY", "k"), ("OPENAI_BASE_URL", &format!("{}/v1", server.url()))]);
+    let started = Instant::now();
+    let output = keel_run(dir.path(), strings(&["hi"]), env).await;
+    assert_eq!(output.status.code(), Some(3));
+    assert!(started.elapsed() < Duration::from_secs(30), "keel did not sleep for an hour");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("KEEL_PROVIDER_RATE_LIMITED") && stderr.contains("asks to wait 3600 s"),
+        "{stderr}"
+    );
+    assert_eq!(server.requests().len(), 1);
+}
