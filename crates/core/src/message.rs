@@ -132,6 +132,17 @@ impl Message {
         text
     }
 
+    /// The reasoning parts' text joined together (empty when there is none).
+    pub fn reasoning(&self) -> String {
+        let mut text = String::new();
+        for part in &self.parts {
+            if let Part::Reasoning(reasoning) = part {
+                text.push_str(&reasoning.text);
+            }
+        }
+        text
+    }
+
     /// The tool calls of this message, in order.
     pub fn tool_calls(&self) -> impl Iterator<Item = &ToolCall> {
         self.parts.iter().filter_map(|part| match part {

@@ -386,14 +386,14 @@ impl State {
                     "text" => {
                         self.reply.start_text();
                         if let Some(text) = block.text.as_deref() {
-                            self.reply.text_in_block(text, sink);
+                            self.reply.text(text, sink);
                         }
                         BlockKind::Text
                     }
                     "thinking" => {
                         self.reply.start_reasoning();
                         if let Some(thinking) = block.thinking.as_deref() {
-                            self.reply.reasoning_in_block(thinking, sink);
+                            self.reply.reasoning(thinking, sink);
                         }
                         if let Some(signature) = block.signature.as_deref().filter(|s| !s.is_empty()) {
                             self.reply.signature(signature);
@@ -429,10 +429,10 @@ impl State {
                 let kind = self.blocks.iter().rev().find(|(i, _)| *i == parsed.index).map(|(_, k)| *k);
                 match (delta.kind.as_deref(), kind) {
                     (Some("text_delta"), Some(BlockKind::Text)) => {
-                        self.reply.text_in_block(delta.text.as_deref().unwrap_or_default(), sink);
+                        self.reply.text(delta.text.as_deref().unwrap_or_default(), sink);
                     }
                     (Some("thinking_delta"), Some(BlockKind::Thinking)) => {
-                        self.reply.reasoning_in_block(delta.thinking.as_deref().unwrap_or_default(), sink);
+                        self.reply.reasoning(delta.thinking.as_deref().unwrap_or_default(), sink);
                     }
                     (Some("signature_delta"), Some(BlockKind::Thinking)) => {
                         self.reply.signature(delta.signature.as_deref().unwrap_or_default());

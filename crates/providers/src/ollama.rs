@@ -8,7 +8,6 @@
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use keel_core::message::output_to_text;
 use keel_core::provider::ProviderErrorKind;
 use keel_core::{
     BoxFuture, DeltaSink, Message, ModelReply, ModelRequest, Part, Provider, ProviderError, ProviderSettings,
@@ -19,7 +18,7 @@ use serde_json::{Map, Value, json};
 
 use crate::framing::NdjsonDecoder;
 use crate::http;
-use crate::openai::text_file;
+use crate::openai::{function_tools, text_file, tool_result_text};
 use crate::reply::{ReplyBuilder, Text};
 
 /// Where Ollama listens when `OLLAMA_HOST` is not set.
@@ -86,16 +85,7 @@ impl OllamaChat {
         body.insert("messages".into(), messages.into());
         body.insert("stream".into(), true.into());
         if !request.tools.is_empty() {
-            let tools: Vec<Value> = request
-                .tools
-                .iter()
-                .map(|tool| {
-                    json!({ "type": "function", "function": {
-                        "name": tool.name, "description": tool.description, "parameters": tool.input_schema,
-                    } })
-                })
-                .collect();
-            body.insert("tools".into(), tools.into());
+            body.insert("tools".into(), function_tools(request.tools).into());
         }
         if let Some(schema) = request.output_schema {
             body.insert("format".into(), schema.clone());
@@ -151,11 +141,7 @@ fn push_message(message: &Message, out: &mut Vec<Value>) -> Result<(), ProviderE
         }
         Role::Assistant => {
             let mut entry = json!({ "role": "assistant", "content": message.text() });
-            let thinking: String = message
-                .parts
-                .iter()
-                .filter_map(|p| if let Part::Reasoning(r) = p { Some(r.text.as_str()) } else { None })
-                .collect();
+            let thinking = message.reasoning();
             if !thinking.is_empty() {
                 entry["thinking"] = thinking.into();
             }
@@ -173,9 +159,9 @@ fn push_message(message: &Message, out: &mut Vec<Value>) -> Result<(), ProviderE
         }
         Role::Tool => {
             for result in message.tool_results() {
-                let text = output_to_text(&result.output);
-                let content = if result.is_error { format!("Error: {text}") } else { text };
-                out.push(json!({ "role": "tool", "tool_name": result.name, "content": content }));
+                out.push(
+                    json!({ "role": "tool", "tool_name": result.name, "content": tool_result_text(result) }),
+                );
             }
         }
     }

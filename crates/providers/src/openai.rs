@@ -11,8 +11,9 @@
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use keel_core::event::Usage;
-use keel_core::message::output_to_text;
+use keel_core::message::{ToolResult, output_to_text};
 use keel_core::provider::ProviderErrorKind;
+use keel_core::tool::ToolSpec;
 use keel_core::{
     BoxFuture, DeltaSink, Message, ModelReply, ModelRequest, Part, Provider, ProviderError, ProviderSettings,
     Role, ToolChoice,
@@ -99,16 +100,7 @@ impl OpenAiChat {
         body.insert("stream".into(), true.into());
         body.insert("stream_options".into(), json!({ "include_usage": true }));
         if !request.tools.is_empty() {
-            let tools: Vec<Value> = request
-                .tools
-                .iter()
-                .map(|tool| {
-                    json!({ "type": "function", "function": {
-                        "name": tool.name, "description": tool.description, "parameters": tool.input_schema,
-                    } })
-                })
-                .collect();
-            body.insert("tools".into(), tools.into());
+            body.insert("tools".into(), function_tools(request.tools).into());
             let choice = match &settings.tool_choice {
                 ToolChoice::Auto => json!("auto"),
                 ToolChoice::None => json!("none"),
@@ -157,11 +149,7 @@ impl OpenAiChat {
                 entry.insert("role".into(), "assistant".into());
                 let text = message.text();
                 entry.insert("content".into(), if text.is_empty() { Value::Null } else { text.into() });
-                let reasoning: String = message
-                    .parts
-                    .iter()
-                    .filter_map(|p| if let Part::Reasoning(r) = p { Some(r.text.as_str()) } else { None })
-                    .collect();
+                let reasoning = message.reasoning();
                 if !reasoning.is_empty() {
                     match self.flavor {
                         // OpenAI's chat API neither returns nor takes reasoning.
@@ -193,8 +181,7 @@ impl OpenAiChat {
             }
             Role::Tool => {
                 for result in message.tool_results() {
-                    let text = output_to_text(&result.output);
-                    let content = if result.is_error { format!("Error: {text}") } else { text };
+                    let content = tool_result_text(result);
                     out.push(json!({ "role": "tool", "tool_call_id": result.call_id, "content": content }));
                 }
             }
@@ -231,6 +218,25 @@ impl OpenAiChat {
             Part::Reasoning(_) | Part::ToolCall(_) | Part::ToolResult(_) => return None,
         }))
     }
+}
+
+/// The tools as `function` tools, the form OpenAI's wire and Ollama's share.
+pub(crate) fn function_tools(tools: &[ToolSpec]) -> Vec<Value> {
+    tools
+        .iter()
+        .map(|tool| {
+            json!({ "type": "function", "function": {
+                "name": tool.name, "description": tool.description, "parameters": tool.input_schema,
+            } })
+        })
+        .collect()
+}
+
+/// A tool result as the content of a `tool` message; the wire has no error flag, so an error
+/// says so in its text.
+pub(crate) fn tool_result_text(result: &ToolResult) -> String {
+    let text = output_to_text(&result.output);
+    if result.is_error { format!("Error: {text}") } else { text }
 }
 
 /// The text of a text-like file (`text/*`, JSON, XML, YAML), when it is UTF-8.

@@ -83,7 +83,8 @@ impl ReplyBuilder {
         }
     }
 
-    /// A piece of the model's reasoning.
+    /// A piece of the model's reasoning: it extends the last part when that is reasoning not
+    /// signed yet (a signature closes an Anthropic thinking block).
     pub(crate) fn reasoning(&mut self, delta: &str, sink: &mut dyn DeltaSink) {
         if delta.is_empty() {
             return;
@@ -108,32 +109,6 @@ impl ReplyBuilder {
     /// Starts a new text part (Anthropic text blocks stay separate).
     pub(crate) fn start_text(&mut self) {
         self.parts.push(Part::Text(String::new()));
-    }
-
-    /// Appends to the reasoning part started last.
-    pub(crate) fn reasoning_in_block(&mut self, delta: &str, sink: &mut dyn DeltaSink) {
-        if delta.is_empty() {
-            return;
-        }
-        sink.reasoning_delta(delta);
-        if let Some(Part::Reasoning(reasoning)) = self.parts.last_mut() {
-            reasoning.text.push_str(delta);
-        } else {
-            self.parts.push(Part::Reasoning(Reasoning { text: delta.to_owned(), ..Reasoning::default() }));
-        }
-    }
-
-    /// Appends to the text part started last.
-    pub(crate) fn text_in_block(&mut self, delta: &str, sink: &mut dyn DeltaSink) {
-        if delta.is_empty() {
-            return;
-        }
-        sink.text_delta(delta);
-        if let Some(Part::Text(text)) = self.parts.last_mut() {
-            text.push_str(delta);
-        } else {
-            self.parts.push(Part::Text(delta.to_owned()));
-        }
     }
 
     /// The signature of the reasoning part started last.
