@@ -68,6 +68,17 @@ impl Decoder<'_> {
         Some(text)
     }
 
+    /// `true` or `false`.
+    pub(crate) fn boolean(&mut self, node: &Node, what: &str) -> Option<bool> {
+        match node.kind {
+            Kind::Bool(b) => Some(b),
+            _ => {
+                self.error(node.pos, format!("`{what}` must be true or false"));
+                None
+            }
+        }
+    }
+
     /// An integer in `min..=max`.
     pub(crate) fn int(&mut self, node: &Node, what: &str, min: i64, max: i64) -> Option<i64> {
         match node.kind {

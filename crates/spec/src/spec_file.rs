@@ -183,13 +183,8 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         for (key, target) in
             [("inherit_env", &mut spec.shell.inherit_env), ("approve", &mut spec.shell.approve)]
         {
-            if let Some(value) = shell.take(key) {
-                match value.kind {
-                    Kind::Bool(b) => *target = b,
-                    _ => {
-                        d.error(value.pos, format!("`shell.{key}` must be true or false"));
-                    }
-                }
+            if let Some(value) = shell.take(key).and_then(|v| d.boolean(v, &format!("shell.{key}"))) {
+                *target = value;
             }
         }
         shell.finish(d, "shell", &["inherit_env", "approve"]);
@@ -363,13 +358,9 @@ fn workspace(node: &Node, d: &mut Decoder<'_>, base_dir: &Path) -> Option<Worksp
             }
         },
     };
-    let approve_writes = match approve_node.map(|n| (n, &n.kind)) {
+    let approve_writes = match approve_node {
         None => true,
-        Some((_, Kind::Bool(b))) => *b,
-        Some((n, _)) => {
-            d.error(n.pos, "`workspace.approve_writes` must be true or false");
-            return None;
-        }
+        Some(node) => d.boolean(node, "workspace.approve_writes")?,
     };
     let Some(path_node) = path_node else {
         d.error(node.pos, "`workspace` needs `path`").hint =
@@ -408,13 +399,8 @@ fn http(node: &Node, d: &mut Decoder<'_>, settings: &mut HttpSettings) {
             }
         }
     }
-    if let Some(node) = map.take("allow_loopback") {
-        match node.kind {
-            Kind::Bool(b) => settings.allow_loopback = b,
-            _ => {
-                d.error(node.pos, "`http.allow_loopback` must be true or false");
-            }
-        }
+    if let Some(allow) = map.take("allow_loopback").and_then(|v| d.boolean(v, "http.allow_loopback")) {
+        settings.allow_loopback = allow;
     }
     map.finish(d, "http", &["allow", "allow_loopback"]);
 }
@@ -460,12 +446,7 @@ fn provider(node: &Node, d: &mut Decoder<'_>, settings: &mut ProviderSettings) {
         };
     }
     if let Some(node) = map.take("parallel_tool_calls") {
-        match node.kind {
-            Kind::Bool(b) => settings.parallel_tool_calls = Some(b),
-            _ => {
-                d.error(node.pos, "`provider.parallel_tool_calls` must be true or false");
-            }
-        }
+        settings.parallel_tool_calls = d.boolean(node, "provider.parallel_tool_calls");
     }
     if let Some(n) = map.take("thinking_budget").and_then(|v| d.int(v, "provider.thinking_budget", 1024, max))
     {

@@ -78,11 +78,6 @@ impl GuardedClient {
         GuardedClient { client, policy }
     }
 
-    /// The policy this client enforces.
-    pub fn policy(&self) -> &NetPolicy {
-        &self.policy
-    }
-
     /// Sends a request to `url` and reads the response up to `max_bytes`.
     pub async fn fetch(
         &self,

@@ -44,11 +44,6 @@ impl Workspace {
         Ok(Workspace { dir: Arc::new(dir), root })
     }
 
-    /// The workspace's directory.
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-
     /// A model-given path as a relative path inside the workspace, or why it is refused.
     pub fn relative(&self, given: &str) -> Result<PathBuf, ToolError> {
         if given.contains('\0') {
