@@ -5,227 +5,142 @@
 
 use std::fmt;
 
-/// A stable error code. `docs/errors.md` has a section for each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ErrorCode {
+/// Declares every code once: its variant, its stable string and its documentation. The enum,
+/// [`ErrorCode::ALL`] and [`ErrorCode::as_str`] are generated from this one list.
+macro_rules! error_codes {
+    ($($(#[doc = $doc:literal])* $name:ident = $code:literal,)*) => {
+        /// A stable error code. `docs/errors.md` has a section for each.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum ErrorCode {
+            $($(#[doc = $doc])* $name,)*
+        }
+
+        impl ErrorCode {
+            /// Every code, in documentation order.
+            pub const ALL: &'static [ErrorCode] = &[$(ErrorCode::$name,)*];
+
+            /// The stable `KEEL_...` string.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(ErrorCode::$name => $code,)*
+                }
+            }
+        }
+    };
+}
+
+error_codes! {
     /// A spec file or agent directory could not be read (missing, unreadable).
-    SpecNotFound,
+    SpecNotFound = "KEEL_SPEC_NOT_FOUND",
     /// A spec file is not valid YAML, TOML or JSON.
-    SpecSyntax,
+    SpecSyntax = "KEEL_SPEC_SYNTAX",
     /// A spec has an unknown key, a value of the wrong type or an invalid value.
-    SpecInvalid,
+    SpecInvalid = "KEEL_SPEC_INVALID",
     /// A spec uses a feature this build does not support yet.
-    SpecUnsupported,
+    SpecUnsupported = "KEEL_SPEC_UNSUPPORTED",
     /// A session id is not 1-128 characters of `A-Za-z0-9_-`.
-    SessionIdInvalid,
+    SessionIdInvalid = "KEEL_SESSION_ID_INVALID",
     /// The session already has a run in flight.
-    SessionBusy,
+    SessionBusy = "KEEL_SESSION_BUSY",
     /// No run with this id exists in the store.
-    RunNotFound,
+    RunNotFound = "KEEL_RUN_NOT_FOUND",
     /// No session with this id exists in the store.
-    SessionNotFound,
+    SessionNotFound = "KEEL_SESSION_NOT_FOUND",
     /// The model provider failed (server error, bad reply); may be transient.
-    ProviderError,
+    ProviderError = "KEEL_PROVIDER_ERROR",
     /// The model provider rate-limited the request.
-    ProviderRateLimited,
+    ProviderRateLimited = "KEEL_PROVIDER_RATE_LIMITED",
     /// The model call took longer than `limits.provider_timeout`.
-    ProviderTimeout,
+    ProviderTimeout = "KEEL_PROVIDER_TIMEOUT",
     /// The provider rejected the credentials.
-    ProviderAuth,
+    ProviderAuth = "KEEL_PROVIDER_AUTH",
     /// The provider rejected the request as invalid.
-    ProviderBadRequest,
+    ProviderBadRequest = "KEEL_PROVIDER_BAD_REQUEST",
     /// The model cannot be set up: an unknown provider, no model name, no or a bad base URL.
-    ProviderUnavailable,
+    ProviderUnavailable = "KEEL_PROVIDER_UNAVAILABLE",
     /// The provider's API key variable is not set.
-    ProviderKeyMissing,
+    ProviderKeyMissing = "KEEL_PROVIDER_KEY_MISSING",
     /// The provider accepted the credentials but refused access (HTTP 403).
-    ProviderPermission,
+    ProviderPermission = "KEEL_PROVIDER_PERMISSION",
     /// The provider does not know the model or the endpoint (HTTP 404).
-    ProviderNotFound,
+    ProviderNotFound = "KEEL_PROVIDER_NOT_FOUND",
     /// The conversation is longer than the model's context window.
-    ProviderContextTooLong,
+    ProviderContextTooLong = "KEEL_PROVIDER_CONTEXT_TOO_LONG",
     /// The provider is overloaded (HTTP 529, or 503); may be transient.
-    ProviderOverloaded,
+    ProviderOverloaded = "KEEL_PROVIDER_OVERLOADED",
     /// The provider answered something that is not its protocol (HTML, a truncated or malformed
     /// stream, an error inside a 200).
-    ProviderBadResponse,
+    ProviderBadResponse = "KEEL_PROVIDER_BAD_RESPONSE",
     /// The model called a tool the agent does not have.
-    ToolNotFound,
+    ToolNotFound = "KEEL_TOOL_NOT_FOUND",
     /// The model's tool input does not match the tool's JSON Schema.
-    ToolInputInvalid,
+    ToolInputInvalid = "KEEL_TOOL_INPUT_INVALID",
     /// A tool call took longer than `limits.tool_timeout`.
-    ToolTimeout,
+    ToolTimeout = "KEEL_TOOL_TIMEOUT",
     /// A tool reported an error.
-    ToolFailed,
+    ToolFailed = "KEEL_TOOL_FAILED",
     /// A tool panicked.
-    ToolPanicked,
+    ToolPanicked = "KEEL_TOOL_PANICKED",
     /// A tool call was not run because the run's `max_tool_calls` budget was spent.
-    ToolBudgetExhausted,
+    ToolBudgetExhausted = "KEEL_TOOL_BUDGET_EXHAUSTED",
     /// A tool call was not run because the run was cancelled.
-    ToolCancelled,
+    ToolCancelled = "KEEL_TOOL_CANCELLED",
     /// A tool call was not run because a human rejected it (or nobody approved it in time).
-    ToolRejected,
+    ToolRejected = "KEEL_TOOL_REJECTED",
     /// A built-in tool refused what the call asked for: a private address, a host outside
     /// `http.allow`, a path outside the workspace...
-    ToolRefused,
+    ToolRefused = "KEEL_TOOL_REFUSED",
     /// An approval or question id is not pending (unknown, already decided, or its run ended).
-    NotPending,
+    NotPending = "KEEL_NOT_PENDING",
     /// A decision does not fit what is pending (an answer to an approval, a verdict on a question).
-    DecisionInvalid,
+    DecisionInvalid = "KEEL_DECISION_INVALID",
     /// The final answer does not match `output.schema`.
-    OutputInvalid,
+    OutputInvalid = "KEEL_OUTPUT_INVALID",
     /// The store failed.
-    Store,
+    Store = "KEEL_STORE",
     /// The store's database is locked by another process for longer than the busy timeout.
-    StoreLocked,
+    StoreLocked = "KEEL_STORE_LOCKED",
     /// The store's database cannot be written (read-only file or directory).
-    StoreReadOnly,
+    StoreReadOnly = "KEEL_STORE_READ_ONLY",
     /// The store's database was written by a newer keel (a newer schema version).
-    StoreSchemaNewer,
+    StoreSchemaNewer = "KEEL_STORE_SCHEMA_NEWER",
     /// The store's database is damaged or not a keel database.
-    StoreCorrupt,
+    StoreCorrupt = "KEEL_STORE_CORRUPT",
     /// A journal record could not be decoded (corrupt, or written by a newer keel).
-    JournalCorrupt,
+    JournalCorrupt = "KEEL_JOURNAL_CORRUPT",
     /// The run is being driven by another process (its lease is held and not expired).
-    RunLeased,
+    RunLeased = "KEEL_RUN_LEASED",
     /// The run is finished and its journal no longer holds a step a re-drive needs (it was
     /// compacted): nothing is executed again.
-    RunFinished,
+    RunFinished = "KEEL_RUN_FINISHED",
+    /// The run kept dying at one step (its process was killed or crashed every time it got
+    /// there), so it was ended instead of being re-driven again.
+    RunPoisoned = "KEEL_RUN_POISONED",
     /// This process lost the run's lease (it stalled past the lease's expiry and another process
     /// took the run over); it stopped without writing over the new owner's work.
-    LeaseLost,
+    LeaseLost = "KEEL_LEASE_LOST",
     /// The process is shutting down: the run stopped between two steps and is resumable.
-    ShuttingDown,
+    ShuttingDown = "KEEL_SHUTTING_DOWN",
     /// An HTTP request is malformed: not JSON, a missing field, a value of the wrong type.
-    RequestInvalid,
+    RequestInvalid = "KEEL_REQUEST_INVALID",
     /// An HTTP request body is over the limit (1 MB).
-    BodyTooLarge,
+    BodyTooLarge = "KEEL_BODY_TOO_LARGE",
     /// An HTTP request has no valid credentials.
-    Unauthorized,
+    Unauthorized = "KEEL_UNAUTHORIZED",
     /// No such route (or the resource is not visible to the caller).
-    NotFound,
+    NotFound = "KEEL_NOT_FOUND",
     /// The route exists but not with this HTTP method.
-    MethodNotAllowed,
+    MethodNotAllowed = "KEEL_METHOD_NOT_ALLOWED",
     /// An HTTP request took longer than the server's request timeout.
-    RequestTimeout,
+    RequestTimeout = "KEEL_REQUEST_TIMEOUT",
     /// The caller made more requests than the server's per-identity rate limit allows.
-    RateLimited,
+    RateLimited = "KEEL_RATE_LIMITED",
     /// A bug in keel: please report it.
-    Internal,
+    Internal = "KEEL_INTERNAL",
 }
 
 impl ErrorCode {
-    /// Every code, in documentation order.
-    pub const ALL: &'static [ErrorCode] = &[
-        ErrorCode::SpecNotFound,
-        ErrorCode::SpecSyntax,
-        ErrorCode::SpecInvalid,
-        ErrorCode::SpecUnsupported,
-        ErrorCode::SessionIdInvalid,
-        ErrorCode::SessionBusy,
-        ErrorCode::RunNotFound,
-        ErrorCode::SessionNotFound,
-        ErrorCode::ProviderError,
-        ErrorCode::ProviderRateLimited,
-        ErrorCode::ProviderTimeout,
-        ErrorCode::ProviderAuth,
-        ErrorCode::ProviderBadRequest,
-        ErrorCode::ProviderUnavailable,
-        ErrorCode::ProviderKeyMissing,
-        ErrorCode::ProviderPermission,
-        ErrorCode::ProviderNotFound,
-        ErrorCode::ProviderContextTooLong,
-        ErrorCode::ProviderOverloaded,
-        ErrorCode::ProviderBadResponse,
-        ErrorCode::ToolNotFound,
-        ErrorCode::ToolInputInvalid,
-        ErrorCode::ToolTimeout,
-        ErrorCode::ToolFailed,
-        ErrorCode::ToolPanicked,
-        ErrorCode::ToolBudgetExhausted,
-        ErrorCode::ToolCancelled,
-        ErrorCode::ToolRejected,
-        ErrorCode::ToolRefused,
-        ErrorCode::NotPending,
-        ErrorCode::DecisionInvalid,
-        ErrorCode::OutputInvalid,
-        ErrorCode::Store,
-        ErrorCode::StoreLocked,
-        ErrorCode::StoreReadOnly,
-        ErrorCode::StoreSchemaNewer,
-        ErrorCode::StoreCorrupt,
-        ErrorCode::JournalCorrupt,
-        ErrorCode::RunLeased,
-        ErrorCode::RunFinished,
-        ErrorCode::LeaseLost,
-        ErrorCode::ShuttingDown,
-        ErrorCode::RequestInvalid,
-        ErrorCode::BodyTooLarge,
-        ErrorCode::Unauthorized,
-        ErrorCode::NotFound,
-        ErrorCode::MethodNotAllowed,
-        ErrorCode::RequestTimeout,
-        ErrorCode::RateLimited,
-        ErrorCode::Internal,
-    ];
-
-    /// The stable `KEEL_...` string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorCode::SpecNotFound => "KEEL_SPEC_NOT_FOUND",
-            ErrorCode::SpecSyntax => "KEEL_SPEC_SYNTAX",
-            ErrorCode::SpecInvalid => "KEEL_SPEC_INVALID",
-            ErrorCode::SpecUnsupported => "KEEL_SPEC_UNSUPPORTED",
-            ErrorCode::SessionIdInvalid => "KEEL_SESSION_ID_INVALID",
-            ErrorCode::SessionBusy => "KEEL_SESSION_BUSY",
-            ErrorCode::RunNotFound => "KEEL_RUN_NOT_FOUND",
-            ErrorCode::SessionNotFound => "KEEL_SESSION_NOT_FOUND",
-            ErrorCode::ProviderError => "KEEL_PROVIDER_ERROR",
-            ErrorCode::ProviderRateLimited => "KEEL_PROVIDER_RATE_LIMITED",
-            ErrorCode::ProviderTimeout => "KEEL_PROVIDER_TIMEOUT",
-            ErrorCode::ProviderAuth => "KEEL_PROVIDER_AUTH",
-            ErrorCode::ProviderBadRequest => "KEEL_PROVIDER_BAD_REQUEST",
-            ErrorCode::ProviderUnavailable => "KEEL_PROVIDER_UNAVAILABLE",
-            ErrorCode::ProviderKeyMissing => "KEEL_PROVIDER_KEY_MISSING",
-            ErrorCode::ProviderPermission => "KEEL_PROVIDER_PERMISSION",
-            ErrorCode::ProviderNotFound => "KEEL_PROVIDER_NOT_FOUND",
-            ErrorCode::ProviderContextTooLong => "KEEL_PROVIDER_CONTEXT_TOO_LONG",
-            ErrorCode::ProviderOverloaded => "KEEL_PROVIDER_OVERLOADED",
-            ErrorCode::ProviderBadResponse => "KEEL_PROVIDER_BAD_RESPONSE",
-            ErrorCode::ToolNotFound => "KEEL_TOOL_NOT_FOUND",
-            ErrorCode::ToolInputInvalid => "KEEL_TOOL_INPUT_INVALID",
-            ErrorCode::ToolTimeout => "KEEL_TOOL_TIMEOUT",
-            ErrorCode::ToolFailed => "KEEL_TOOL_FAILED",
-            ErrorCode::ToolPanicked => "KEEL_TOOL_PANICKED",
-            ErrorCode::ToolBudgetExhausted => "KEEL_TOOL_BUDGET_EXHAUSTED",
-            ErrorCode::ToolCancelled => "KEEL_TOOL_CANCELLED",
-            ErrorCode::ToolRejected => "KEEL_TOOL_REJECTED",
-            ErrorCode::ToolRefused => "KEEL_TOOL_REFUSED",
-            ErrorCode::NotPending => "KEEL_NOT_PENDING",
-            ErrorCode::DecisionInvalid => "KEEL_DECISION_INVALID",
-            ErrorCode::OutputInvalid => "KEEL_OUTPUT_INVALID",
-            ErrorCode::Store => "KEEL_STORE",
-            ErrorCode::StoreLocked => "KEEL_STORE_LOCKED",
-            ErrorCode::StoreReadOnly => "KEEL_STORE_READ_ONLY",
-            ErrorCode::StoreSchemaNewer => "KEEL_STORE_SCHEMA_NEWER",
-            ErrorCode::StoreCorrupt => "KEEL_STORE_CORRUPT",
-            ErrorCode::JournalCorrupt => "KEEL_JOURNAL_CORRUPT",
-            ErrorCode::RunLeased => "KEEL_RUN_LEASED",
-            ErrorCode::RunFinished => "KEEL_RUN_FINISHED",
-            ErrorCode::LeaseLost => "KEEL_LEASE_LOST",
-            ErrorCode::ShuttingDown => "KEEL_SHUTTING_DOWN",
-            ErrorCode::RequestInvalid => "KEEL_REQUEST_INVALID",
-            ErrorCode::BodyTooLarge => "KEEL_BODY_TOO_LARGE",
-            ErrorCode::Unauthorized => "KEEL_UNAUTHORIZED",
-            ErrorCode::NotFound => "KEEL_NOT_FOUND",
-            ErrorCode::MethodNotAllowed => "KEEL_METHOD_NOT_ALLOWED",
-            ErrorCode::RequestTimeout => "KEEL_REQUEST_TIMEOUT",
-            ErrorCode::RateLimited => "KEEL_RATE_LIMITED",
-            ErrorCode::Internal => "KEEL_INTERNAL",
-        }
-    }
-
     /// Parses a `KEEL_...` string.
     pub fn parse(code: &str) -> Option<ErrorCode> {
         ErrorCode::ALL.iter().copied().find(|c| c.as_str() == code)

@@ -200,7 +200,7 @@ impl fmt::Display for StepName {
 /// A 64-bit hash that is the same across builds and platforms (the std hashers are not): FNV-1a
 /// over the parts, separated by NUL, then MurmurHash3's final mix so that inputs differing in
 /// one character give values that look nothing alike.
-pub(crate) fn stable_hash(parts: &[&str]) -> u64 {
+pub fn stable_hash(parts: &[&str]) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for (i, part) in parts.iter().enumerate() {
         let separator: &[u8] = if i == 0 { &[] } else { &[0] };

@@ -14,6 +14,8 @@
 //! this crate stays runtime-agnostic and the traits stay object safe.
 
 pub mod agent;
+pub mod clock;
+pub mod env;
 pub mod error;
 pub mod event;
 pub mod human;
@@ -21,6 +23,7 @@ pub mod ids;
 pub mod journal;
 pub mod machine;
 pub mod message;
+pub mod owner;
 pub mod persist;
 pub mod provider;
 pub mod store;
@@ -31,13 +34,17 @@ pub use agent::{
     AgentDef, CommandToolDef, Concurrency, HttpSettings, Limits, MockEntry, MockFailure, MockScript,
     MockToolCall, ProviderSettings, RetryPolicy, ShellSettings, ToolChoice, WorkspaceMode, WorkspaceSettings,
 };
+pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{ErrorCode, RunFailure};
 pub use event::{Event, StopReason, Usage};
 pub use human::{Decision, PendingInput, PendingKind};
 pub use ids::{RunId, SessionId, StepName};
 pub use message::{Message, Part, Role};
 pub use provider::{DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind};
-pub use store::{Fence, RunRecord, RunState, SessionSummary, StepCommit, Store, StoreError};
+pub use store::{
+    Claim, Committed, DecidedInput, Fence, LeaseStatus, OpenRun, RunRecord, RunState, SessionSummary,
+    StepCommit, Store, StoreError,
+};
 pub use tool::{ApprovalRule, SessionState, Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
 
 /// A boxed, sendable future: what the [`Provider`], [`Tool`] and [`Store`] traits return.

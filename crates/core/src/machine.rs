@@ -61,6 +61,10 @@ pub enum Input {
     },
     /// Stop the run now.
     Cancel,
+    /// End the run as failed, now, without running anything more: every open call gets an
+    /// error result saying why (so the transcript has no dangling call), then `run.error`. For
+    /// a run that cannot go on (it kept killing its process at one step).
+    Abort(RunFailure),
 }
 
 /// What the machine asks the driver to do, in order.
@@ -184,6 +188,9 @@ impl Machine {
     ) -> Machine {
         let mut transcript = history;
         let run_start = transcript.len();
+        if let Some(answers) = answer_dangling_calls(&transcript) {
+            transcript.push(Arc::new(answers));
+        }
         transcript.push(Arc::new(input));
         Machine {
             agent,
@@ -243,12 +250,13 @@ impl Machine {
         match (self.phase, input) {
             (Phase::Finished, _) => {}
             (_, Input::Cancel) => self.cancel(&mut actions),
+            (_, Input::Abort(failure)) => self.abort(failure, &mut actions),
             (Phase::NotStarted, Input::Start) => {
                 actions.push(Action::Emit(Event::RunStart {
                     run_id: self.run_id.clone(),
                     session_id: self.session_id.clone(),
                 }));
-                self.persist_last(&mut actions, 1);
+                self.persist_last(&mut actions, self.transcript.len() - self.run_start);
                 self.next_turn(&mut actions);
             }
             (Phase::AwaitingModel, Input::ModelReply(reply)) => self.on_reply(reply, &mut actions),
@@ -727,24 +735,58 @@ impl Machine {
     }
 
     fn cancel(&mut self, actions: &mut Vec<Action>) {
-        if self.phase == Phase::AwaitingTools {
-            // Give every unfinished call a result, so the model never sees a dangling call.
-            for pending in self.calls.iter_mut().filter(|p| p.result.is_none()) {
-                let error = ToolError::with_code(
-                    ErrorCode::ToolCancelled,
-                    "cancelled: the run was cancelled before this call finished",
-                    false,
-                );
-                actions.push(Action::Emit(Event::ToolError {
-                    call_id: pending.call_id.clone(),
-                    error: error.message.clone(),
-                }));
-                pending.result = Some(Err(error));
-            }
-            self.close_turn(actions);
-        }
+        self.close_open_calls(
+            ErrorCode::ToolCancelled,
+            "cancelled: the run was cancelled before this call finished",
+            actions,
+        );
         self.finish(StopReason::Cancelled, None, actions);
     }
+
+    fn abort(&mut self, failure: RunFailure, actions: &mut Vec<Action>) {
+        let why = format!("not run: {} ({})", failure.message, failure.code);
+        self.close_open_calls(failure.code, &why, actions);
+        self.fail(failure, actions);
+    }
+
+    /// Gives every unfinished call of the turn a result, so the model never sees a dangling
+    /// call, and closes the turn.
+    fn close_open_calls(&mut self, code: ErrorCode, message: &str, actions: &mut Vec<Action>) {
+        if self.phase != Phase::AwaitingTools {
+            return;
+        }
+        for pending in self.calls.iter_mut().filter(|p| p.result.is_none()) {
+            let error = ToolError::with_code(code, message, false);
+            actions.push(Action::Emit(Event::ToolError {
+                call_id: pending.call_id.clone(),
+                error: error.message.clone(),
+            }));
+            pending.result = Some(Err(error));
+        }
+        self.close_turn(actions);
+    }
+}
+
+/// The results a history ending in tool calls needs before anything else can follow: a run that
+/// made those calls ended without them (it kept dying and was failed, or its journal could not
+/// be read). Providers refuse a transcript with a call and no result, so the next run answers
+/// each call with an error first, deterministically (a replay writes the same message).
+fn answer_dangling_calls(history: &[Arc<Message>]) -> Option<Message> {
+    let last = history.last().filter(|m| m.role == Role::Assistant)?;
+    let parts: Vec<Part> = last
+        .tool_calls()
+        .map(|call| {
+            Part::ToolResult(crate::message::ToolResult {
+                call_id: call.call_id.clone(),
+                name: call.name.clone(),
+                output: Value::String(
+                    "not run: the run that made this call ended before the call had a result".into(),
+                ),
+                is_error: true,
+            })
+        })
+        .collect();
+    (!parts.is_empty()).then_some(Message { role: Role::Tool, parts })
 }
 
 /// The call id of a compose step: `<compose call id>.<step id>`.

@@ -1,7 +1,10 @@
-//! The [`Store`] trait: where sessions, runs and journals live.
+//! The [`Store`] trait: where sessions, runs and journals live, and the values it speaks in.
 //!
-//! Backends live in `keel-store` (memory now; SQLite and PostgreSQL join the same conformance
-//! suite). Every write is idempotent so that a re-driven run can repeat it safely.
+//! `keel-store` implements it once, over backends that only know storage operations (memory,
+//! SQLite; PostgreSQL joins the same conformance suite): the rules every write obeys (one run
+//! per session, lease fencing, a decision taken once, a finished run drops what it waited for,
+//! a run that never gets past a step is poisoned) live there, above the backends. Every write is
+//! idempotent so that a re-driven run can repeat it safely.
 
 use std::sync::Arc;
 
@@ -72,7 +75,7 @@ pub enum StoreError {
     /// The record does not exist.
     #[error("not found: {0}")]
     NotFound(String),
-    /// Stored data could not be decoded.
+    /// Stored data could not be decoded (or is not a keel database's).
     #[error("corrupt stored data: {0}")]
     Corrupt(String),
     /// The backend failed (I/O, connection).
@@ -106,11 +109,12 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    /// The error for a decision on `id`, which is not pending.
+    /// The error for a decision on `id`, which is not pending and never was (as far as the store
+    /// remembers: see [`DecidedInput`] for the ones that were).
     pub fn not_pending(id: &str) -> StoreError {
         StoreError::NotPending(format!(
-            "{id} is not pending: it was decided already, its run ended, or no approval or question has \
-             this id (`keel approvals list` shows what is pending)"
+            "{id} is not pending: no approval or question waits under this id (`keel approvals list` \
+             shows what is pending)"
         ))
     }
 
@@ -174,7 +178,8 @@ pub struct StepCommit<'a> {
     /// `tool::SessionState`).
     pub session_state: Option<&'a serde_json::Value>,
     /// Inputs the run now waits for (with a pause): stored unless already stored or decided
-    /// (a decision journaled for their step), so a repeated pause never re-asks.
+    /// (a decision journaled for their step), so a repeated pause never re-asks; never for a
+    /// run whose cancellation was requested.
     pub pending: &'a [PendingInput],
     /// The writer's lease: the commit is refused ([`StoreError::LeaseLost`]) unless the run's lease
     /// still has this owner and epoch. A new run is created holding it.
@@ -193,7 +198,173 @@ pub struct Fence<'a> {
     pub ttl: std::time::Duration,
 }
 
+/// How many times a run may be re-driven without committing a step before it is poisoned: the
+/// runtime then ends it (its open calls get error results, the run fails with
+/// `KEEL_RUN_POISONED`) instead of running the step that keeps killing its process again.
+pub const MAX_REDRIVES: u32 = 3;
+
+/// The store's own last resort: a run claimed this many times without progress (the runtime's
+/// attempts to end it cleanly crashed too) is marked failed by the claim itself.
+pub const MAX_CLAIMS_WITHOUT_PROGRESS: u32 = MAX_REDRIVES + 2;
+
+/// What [`Store::commit_step`] tells the writer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Committed {
+    /// Someone asked (maybe from another process) to cancel the run: stop at once.
+    pub cancel_requested: bool,
+}
+
+/// The outcome of [`Store::claim_run`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// The caller drives the run now, writing under this epoch.
+    Claimed {
+        /// The new epoch: every claim bumps it, fencing the previous owner.
+        epoch: u64,
+        /// How many times the run was claimed since it last committed a step, this claim
+        /// included: above [`MAX_REDRIVES`], the run keeps dying at the same step.
+        attempt: u32,
+        /// Someone asked to cancel the run: drive it only to its cancellation.
+        cancel_requested: bool,
+    },
+    /// Another owner holds a live lease.
+    Held {
+        /// Who.
+        owner: String,
+        /// Until when (milliseconds since the Unix epoch), unless it renews it.
+        expires_ms: u64,
+    },
+    /// The run is over (done, failed, cancelled): there is nothing to drive, only to replay.
+    Finished,
+    /// The run was claimed [`MAX_CLAIMS_WITHOUT_PROGRESS`] times without committing anything: the
+    /// store marked it failed (`KEEL_RUN_POISONED`).
+    Poisoned,
+}
+
+/// The outcome of [`Store::renew_lease`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseStatus {
+    /// Still the caller's, extended.
+    Held {
+        /// Someone asked to cancel the run.
+        cancel_requested: bool,
+    },
+    /// Another owner claimed it (or the run ended): the caller must stop writing.
+    Lost,
+}
+
+/// A run that is not finished, with its lease: what recovery, busy checks and `keel cancel`
+/// look at.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenRun {
+    /// The run.
+    pub run_id: RunId,
+    /// Its session.
+    pub session_id: SessionId,
+    /// `Running` or `AwaitingInput`.
+    pub state: RunState,
+    /// Who holds (or last held) its lease.
+    pub owner: Option<String>,
+    /// Until when, in milliseconds since the Unix epoch (0: released).
+    pub lease_expires_ms: u64,
+    /// Who asked to cancel it, if someone did.
+    pub cancel_requested_by: Option<String>,
+    /// Claims since it last committed a step.
+    pub attempts: u32,
+}
+
+impl OpenRun {
+    /// Whether an owner holds it at `now_ms` (a paused run is held by nobody: humans move it on).
+    pub fn is_leased(&self, now_ms: u64) -> bool {
+        self.state == RunState::Running && self.owner.is_some() && self.lease_expires_ms > now_ms
+    }
+
+    /// Whether it waits to be re-driven at `now_ms`: running with no live lease (its process
+    /// died or stopped, or a decision or a cancellation just arrived for it).
+    pub fn is_interrupted(&self, now_ms: u64) -> bool {
+        self.state == RunState::Running && !self.is_leased(now_ms)
+    }
+
+    /// Why a new run of its session is refused while this one is unfinished, for people.
+    pub fn busy_message(&self, now_ms: u64) -> String {
+        let session = self.session_id.external();
+        let run = &self.run_id;
+        let cancel = format!("`keel cancel {session}`");
+        match (self.state, &self.owner) {
+            (RunState::AwaitingInput, _) => format!(
+                "session {session} has a run waiting for a human ({run}); decide its pending approvals or \
+                 questions first (`keel approvals list`), or cancel it ({cancel})"
+            ),
+            (_, Some(owner)) if self.is_leased(now_ms) => format!(
+                "session {session} already has a run in flight ({run}), driven by {}; wait for it to \
+                 finish, or cancel it ({cancel}). If that process is gone and this machine cannot tell \
+                 (another host), its lease lets another process take the run over {}",
+                crate::owner::describe(owner),
+                crate::clock::relative(self.lease_expires_ms, now_ms),
+            ),
+            _ => format!(
+                "session {session} has an unfinished run ({run}) whose process stopped; it must be resumed \
+                 first (`keel run <agent> --session {session}` does that), or cancelled ({cancel})"
+            ),
+        }
+    }
+}
+
+/// What became of an approval or question that is no longer pending: kept so that a late
+/// decision can be told who decided first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecidedInput {
+    /// The approval or question id.
+    pub id: String,
+    /// Its run.
+    pub run_id: RunId,
+    /// Its session.
+    pub session_id: SessionId,
+    /// What happened to it: `approved`, `rejected`, `answered`, `timed out`, `cancelled`, or
+    /// `closed` (its run ended without it).
+    pub outcome: String,
+    /// Who: `keel approvals (pid 42 on host h)`, `HTTP API (...)`, `approvals.timeout`...
+    pub by: String,
+    /// When, in milliseconds since the Unix epoch.
+    pub at_ms: u64,
+}
+
+impl DecidedInput {
+    /// Why a decision on it is refused, for people.
+    pub fn refusal(&self, now_ms: u64) -> String {
+        let when = crate::clock::relative(self.at_ms, now_ms);
+        if self.outcome == "closed" {
+            format!(
+                "{} is not pending: its run {} ended without it ({when}, {})",
+                self.id, self.run_id, self.by
+            )
+        } else {
+            format!(
+                "{} is not pending: it was {} {when} by {}; run {} of session {} went on with that decision",
+                self.id,
+                self.outcome,
+                self.by,
+                self.run_id,
+                self.session_id.external()
+            )
+        }
+    }
+}
+
+/// The outcome word of a decision, as [`DecidedInput::outcome`] records it.
+pub fn decision_outcome(decision: &Decision) -> &'static str {
+    match decision {
+        Decision::Approve { .. } => "approved",
+        Decision::Reject { .. } => "rejected",
+        Decision::Answer(_) => "answered",
+        Decision::TimedOut => "timed out",
+    }
+}
+
 /// Persistence for sessions, runs and journals.
+///
+/// Implemented once, in `keel-store`, over storage backends; the runtime, the server and the CLI
+/// only ever see this trait.
 pub trait Store: Send + Sync {
     /// The session's whole transcript, in order (empty for a new session).
     ///
@@ -216,33 +387,57 @@ pub trait Store: Send + Sync {
     /// The run's journal, in the order it was written.
     fn load_journal<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>>;
 
-    /// Writes one step atomically, all of it or nothing: the new run (its id must be new), the
-    /// journal entry (the first record of a step wins; a repeat is ignored), the messages at
-    /// session positions `first_position..` (idempotent: a position already written by the same
-    /// run is skipped; one written by another run, or a gap, is a [`StoreError::Conflict`]) and the
-    /// state change. With a [`Fence`], nothing is written unless the lease still matches, and the
-    /// lease is extended. This is the only way runs, messages and journals are written.
-    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Writes one step atomically, all of it or nothing: the new run (its id must be new, and its
+    /// session must have no other unfinished run: [`StoreError::Busy`]), the journal entry (the
+    /// first record of a step wins; a repeat is ignored), the messages at session positions
+    /// `first_position..` (idempotent: a position already written by the same run is skipped;
+    /// one written by another run, or a gap, is a [`StoreError::Conflict`]) and the state change.
+    /// With a [`Fence`], nothing is written unless the lease still matches, and the lease is
+    /// extended. This is the only way runs, messages and journals are written.
+    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<Committed, StoreError>>;
 
     /// Claims a run's lease for `owner`, for `ttl` from now, when the run is not finished and its
-    /// lease is free, expired, or already `owner`'s. Returns the new epoch, or `None` when another
-    /// owner holds a live lease. Fails with [`StoreError::NotFound`] for an unknown run.
+    /// lease is free, expired, already `owner`'s, or held by `takeover` (an owner the caller
+    /// proved dead). Fails with [`StoreError::NotFound`] for an unknown run.
     fn claim_run<'a>(
         &'a self,
         run: &'a RunId,
         owner: &'a str,
         ttl: std::time::Duration,
-    ) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;
+        takeover: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>>;
 
-    /// Extends a held lease by `ttl` from now. Returns `false` when the lease is no longer this
-    /// owner's at this epoch.
+    /// Extends a held lease by `ttl` from now (zero releases it: any process may take the run
+    /// over at once).
     fn renew_lease<'a>(
         &'a self,
         run: &'a RunId,
         owner: &'a str,
         epoch: u64,
         ttl: std::time::Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+    ) -> BoxFuture<'a, Result<LeaseStatus, StoreError>>;
+
+    /// The runs that are not finished (running, or paused for a human): all of them, or
+    /// `session`'s (at most one); oldest first.
+    fn open_runs<'a>(
+        &'a self,
+        session: Option<&'a SessionId>,
+    ) -> BoxFuture<'a, Result<Vec<OpenRun>, StoreError>>;
+
+    /// The runs leased to `owner` whose cancellation was requested: what an engine polls to
+    /// stop its runs when another process cancels them.
+    fn cancel_requests<'a>(&'a self, owner: &'a str) -> BoxFuture<'a, Result<Vec<RunId>, StoreError>>;
+
+    /// Asks `session`'s unfinished run to stop, for whoever drives it: its owner sees the request
+    /// at its next lease renewal or commit (engines also poll for it). A run paused for a human
+    /// stops waiting: its pending inputs are closed (`cancelled` by `by`) and it becomes
+    /// re-drivable at once, so that the next process to drive it ends it. Returns the run as it
+    /// was, or `None` when the session has no unfinished run.
+    fn request_cancel<'a>(
+        &'a self,
+        session: &'a SessionId,
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<Option<OpenRun>, StoreError>>;
 
     /// The approvals and questions waiting for a human: all of them, or `session`'s; oldest
     /// first.
@@ -254,24 +449,21 @@ pub trait Store: Send + Sync {
     /// The pending input `id`, if it is pending.
     fn pending_input<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<PendingInput>, StoreError>>;
 
-    /// Records a human's decision, atomically: the pending input `id` is removed, the decision
-    /// is journaled as its step, and a run paused in `awaiting_input` becomes `running` with an
-    /// expired lease (so any process may re-drive it; [`Store::interrupted_runs`] lists it).
+    /// What became of `id`, once it is no longer pending (decided, cancelled, or closed by the
+    /// end of its run).
+    fn decided_input<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<DecidedInput>, StoreError>>;
+
+    /// Records a human's decision, atomically: the pending input `id` is removed (remembered as
+    /// decided `by` whom), the decision is journaled as its step, and a run paused in
+    /// `awaiting_input` becomes `running` with an expired lease (so any process may re-drive it).
     /// Fails with [`StoreError::NotPending`] when `id` is not pending (never pending, decided
-    /// already, or its run ended): a second decision changes nothing.
+    /// already, or its run ended), saying what became of it: a second decision changes nothing.
     fn decide<'a>(
         &'a self,
         id: &'a str,
         decision: &'a Decision,
+        by: &'a str,
     ) -> BoxFuture<'a, Result<PendingInput, StoreError>>;
-
-    /// Runs still `running` whose lease has expired (their process died or stalled, or a
-    /// decision arrived for a paused run): the runs to re-drive. Only `session`'s when given;
-    /// oldest first.
-    fn interrupted_runs<'a>(
-        &'a self,
-        session: Option<&'a SessionId>,
-    ) -> BoxFuture<'a, Result<Vec<RunId>, StoreError>>;
 
     /// Compacts the journals of finished runs (done, failed, cancelled) to what their
     /// transcripts need: nothing, as the messages hold the results. Returns how many journal

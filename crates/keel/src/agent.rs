@@ -194,9 +194,22 @@ impl Agent {
 
     /// Decides a pending approval (`Decision::Approve` / `Decision::Reject`) or answers a
     /// question (`Decision::Answer`), and continues the run: the handle streams the rest of it.
-    /// `KEEL_NOT_PENDING` when `id` is not pending; a second decision changes nothing.
+    /// `KEEL_NOT_PENDING` when `id` is not pending (saying who decided first); a second decision
+    /// changes nothing. Recorded as decided by this process; [`Agent::decide_as`] names who.
     pub async fn decide(&self, id: &str, decision: Decision) -> Result<RunHandle, RunFailure> {
-        self.engine.decide(id, decision).await
+        self.decide_as(id, decision, &keel_runtime::who("keel (Rust API)")).await
+    }
+
+    /// [`Agent::decide`], recording `by` as who decided (a user name, a service...).
+    pub async fn decide_as(&self, id: &str, decision: Decision, by: &str) -> Result<RunHandle, RunFailure> {
+        self.engine.decide(id, decision, by).await
+    }
+
+    /// Cancels `session`'s unfinished run wherever it is: in flight here or in another process
+    /// sharing the store, paused for a human, or interrupted. Returns whether there was one.
+    pub async fn cancel(&self, session: &str) -> Result<bool, RunFailure> {
+        let session = SessionId::new(session)?;
+        self.engine.cancel(&session, &keel_runtime::who("keel (Rust API)")).await
     }
 
     /// The session's state object (`Value::Null` when no tool set one): what its tools read
@@ -254,6 +267,7 @@ pub struct AgentBuilder {
     compose: bool,
     provider: Option<Arc<dyn Provider>>,
     store: Option<Arc<dyn Store>>,
+    clock: Option<Arc<dyn keel_core::Clock>>,
 }
 
 impl AgentBuilder {
@@ -385,6 +399,13 @@ impl AgentBuilder {
         self
     }
 
+    /// Reads time from `clock` (approval expiries, lease messages) instead of the system clock:
+    /// for tests, with [`keel_core::ManualClock`]. Give the store the same clock.
+    pub fn clock(mut self, clock: Arc<dyn keel_core::Clock>) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
     /// Checks everything and builds the agent.
     pub fn build(self) -> Result<Agent, RunFailure> {
         let invalid = |message: String| RunFailure::new(ErrorCode::SpecInvalid, message);
@@ -445,6 +466,10 @@ impl AgentBuilder {
             approval_timeout: self.approval_timeout.unwrap_or(AgentDef::DEFAULT_APPROVAL_TIMEOUT),
         };
         let store = self.store.unwrap_or_else(|| Arc::new(MemoryStore::new()));
-        Ok(Agent { engine: Engine::new(Arc::new(definition), provider, store) })
+        let mut options = keel_runtime::EngineOptions::default();
+        if let Some(clock) = self.clock {
+            options.clock = clock;
+        }
+        Ok(Agent { engine: Engine::with_options(Arc::new(definition), provider, store, options) })
     }
 }

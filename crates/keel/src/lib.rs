@@ -52,14 +52,14 @@ pub use agent::{Agent, AgentBuilder, LoadError, load_spec};
 pub use keel_core::machine::RunOutcome;
 pub use keel_core::wire::{event_to_json, event_type};
 pub use keel_core::{
-    AgentDef, BoxFuture, CommandToolDef, Concurrency, Decision, DeltaSink, ErrorCode, Event, Limits, Message,
-    MockEntry, MockFailure, MockScript, MockToolCall, ModelReply, ModelRequest, Part, PendingInput,
-    PendingKind, Provider, ProviderError, RetryPolicy, Role, RunFailure, RunId, RunState, SessionId,
-    SessionState, SessionSummary, StopReason, Store, StoreError, Tool, ToolContext, ToolError, ToolOutcome,
-    ToolSpec, Usage,
+    AgentDef, BoxFuture, Clock, CommandToolDef, Concurrency, DecidedInput, Decision, DeltaSink, ErrorCode,
+    Event, Limits, ManualClock, Message, MockEntry, MockFailure, MockScript, MockToolCall, ModelReply,
+    ModelRequest, OpenRun, Part, PendingInput, PendingKind, Provider, ProviderError, RetryPolicy, Role,
+    RunFailure, RunId, RunState, SessionId, SessionState, SessionSummary, StopReason, Store, StoreError,
+    SystemClock, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec, Usage,
 };
 pub use keel_providers::MockProvider;
-pub use keel_runtime::{RunHandle, RunResult, record_decision};
+pub use keel_runtime::{RunHandle, RunResult, record_decision, who};
 pub use keel_spec::{AgentSpec, Diagnostic, Severity};
 pub use keel_store::{MemoryStore, SqliteStore};
 pub use keel_tools::{AskQuestion, CommandTool, function_tool, function_tool_with_context};

@@ -3,8 +3,13 @@
 //!
 //! The loop has a closed set of inputs (see [`Input`]): it takes the next queued input or, when
 //! none is queued, waits for the first of "a tool call finished" and "the run was cancelled".
+//! Before it starts new work (a model call, a tool, a question to a human) it checks whether it
+//! must stop instead: cancelled (here, or by another process through the store), or poisoned
+//! (the run's process died at this step too many times in a row).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
@@ -15,41 +20,99 @@ use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::machine::{Action, Input, Machine, RunOutcome};
 use keel_core::message::ToolCall;
 use keel_core::provider::ProviderErrorKind;
+use keel_core::store::MAX_REDRIVES;
 use keel_core::{
-    BoxFuture, DeltaSink, ErrorCode, Event, Fence, Message, ModelReply, Part, PendingInput, PendingKind,
-    ProviderError, Role, RunFailure, RunId, RunRecord, RunState, SessionId, SessionState, StepCommit,
-    StepName, StopReason, StoreError, ToolContext, ToolError, ToolOutcome,
+    BoxFuture, Claim, Concurrency, DeltaSink, ErrorCode, Event, Fence, LeaseStatus, Message, ModelReply,
+    Part, PendingInput, PendingKind, ProviderError, Role, RunFailure, RunId, RunRecord, RunState, SessionId,
+    SessionState, StepCommit, StepName, StopReason, StoreError, ToolContext, ToolError, ToolOutcome,
 };
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::{Admission, SessionClaim, Shared};
-use crate::handle::RunResult;
+use crate::admission::{Admission, SessionClaim};
+use crate::handle::{Admitted, RunHandle, RunResult, tell_admitted};
+use crate::shared::{Shared, nobody_drives};
 
 /// How a run begins.
 pub(crate) enum Plan {
     /// A new run of `session` answering `input`.
     Fresh { run_id: RunId, session: SessionId, input: Message, admission: Admission },
     /// Re-drive a stored run from its journal. `session_held`: the caller already holds the
-    /// run's session in this process (a `replace` cancelling the paused run it replaces).
-    Resume { run_id: RunId, session_held: bool },
+    /// run's session in this process (a new input finishing the session's unfinished run
+    /// first). `takeover`: the run's lease holder, proven dead by the caller.
+    Resume { run_id: RunId, session_held: bool, takeover: Option<String> },
+}
+
+impl Plan {
+    fn run_id(&self) -> &RunId {
+        match self {
+            Plan::Fresh { run_id, .. } | Plan::Resume { run_id, .. } => run_id,
+        }
+    }
 }
 
 /// A tool call in flight: its step, call id, outcome and, when it succeeded and replaced the
 /// session's state object, the new state.
 type ToolFuture = BoxFuture<'static, (StepName, String, ToolOutcome, Option<Value>)>;
 
-/// Runs a run to its end and returns its result. Every failure is also sent as `run.error`.
-pub(crate) async fn run(
+/// Runs a run to its end and returns its result, like [`run`], but a panic in the run's task
+/// (a bug in keel, a provider, a hook) becomes a `KEEL_INTERNAL` failure: the run's lease is
+/// released so that it is re-driven (a run that keeps panicking at one step ends poisoned).
+pub(crate) async fn run_guarded(
     shared: Arc<Shared>,
     plan: Plan,
     events: UnboundedSender<Event>,
+    admitted: Admitted,
     cancel: CancellationToken,
 ) -> Result<RunResult, RunFailure> {
+    use futures::FutureExt;
+    let run_id = plan.run_id().clone();
+    let epoch = Arc::new(AtomicU64::new(0));
+    let future = run(Arc::clone(&shared), plan, events.clone(), admitted, cancel, Arc::clone(&epoch));
+    match std::panic::AssertUnwindSafe(future).catch_unwind().await {
+        Ok(result) => result,
+        Err(panic) => {
+            let message = panic_text(&*panic);
+            tracing::error!(run = %run_id, %message, "the run's task panicked");
+            let held = epoch.load(Ordering::SeqCst);
+            if held > 0 {
+                let release = shared.store.renew_lease(&run_id, &shared.owner, held, Duration::ZERO).await;
+                if let Err(error) = release {
+                    tracing::warn!(run = %run_id, %error, "could not release the crashed run's lease");
+                }
+            }
+            let failure = RunFailure::new(
+                ErrorCode::Internal,
+                format!(
+                    "run {run_id} crashed ({message}); it is left to be re-driven, and ended as poisoned if it \
+                     crashes at the same step {MAX_REDRIVES} more times. Please report this bug"
+                ),
+            );
+            let _ = events.send(Event::RunError { code: failure.code, message: failure.message.clone() });
+            Err(failure)
+        }
+    }
+}
+
+/// Runs a run to its end and returns its result. Every failure is also sent as `run.error`.
+/// `epoch` tells [`run_guarded`] the lease epoch the run writes under.
+async fn run(
+    shared: Arc<Shared>,
+    plan: Plan,
+    events: UnboundedSender<Event>,
+    mut admitted: Admitted,
+    cancel: CancellationToken,
+    epoch: Arc<AtomicU64>,
+) -> Result<RunResult, RunFailure> {
     let mut reported = false;
-    let result = match prepare(&shared, plan, &cancel).await {
+    let result = match prepare(&shared, plan, &cancel, &mut admitted).await {
         Ok(prepared) => {
+            epoch.store(prepared.epoch.unwrap_or(0), Ordering::SeqCst);
+            if prepared.new_run.is_none() {
+                // A resumed run is admitted once claimed; a new one once stored.
+                tell_admitted(&mut admitted, Ok(()));
+            }
             let beat = prepared.epoch.map(|_| heartbeat(&shared));
             let mut driver = Driver {
                 shared,
@@ -59,19 +122,24 @@ pub(crate) async fn run(
                 journal: prepared.journal,
                 new_run: prepared.new_run,
                 epoch: prepared.epoch,
+                epoch_cell: epoch,
                 beat,
                 events: events.clone(),
                 cancel,
+                poisoned: prepared.poisoned,
+                admitted,
                 reported: false,
                 state: SessionState::new(prepared.state),
                 _claim: prepared.claim,
             };
             let result = driver.drive(prepared.machine).await;
             reported = driver.reported;
+            admitted = driver.admitted.take();
             result
         }
         Err(failure) => Err(failure),
     };
+    tell_admitted(&mut admitted, result.as_ref().map(drop));
     if let Err(failure) = &result
         && !reported
     {
@@ -79,6 +147,25 @@ pub(crate) async fn run(
         let _ = events.send(Event::RunError { code: failure.code, message: failure.message.clone() });
     }
     result
+}
+
+/// Drives another run to its end from within this one (the session's unfinished run, before a
+/// new input): its events go to the engine's observer, if any.
+fn drive_nested(shared: &Arc<Shared>, plan: Plan) -> BoxFuture<'static, Result<RunResult, RunFailure>> {
+    let shared = Arc::clone(shared);
+    Box::pin(async move {
+        let (event_tx, event_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (result_tx, result_rx) = tokio::sync::oneshot::channel();
+        let (admitted_tx, admitted_rx) = tokio::sync::oneshot::channel();
+        let cancel = CancellationToken::new();
+        let handle = RunHandle::new(plan.run_id().clone(), event_rx, result_rx, admitted_rx, cancel.clone());
+        if let Some(observer) = shared.observer() {
+            observer(handle);
+        }
+        let result = run_guarded(Arc::clone(&shared), plan, event_tx, Some(admitted_tx), cancel).await;
+        let _ = result_tx.send(result.clone());
+        result
+    })
 }
 
 struct Prepared {
@@ -90,41 +177,111 @@ struct Prepared {
     /// The lease epoch this driver writes under (`None`: replaying a finished run, which writes
     /// nothing new).
     epoch: Option<u64>,
+    /// The claim's attempt, when the run died at its next step too many times in a row.
+    poisoned: Option<u32>,
     claim: Option<SessionClaim>,
     /// The session's state object, as stored.
     state: Value,
 }
 
+/// A store failure as a run sees it: "busy" and "lost the lease" are what they are, not "the
+/// store failed".
 fn store_failure(error: StoreError) -> RunFailure {
-    RunFailure::new(error.code(), format!("the store failed: {error}"))
+    match error {
+        StoreError::Busy(message) => RunFailure::new(ErrorCode::SessionBusy, message),
+        StoreError::NotPending(message) => RunFailure::new(ErrorCode::NotPending, message),
+        StoreError::LeaseLost(message) => RunFailure::new(
+            ErrorCode::LeaseLost,
+            format!("{message}: another process took the run over, and this one stopped without writing"),
+        ),
+        other => RunFailure::new(other.code(), format!("the store failed: {other}")),
+    }
+}
+
+/// How often a new input checks again on a run of its session that another process drives,
+/// when `concurrency` says to wait for it (`queue`) or to cancel it (`replace`).
+const SETTLE_POLL: Duration = Duration::from_millis(100);
+
+/// Makes `session` free for a new run: its unfinished run, if any, is finished first when
+/// nobody drives it (interrupted, decided, cancelled, or its process provably dead); one that
+/// waits for a human or runs in another process refuses the new input, unless `concurrency`
+/// says to wait for it (`queue`) or to cancel it (`replace`). The caller holds the session in
+/// this process.
+async fn settle_session(shared: &Arc<Shared>, session: &SessionId) -> Result<(), RunFailure> {
+    let mode = shared.agent.concurrency;
+    let mut asked_to_cancel = false;
+    loop {
+        let open = shared.store.open_runs(Some(session)).await.map_err(store_failure)?;
+        let Some(run) = open.into_iter().next() else { return Ok(()) };
+        let now = shared.now_ms();
+        if let Some(takeover) = nobody_drives(&run, now) {
+            tracing::info!(run = %run.run_id, %session, "finishing the session's unfinished run before a new input");
+            let plan = Plan::Resume { run_id: run.run_id.clone(), session_held: true, takeover };
+            match drive_nested(shared, plan).await {
+                // Another process claimed it first: look again.
+                Err(failure) if failure.code == ErrorCode::RunLeased => {}
+                Err(failure) if failure.code == ErrorCode::ShuttingDown => return Err(failure),
+                Err(failure) => {
+                    tracing::warn!(run = %run.run_id, %failure, "the session's unfinished run ended in a failure");
+                }
+                Ok(_) => {}
+            }
+            continue;
+        }
+        match (run.state, mode) {
+            (_, Concurrency::Replace) if !asked_to_cancel => {
+                let by = "a newer input (`concurrency: replace`)";
+                shared.store.request_cancel(session, by).await.map_err(store_failure)?;
+                asked_to_cancel = true;
+            }
+            (RunState::Running, Concurrency::Replace | Concurrency::Queue) => {
+                // Driven elsewhere: wait for it to end (it was asked to, under `replace`). A
+                // cancelled input still waits, so that it is stored.
+                tokio::select! {
+                    () = shared.stopping.cancelled() => return Err(shutting_down(&run.run_id)),
+                    () = tokio::time::sleep(SETTLE_POLL) => {}
+                }
+            }
+            _ => return Err(RunFailure::new(ErrorCode::SessionBusy, run.busy_message(now))),
+        }
+    }
+}
+
+fn shutting_down(run: &RunId) -> RunFailure {
+    RunFailure::new(
+        ErrorCode::ShuttingDown,
+        format!(
+            "the process is shutting down; run {run} stopped between two steps and continues when keel \
+             starts again (or on another instance)"
+        ),
+    )
 }
 
 async fn prepare(
     shared: &Arc<Shared>,
     plan: Plan,
     cancel: &CancellationToken,
+    admitted: &mut Admitted,
 ) -> Result<Prepared, RunFailure> {
     let store = &shared.store;
     match plan {
         Plan::Fresh { run_id, session, input, admission } => {
             let claim = match admission {
                 Admission::Now(claim) => claim,
-                // Queued (or replacing the run in flight): wait for the session.
-                Admission::Wait(handover) => tokio::select! {
-                    biased;
-                    () = cancel.cancelled() => return Err(RunFailure::new(
-                        ErrorCode::SessionBusy,
-                        format!("the input to session {session} was cancelled or replaced before its run started"),
-                    )),
-                    claim = handover => claim.map_err(|_| RunFailure::new(
-                        ErrorCode::Internal,
-                        "the session was never handed over; please report this bug",
-                    ))?,
-                },
+                // Queued (or replacing the run in flight): accepted, and waits for the session.
+                // A cancelled (replaced) input still waits: it runs cancelled from its start,
+                // so that it is stored.
+                Admission::Wait(handover) => {
+                    tell_admitted(admitted, Ok(()));
+                    handover.await.map_err(|_| {
+                        RunFailure::new(
+                            ErrorCode::Internal,
+                            "the session was never handed over; please report this bug",
+                        )
+                    })?
+                }
             };
-            if shared.agent.concurrency == keel_core::Concurrency::Replace {
-                Box::pin(cancel_paused_runs(shared, &session)).await?;
-            }
+            settle_session(shared, &session).await?;
             let history = store.load_messages(&session).await.map_err(store_failure)?;
             let state = store.load_session_state(&session).await.map_err(store_failure)?.unwrap_or_default();
             // Each completed model call appends exactly one assistant message.
@@ -153,41 +310,59 @@ async fn prepare(
                 journal: HashMap::new(),
                 new_run: Some(record),
                 epoch: Some(1),
+                poisoned: None,
                 claim: Some(claim),
                 state,
             })
         }
-        Plan::Resume { run_id, session_held } => {
+        Plan::Resume { run_id, session_held, takeover } => {
             let record = store.load_run(&run_id).await.map_err(store_failure)?.ok_or_else(|| {
                 RunFailure::new(ErrorCode::RunNotFound, format!("no run {run_id} in the store"))
             })?;
             let claim = if session_held {
                 None
             } else {
-                Some(shared.claim(&record.session_id, cancel).map_err(|_| {
+                Some(shared.sessions.claim(&record.session_id, &run_id, cancel).map_err(|_| {
                     RunFailure::new(
                         ErrorCode::RunLeased,
                         format!(
                             "session {} already has a run in flight in this process; run {run_id} goes on there \
                              (a decision recorded for it is applied when that run gets to it)",
-                            record.session_id
+                            record.session_id.external()
                         ),
                     )
                 })?)
             };
-            let epoch = match store
-                .claim_run(&run_id, &shared.owner, shared.lease_ttl)
+            let (epoch, poisoned) = match store
+                .claim_run(&run_id, &shared.owner, shared.lease_ttl, takeover.as_deref())
                 .await
                 .map_err(store_failure)?
             {
-                Some(epoch) => Some(epoch),
+                Claim::Claimed { epoch, attempt, cancel_requested } => {
+                    if cancel_requested {
+                        cancel.cancel();
+                    }
+                    (Some(epoch), (attempt > MAX_REDRIVES).then_some(attempt))
+                }
                 // A finished run replays from its journal alone: nothing new to write.
-                None if record.state.is_terminal() => None,
-                None => {
+                Claim::Finished => (None, None),
+                Claim::Held { owner, expires_ms } => {
                     return Err(RunFailure::new(
                         ErrorCode::RunLeased,
                         format!(
-                            "run {run_id} is being driven by another process (its lease has not expired)"
+                            "run {run_id} is driven by {}; it goes on there (its lease runs out {} if that \
+                             process is gone)",
+                            keel_core::owner::describe(&owner),
+                            keel_core::clock::relative(expires_ms, shared.now_ms()),
+                        ),
+                    ));
+                }
+                Claim::Poisoned => {
+                    return Err(RunFailure::new(
+                        ErrorCode::RunPoisoned,
+                        format!(
+                            "run {run_id} was claimed again and again without getting past a step, even to be \
+                             ended cleanly; the store marked it failed"
                         ),
                     ));
                 }
@@ -210,13 +385,22 @@ async fn prepare(
                 ));
             }
             history.truncate(history_len);
-            let journal = store
-                .load_journal(&run_id)
-                .await
-                .map_err(store_failure)?
-                .into_iter()
-                .map(|entry| (entry.step, entry.record))
-                .collect();
+            let journal = match store.load_journal(&run_id).await {
+                Ok(entries) => entries.into_iter().map(|entry| (entry.step, entry.record)).collect(),
+                Err(error @ StoreError::Corrupt(_)) => {
+                    // This run cannot be replayed; the others go on. The next run of its session
+                    // answers whatever call it left open.
+                    let failure = RunFailure::new(
+                        ErrorCode::JournalCorrupt,
+                        format!("the journal of run {run_id} cannot be read ({error}); the run is failed"),
+                    );
+                    if let Some(epoch) = epoch {
+                        end_unreadable(shared, &record.session_id, &run_id, epoch).await;
+                    }
+                    return Err(failure);
+                }
+                Err(error) => return Err(store_failure(error)),
+            };
             tracing::debug!(run = %run_id, "re-driving run from its journal");
             let machine = Machine::new(
                 Arc::clone(&shared.agent),
@@ -233,6 +417,7 @@ async fn prepare(
                 journal,
                 new_run: None,
                 epoch,
+                poisoned,
                 claim,
                 state,
             })
@@ -240,25 +425,24 @@ async fn prepare(
     }
 }
 
-/// Cancels the runs of `session` paused for a human (a `replace` input replaces them too): each
-/// is re-driven to its pause with a cancelled token, so its open calls get "cancelled" results
-/// and it ends `cancelled`. The caller holds the session in this process.
-pub(crate) async fn cancel_paused_runs(shared: &Arc<Shared>, session: &SessionId) -> Result<(), RunFailure> {
-    let pending = shared.store.pending_inputs(Some(session)).await.map_err(store_failure)?;
-    let mut runs: Vec<RunId> = pending.into_iter().map(|p| p.run_id).collect();
-    runs.sort();
-    runs.dedup();
-    for run_id in runs {
-        let cancel = CancellationToken::new();
-        cancel.cancel();
-        let (events, _) = tokio::sync::mpsc::unbounded_channel();
-        let plan = Plan::Resume { run_id: run_id.clone(), session_held: true };
-        match Box::pin(run(Arc::clone(shared), plan, events, cancel)).await {
-            Ok(_) => tracing::info!(run = %run_id, "cancelled a paused run: a new input replaces it"),
-            Err(failure) => return Err(failure),
-        }
+/// Marks a run that cannot be replayed failed, under its lease (best effort: if this fails, the
+/// run's claims keep counting until the store poisons it).
+async fn end_unreadable(shared: &Shared, session: &SessionId, run: &RunId, epoch: u64) {
+    let commit = StepCommit {
+        session,
+        run,
+        new_run: None,
+        entry: None,
+        first_position: 0,
+        messages: &[],
+        state: Some(RunState::Failed),
+        session_state: None,
+        pending: &[],
+        fence: Some(Fence { owner: &shared.owner, epoch, ttl: shared.lease_ttl }),
+    };
+    if let Err(error) = shared.store.commit_step(commit).await {
+        tracing::warn!(%run, %error, "could not mark an unreadable run failed");
     }
-    Ok(())
 }
 
 struct Driver {
@@ -274,10 +458,17 @@ struct Driver {
     new_run: Option<RunRecord>,
     /// The lease epoch commits are fenced with.
     epoch: Option<u64>,
+    /// The same, for whoever must release the lease if this task panics.
+    epoch_cell: Arc<AtomicU64>,
     /// When to renew the lease while waiting on a model or tools (`None` without a lease).
     beat: Option<tokio::time::Interval>,
     events: UnboundedSender<Event>,
     cancel: CancellationToken,
+    /// The claim's attempt, when the run died at its next new step too many times in a row: it
+    /// is aborted there instead (once).
+    poisoned: Option<u32>,
+    /// Told once the new run is stored.
+    admitted: Admitted,
     /// Whether the machine already emitted `run.error` for the run's failure.
     reported: bool,
     /// The session's state object, as this run's tools see it.
@@ -361,13 +552,16 @@ impl Driver {
                             Some(JournalRecord::ToolResult(outcome)) => {
                                 inputs.push_back((Input::ToolDone { call_id: call.call_id, outcome }, None));
                             }
-                            Some(_) => return Err(self.corrupt(&step)),
+                            Some(_) => return Err(self.corrupt(&step).await),
                             None if self.epoch.is_none() => return Err(self.finished(&step)),
-                            None => {
-                                self.stop_if_shutting_down().await?;
-                                self.go_live();
-                                tools.push(self.spawn_tool(step, call));
-                            }
+                            None => match self.stop_before(&step) {
+                                Some(stop) => inputs.push_back((stop, None)),
+                                None => {
+                                    self.stop_if_shutting_down().await?;
+                                    self.go_live();
+                                    tools.push(self.spawn_tool(step, call));
+                                }
+                            },
                         }
                     }
                     Action::AwaitHuman { step, id, call_id, kind } => {
@@ -376,10 +570,14 @@ impl Driver {
                             Some(JournalRecord::Decision(decision)) => {
                                 inputs.push_back((Input::Decision { call_id, decision }, None));
                             }
-                            Some(_) => return Err(self.corrupt(&step)),
+                            Some(_) => return Err(self.corrupt(&step).await),
                             None if self.epoch.is_none() => return Err(self.finished(&step)),
-                            // Boxed, like the pause: rare paths that should not grow every run's future.
-                            None => waiting.push(Box::pin(self.ask_human(id, call_id, kind)).await?),
+                            None => match self.stop_before(&step) {
+                                Some(stop) => inputs.push_back((stop, None)),
+                                // Boxed, like the pause: rare paths that should not grow every
+                                // run's future.
+                                None => waiting.push(Box::pin(self.ask_human(id, call_id, kind)).await?),
+                            },
                         }
                     }
                     Action::Finish(outcome) => return self.finish(&machine, &mut pending, outcome).await,
@@ -436,11 +634,37 @@ impl Driver {
         if let Some(step) = step {
             crate::fault::point("before_commit", step);
         }
-        self.shared.store.commit_step(commit).await.map_err(store_failure)?;
+        let committed = self.shared.store.commit_step(commit).await.map_err(store_failure)?;
         if let Some(step) = step {
             crate::fault::point("after_commit", step);
         }
+        if new_run.is_some() {
+            tell_admitted(&mut self.admitted, Ok(()));
+        }
+        if committed.cancel_requested {
+            // Another process asked; the next step boundary stops the run.
+            self.cancel.cancel();
+        }
         Ok(())
+    }
+
+    /// Before the run starts new work at `step` (a model call, a tool, a question): the input
+    /// that ends it instead, when it must end. A poisoned run is aborted (its open calls get
+    /// error results, it fails with `KEEL_RUN_POISONED`); a cancelled one is cancelled.
+    fn stop_before(&mut self, step: &StepName) -> Option<Input> {
+        if let Some(attempt) = self.poisoned.take() {
+            let failure = RunFailure::new(
+                ErrorCode::RunPoisoned,
+                format!(
+                    "run {} died {attempt} times in a row at step {step} (its process was killed or crashed \
+                     there each time); it is ended instead of running that step again",
+                    self.run_id
+                ),
+            );
+            tracing::error!(run = %self.run_id, %step, attempt, "poison run: ending it");
+            return Some(Input::Abort(failure));
+        }
+        self.cancel.is_cancelled().then_some(Input::Cancel)
     }
 
     /// Asks a human: stores the pending input at once (so it can be decided while the run's
@@ -452,7 +676,7 @@ impl Driver {
         kind: PendingKind,
     ) -> Result<PendingInput, RunFailure> {
         self.go_live();
-        let now = now_ms();
+        let now = self.shared.now_ms();
         let timeout = u64::try_from(self.shared.agent.approval_timeout.as_millis()).unwrap_or(u64::MAX);
         let asked = PendingInput {
             id,
@@ -464,7 +688,9 @@ impl Driver {
             expires_at_ms: now.saturating_add(timeout),
         };
         let commit = StepCommit { pending: std::slice::from_ref(&asked), ..self.bare_commit() };
-        self.shared.store.commit_step(commit).await.map_err(store_failure)?;
+        if self.shared.store.commit_step(commit).await.map_err(store_failure)?.cancel_requested {
+            self.cancel.cancel();
+        }
         self.emit(match &asked.kind {
             PendingKind::Approval { tool, input } => Event::ApprovalRequested {
                 approval_id: asked.id.clone(),
@@ -489,8 +715,14 @@ impl Driver {
         // The run was stored with its input, before its first model call: no new run here.
         let commit =
             StepCommit { state: Some(RunState::AwaitingInput), pending: waiting, ..self.bare_commit() };
-        store.commit_step(commit).await.map_err(store_failure)?;
+        let committed = store.commit_step(commit).await.map_err(store_failure)?;
         crate::fault::point("after_commit", &step);
+        if committed.cancel_requested {
+            // Cancelled by another process meanwhile: the run ends instead of waiting.
+            self.cancel.cancel();
+            waiting.clear();
+            return Ok(Pause::Decided(Vec::new()));
+        }
 
         let mut decisions = Vec::new();
         for entry in store.load_journal(&self.run_id).await.map_err(store_failure)? {
@@ -503,10 +735,13 @@ impl Driver {
         }
         if !decisions.is_empty() {
             let shared = &self.shared;
-            if let Some(epoch) =
-                store.claim_run(&self.run_id, &shared.owner, shared.lease_ttl).await.map_err(store_failure)?
+            if let Claim::Claimed { epoch, .. } = store
+                .claim_run(&self.run_id, &shared.owner, shared.lease_ttl, None)
+                .await
+                .map_err(store_failure)?
             {
                 self.epoch = Some(epoch);
+                self.epoch_cell.store(epoch, Ordering::SeqCst);
                 let resume = StepCommit { state: Some(RunState::Running), ..self.bare_commit() };
                 store.commit_step(resume).await.map_err(store_failure)?;
                 return Ok(Pause::Decided(decisions));
@@ -539,19 +774,12 @@ impl Driver {
         if let Some(epoch) = self.epoch {
             let shared = &self.shared;
             if let Err(error) =
-                shared.store.renew_lease(&self.run_id, &shared.owner, epoch, std::time::Duration::ZERO).await
+                shared.store.renew_lease(&self.run_id, &shared.owner, epoch, Duration::ZERO).await
             {
                 tracing::warn!(run = %self.run_id, %error, "could not release the run's lease");
             }
         }
-        Err(RunFailure::new(
-            ErrorCode::ShuttingDown,
-            format!(
-                "the process is shutting down; run {} stopped between two steps and continues when keel \
-                 starts again (or on another instance)",
-                self.run_id
-            ),
-        ))
+        Err(shutting_down(&self.run_id))
     }
 
     /// Renews the run's lease. A lost lease cancels the run here: another process has taken it
@@ -560,8 +788,12 @@ impl Driver {
         let Some(epoch) = self.epoch else { return };
         let shared = &self.shared;
         match shared.store.renew_lease(&self.run_id, &shared.owner, epoch, shared.lease_ttl).await {
-            Ok(true) => {}
-            Ok(false) => {
+            Ok(LeaseStatus::Held { cancel_requested: false }) => {}
+            Ok(LeaseStatus::Held { cancel_requested: true }) => {
+                tracing::info!(run = %self.run_id, "another process asked to cancel the run");
+                self.cancel.cancel();
+            }
+            Ok(LeaseStatus::Lost) => {
                 tracing::warn!(run = %self.run_id, "lost the run's lease to another process; stopping");
                 self.cancel.cancel();
             }
@@ -617,10 +849,18 @@ impl Driver {
         )
     }
 
-    fn corrupt(&self, step: &StepName) -> RunFailure {
+    /// A journal record of the wrong kind: this run cannot be replayed, so it is failed (the
+    /// others go on; the next run of its session answers whatever call it left open).
+    async fn corrupt(&self, step: &StepName) -> RunFailure {
+        if let Some(epoch) = self.epoch {
+            end_unreadable(&self.shared, &self.session, &self.run_id, epoch).await;
+        }
         RunFailure::new(
             ErrorCode::JournalCorrupt,
-            format!("the journal of run {} has a record of the wrong kind for step {step}", self.run_id),
+            format!(
+                "the journal of run {} has a record of the wrong kind for step {step}; the run is failed",
+                self.run_id
+            ),
         )
     }
 
@@ -644,9 +884,12 @@ impl Driver {
                 }
                 return Ok((Input::ModelReply(reply), None));
             }
-            Some(_) => return Err(self.corrupt(&step)),
+            Some(_) => return Err(self.corrupt(&step).await),
             None if self.epoch.is_none() => return Err(self.finished(&step)),
             None => {
+                if let Some(stop) = self.stop_before(&step) {
+                    return Ok((stop, None));
+                }
                 self.stop_if_shutting_down().await?;
                 self.go_live();
             }
@@ -753,13 +996,6 @@ enum Pause {
     Decided(Vec<Input>),
 }
 
-/// Milliseconds since the Unix epoch: when a pending input was asked, for its expiry.
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
 /// Why a driver waiting on tools woke up.
 enum Wake {
     /// Time to renew the lease.
@@ -831,13 +1067,17 @@ fn panic_message(error: tokio::task::JoinError) -> String {
     if !error.is_panic() {
         return "it was aborted".into();
     }
-    let payload = error.into_panic();
+    format!("it panicked: {}", panic_text(&*error.into_panic()))
+}
+
+/// A panic's message, when it has one.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(message) = payload.downcast_ref::<&str>() {
-        format!("it panicked: {message}")
+        (*message).to_owned()
     } else if let Some(message) = payload.downcast_ref::<String>() {
-        format!("it panicked: {message}")
+        message.clone()
     } else {
-        "it panicked".into()
+        "a panic without a message".to_owned()
     }
 }
 

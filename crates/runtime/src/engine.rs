@@ -1,59 +1,46 @@
 //! [`Engine`]: an agent bound to a provider and a store, able to start and re-drive runs.
 
-use std::collections::VecDeque;
-
-use foldhash::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use keel_core::{
-    AgentDef, Concurrency, Decision, ErrorCode, Message, PendingInput, Provider, RunFailure, RunId,
-    SessionId, Store,
+    AgentDef, Clock, Decision, ErrorCode, Message, OpenRun, PendingInput, Provider, RunFailure, RunId,
+    RunState, SessionId, Store,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::driver::{self, Plan};
 use crate::handle::RunHandle;
+use crate::shared::Shared;
 
-/// What every run of an engine shares.
-pub(crate) struct Shared {
-    pub(crate) agent: Arc<AgentDef>,
-    pub(crate) provider: Arc<dyn Provider>,
-    pub(crate) store: Arc<dyn Store>,
-    /// This engine's name as a lease holder: unique per engine, across processes.
-    pub(crate) owner: Arc<str>,
-    /// How long a run's lease lasts without a heartbeat.
-    pub(crate) lease_ttl: std::time::Duration,
-    /// Sessions with a run in flight in this process, and the inputs waiting for them.
-    busy: Mutex<HashMap<SessionId, SessionSlot>>,
-    /// Set when the process shuts down: runs stop at their next step boundary, resumable.
-    pub(crate) stopping: CancellationToken,
-    /// Runs whose task is alive in this process, and a way to wait for them to end.
-    active: std::sync::atomic::AtomicUsize,
-    idle: tokio::sync::Notify,
+/// How an engine is set up, beyond its agent, provider and store.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// How long a run's lease lasts without a heartbeat: how soon a process on another machine
+    /// may take over a run whose process died (on the same machine, a dead process is noticed
+    /// at once). Default: `KEEL_RUN_LEASE`, else 30 s.
+    pub lease_ttl: Duration,
+    /// Where time comes from (approval expiries, lease messages). Default: the system clock.
+    pub clock: Arc<dyn Clock>,
 }
 
-/// A busy session: how to cancel its run, and who waits for it (in `queue` or `replace` mode).
-struct SessionSlot {
-    cancel: CancellationToken,
-    waiting: VecDeque<(oneshot::Sender<SessionClaim>, CancellationToken)>,
-}
-
-/// Whether a run may start now, or must wait for the session.
-pub(crate) enum Admission {
-    /// The session is the run's.
-    Now(SessionClaim),
-    /// The session will be handed over when the runs before this one end.
-    Wait(oneshot::Receiver<SessionClaim>),
+impl Default for EngineOptions {
+    fn default() -> EngineOptions {
+        EngineOptions { lease_ttl: lease_ttl_from_env(), clock: keel_core::clock::system() }
+    }
 }
 
 /// The lease length when `KEEL_RUN_LEASE` does not say.
-const DEFAULT_LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(30);
+const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 
-/// `KEEL_RUN_LEASE` (a duration such as `30s`): how long a run's lease lasts without a heartbeat,
-/// so how soon another process may take over a run whose process died.
-fn lease_ttl_from_env() -> std::time::Duration {
-    let Ok(text) = std::env::var("KEEL_RUN_LEASE") else { return DEFAULT_LEASE_TTL };
+/// How often an engine with runs in flight looks for cancellations asked by other processes.
+const CANCEL_POLL: Duration = Duration::from_millis(500);
+
+/// `KEEL_RUN_LEASE` (a duration such as `30s`).
+fn lease_ttl_from_env() -> Duration {
+    let Ok(text) = std::env::var(keel_core::env::RUN_LEASE.name) else { return DEFAULT_LEASE_TTL };
     match humantime::parse_duration(text.trim()) {
         Ok(ttl) if !ttl.is_zero() => ttl,
         _ => {
@@ -63,101 +50,12 @@ fn lease_ttl_from_env() -> std::time::Duration {
     }
 }
 
-/// Marks a session busy for as long as it lives.
-pub(crate) struct SessionClaim {
-    shared: Arc<Shared>,
-    session: SessionId,
-}
-
-impl Shared {
-    /// Admits a run to its session according to `mode`: now, after the runs before it (queue,
-    /// replace), or not at all (`KEEL_SESSION_BUSY`). `cancel` is the new run's token: a later
-    /// `replace` cancels it.
-    pub(crate) fn admit(
-        self: &Arc<Self>,
-        session: &SessionId,
-        cancel: &CancellationToken,
-        mode: Concurrency,
-    ) -> Result<Admission, RunFailure> {
-        let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(slot) = busy.get_mut(session) else {
-            busy.insert(session.clone(), SessionSlot { cancel: cancel.clone(), waiting: VecDeque::new() });
-            return Ok(Admission::Now(SessionClaim { shared: Arc::clone(self), session: session.clone() }));
-        };
-        let busy_error = |why: &str| {
-            RunFailure::new(
-                ErrorCode::SessionBusy,
-                format!("session {session} already has a run in flight{why}"),
-            )
-        };
-        match mode {
-            Concurrency::Reject => Err(busy_error("; wait for it to finish or cancel it")),
-            Concurrency::Queue if slot.waiting.len() >= Concurrency::MAX_QUEUED => Err(busy_error(&format!(
-                " and {} inputs waiting, the most `concurrency: queue` allows",
-                Concurrency::MAX_QUEUED
-            ))),
-            Concurrency::Queue => {
-                let (handover, wait) = oneshot::channel();
-                slot.waiting.push_back((handover, cancel.clone()));
-                Ok(Admission::Wait(wait))
-            }
-            Concurrency::Replace => {
-                // The newest input wins: the run in flight and any input still waiting give way.
-                slot.cancel.cancel();
-                for (_, waiting) in slot.waiting.drain(..) {
-                    waiting.cancel();
-                }
-                let (handover, wait) = oneshot::channel();
-                slot.waiting.push_back((handover, cancel.clone()));
-                Ok(Admission::Wait(wait))
-            }
-        }
-    }
-
-    /// Claims the session now, or says it is busy (re-driving a run never waits).
-    pub(crate) fn claim(
-        self: &Arc<Self>,
-        session: &SessionId,
-        cancel: &CancellationToken,
-    ) -> Result<SessionClaim, RunFailure> {
-        match self.admit(session, cancel, Concurrency::Reject)? {
-            Admission::Now(claim) => Ok(claim),
-            Admission::Wait(_) => unreachable!("reject never waits"),
-        }
-    }
-}
-
-impl Drop for SessionClaim {
-    /// Hands the session to the next waiting run, or frees it.
-    fn drop(&mut self) {
-        let next = {
-            let mut busy = self.shared.busy.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(slot) = busy.get_mut(&self.session) else { return };
-            match slot.waiting.pop_front() {
-                Some((handover, cancel)) => {
-                    slot.cancel = cancel;
-                    Some(handover)
-                }
-                None => {
-                    busy.remove(&self.session);
-                    None
-                }
-            }
-        };
-        // Outside the lock: a refused claim is dropped here, and hands over to the next in line.
-        if let Some(handover) = next {
-            let claim = SessionClaim { shared: Arc::clone(&self.shared), session: self.session.clone() };
-            drop(handover.send(claim));
-        }
-    }
-}
-
 /// A new run id: a UUIDv7 (time-ordered), whose 74 "random" bits are a per-process random
 /// seed plus a counter. Unique across processes like a random UUIDv7, but without drawing
 /// random numbers for every run.
 fn new_run_id() -> RunId {
     use std::sync::OnceLock;
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::AtomicU64;
     static SEED: OnceLock<u128> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let seed = *SEED.get_or_init(|| uuid::Uuid::new_v4().as_u128());
@@ -175,20 +73,40 @@ fn new_run_id() -> RunId {
     RunId::from_suffix(id.simple().encode_lower(&mut buffer))
 }
 
+/// Who does something, for the record (decisions, cancellations): `what (pid N on host H)`.
+pub fn who(what: &str) -> String {
+    let host =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default();
+    if host.is_empty() {
+        format!("{what} (pid {})", std::process::id())
+    } else {
+        format!("{what} (pid {} on host {host})", std::process::id())
+    }
+}
+
 /// Records a human's decision on pending input `id` in `store` (checking that it fits what is
 /// asked), without driving the run: it goes on when a process re-drives it (see
-/// [`Engine::recover`]). What `keel approvals` does without an agent. Returns what was decided.
+/// [`Engine::recover`]). `by` says who decided, for whoever comes second. What `keel approvals`
+/// does without an agent. Returns what was decided.
 pub async fn record_decision(
     store: &dyn Store,
     id: &str,
     decision: Decision,
+    by: &str,
 ) -> Result<PendingInput, RunFailure> {
     let failure = |error: keel_core::StoreError| RunFailure::new(error.code(), error.to_string());
     let Some(found) = store.pending_input(id).await.map_err(failure)? else {
-        return Err(failure(keel_core::StoreError::not_pending(id)));
+        // Say what became of it, not only that it is gone.
+        return Err(failure(
+            store
+                .decide(id, &decision, by)
+                .await
+                .err()
+                .unwrap_or_else(|| keel_core::StoreError::not_pending(id)),
+        ));
     };
     keel_core::human::check_decision(&found, &decision)?;
-    store.decide(id, &decision).await.map_err(failure)
+    store.decide(id, &decision, by).await.map_err(failure)
 }
 
 /// An agent bound to a model provider and a store.
@@ -200,33 +118,42 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Binds an agent to a provider and a store. Runs' leases last `KEEL_RUN_LEASE` (default
-    /// 30 s) without a heartbeat.
+    /// Binds an agent to a provider and a store, with default [`EngineOptions`].
     pub fn new(agent: Arc<AgentDef>, provider: Arc<dyn Provider>, store: Arc<dyn Store>) -> Engine {
-        Engine::with_lease_ttl(agent, provider, store, lease_ttl_from_env())
+        Engine::with_options(agent, provider, store, EngineOptions::default())
     }
 
-    /// Like [`Engine::new`], with the lease length given: how long a run's lease lasts without a
-    /// heartbeat, so how soon another process may take over a run whose process died.
+    /// Like [`Engine::new`], with the lease length given (see [`EngineOptions::lease_ttl`]).
     pub fn with_lease_ttl(
         agent: Arc<AgentDef>,
         provider: Arc<dyn Provider>,
         store: Arc<dyn Store>,
-        lease_ttl: std::time::Duration,
+        lease_ttl: Duration,
     ) -> Engine {
-        let owner =
-            format!("keel-{}-{}", std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..12]);
+        Engine::with_options(agent, provider, store, EngineOptions { lease_ttl, ..EngineOptions::default() })
+    }
+
+    /// Binds an agent to a provider and a store, set up by `options`.
+    pub fn with_options(
+        agent: Arc<AgentDef>,
+        provider: Arc<dyn Provider>,
+        store: Arc<dyn Store>,
+        options: EngineOptions,
+    ) -> Engine {
         Engine {
             shared: Arc::new(Shared {
                 agent,
                 provider,
                 store,
-                owner: owner.into(),
-                lease_ttl,
-                busy: Mutex::default(),
+                clock: options.clock,
+                owner: crate::process::lease_owner().into(),
+                lease_ttl: options.lease_ttl,
+                sessions: Arc::default(),
                 stopping: CancellationToken::new(),
-                active: std::sync::atomic::AtomicUsize::new(0),
+                active: AtomicUsize::new(0),
                 idle: tokio::sync::Notify::new(),
+                watching: AtomicBool::new(false),
+                observer: Mutex::new(None),
             }),
         }
     }
@@ -241,11 +168,28 @@ impl Engine {
         &self.shared.store
     }
 
+    /// The clock.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.shared.clock
+    }
+
+    /// Gives `observer` every run this engine drives on its own: runs it recovers, a run it
+    /// finishes before a new input of the same session, a cancellation it completes. A server
+    /// forwards their events to the session's observers; without one, they run unobserved.
+    pub fn set_observer(&self, observer: impl Fn(RunHandle) + Send + Sync + 'static) {
+        *self.shared.observer.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(observer));
+    }
+
     /// Starts a run: one turn of `session` answering `input`. The run goes on in a Tokio task
-    /// even if the handle is dropped.
+    /// even if the handle is dropped; [`RunHandle::admitted`] says when it is stored (or why it
+    /// is refused).
     ///
-    /// Fails at once with `KEEL_SESSION_BUSY` when the session has a run in flight, and with
-    /// `KEEL_INTERNAL` when called outside a Tokio runtime.
+    /// Fails at once with `KEEL_SESSION_BUSY` when the session has a run in flight in this
+    /// process and its `concurrency` is `reject`, and with `KEEL_INTERNAL` outside a Tokio
+    /// runtime. An unfinished run of the session in the store is finished first when nobody
+    /// drives it (interrupted, or decided since its pause); one driven by another process, or
+    /// waiting for a human, refuses the input (`KEEL_SESSION_BUSY`) unless `concurrency` says
+    /// to wait (`queue`) or to cancel it (`replace`).
     pub fn start(&self, session: SessionId, input: Message) -> Result<RunHandle, RunFailure> {
         self.start_with_id(new_run_id(), session, input)
     }
@@ -260,26 +204,51 @@ impl Engine {
         input: Message,
     ) -> Result<RunHandle, RunFailure> {
         let cancel = CancellationToken::new();
-        let admission = self.shared.admit(&session, &cancel, self.shared.agent.concurrency)?;
+        let shared = &self.shared;
+        let admission = shared.sessions.admit(&session, &run_id, &cancel, shared.agent.concurrency)?;
         Ok(self.spawn(run_id.clone(), Plan::Fresh { run_id, session, input, admission }, cancel))
     }
 
     /// Re-drives a run from its journal (after a crash, a restart, or to replay it). Journaled
     /// steps are not executed again; the run continues from the first step without a record.
     pub fn resume(&self, run_id: RunId) -> RunHandle {
-        self.spawn(run_id.clone(), Plan::Resume { run_id, session_held: false }, CancellationToken::new())
+        self.resume_taking_over(run_id, None)
     }
 
-    /// Re-drives every run left `running` by a process that died (its lease expired), or whose
-    /// pause a human decided: all of them, or `session`'s only. Approvals and questions past
-    /// their expiry are decided first (an approval is rejected, a question unanswered), so
-    /// their runs go on too. Each run gets a handle, like [`Engine::resume`].
+    fn resume_taking_over(&self, run_id: RunId, takeover: Option<String>) -> RunHandle {
+        let plan = Plan::Resume { run_id: run_id.clone(), session_held: false, takeover };
+        self.spawn(run_id, plan, CancellationToken::new())
+    }
+
+    /// Re-drives every unfinished run that nobody drives: all of them, or `session`'s. That is a
+    /// run whose lease expired, whose pause a human decided (or a cancellation ended), and one
+    /// whose process is provably gone (same machine, process no longer alive), taken over at
+    /// once without waiting for its lease. Approvals and questions past their expiry are
+    /// decided first (an approval is rejected, a question unanswered), so their runs go on too.
+    /// Each run gets a handle, like [`Engine::resume`]. A run leased to a live process (or to a
+    /// process on another machine, until its lease expires) is left alone: see
+    /// [`Engine::open_runs`].
     pub async fn recover(&self, session: Option<&SessionId>) -> Result<Vec<RunHandle>, RunFailure> {
         self.expire_overdue(session).await?;
-        let runs = self.shared.store.interrupted_runs(session).await.map_err(|error| {
-            RunFailure::new(error.code(), format!("cannot list interrupted runs: {error}"))
-        })?;
-        Ok(runs.into_iter().map(|run| self.resume(run)).collect())
+        let now = self.shared.now_ms();
+        Ok(self
+            .open_runs(session)
+            .await?
+            .into_iter()
+            .filter_map(|run| match crate::shared::nobody_drives(&run, now) {
+                Some(takeover) => Some(self.resume_taking_over(run.run_id, takeover)),
+                None => None,
+            })
+            .collect())
+    }
+
+    /// The unfinished runs of the store (all, or `session`'s), with who drives them.
+    pub async fn open_runs(&self, session: Option<&SessionId>) -> Result<Vec<OpenRun>, RunFailure> {
+        self.shared
+            .store
+            .open_runs(session)
+            .await
+            .map_err(|error| RunFailure::new(error.code(), format!("cannot list unfinished runs: {error}")))
     }
 
     /// The approvals and questions waiting for a human: all, or `session`'s; oldest first.
@@ -291,42 +260,50 @@ impl Engine {
             .map_err(|error| RunFailure::new(error.code(), format!("cannot list pending approvals: {error}")))
     }
 
-    /// Decides a pending approval or question and continues its run, returning its handle.
+    /// Decides a pending approval or question (as `by`, for the record) and continues its run,
+    /// returning its handle.
     ///
     /// The decision is recorded first, durably: if the run is driven by another process at the
     /// moment (it still had other calls to finish), that process applies it and the handle
     /// ends with `KEEL_RUN_LEASED`. Fails with `KEEL_NOT_PENDING` when `id` is not pending
-    /// (a second decision changes nothing) and `KEEL_DECISION_INVALID` when the decision does
-    /// not fit (an answer to an approval).
-    pub async fn decide(&self, id: &str, decision: Decision) -> Result<RunHandle, RunFailure> {
-        let pending = record_decision(self.shared.store.as_ref(), id, decision).await?;
+    /// (saying who decided it first; a second decision changes nothing) and
+    /// `KEEL_DECISION_INVALID` when the decision does not fit (an answer to an approval).
+    pub async fn decide(&self, id: &str, decision: Decision, by: &str) -> Result<RunHandle, RunFailure> {
+        let pending = record_decision(self.shared.store.as_ref(), id, decision, by).await?;
         Ok(self.resume(pending.run_id))
     }
 
     /// Whether `session` has a run in flight in this process.
     pub fn is_running(&self, session: &SessionId) -> bool {
-        self.shared.busy.lock().unwrap_or_else(|p| p.into_inner()).contains_key(session)
+        self.shared.sessions.is_busy(session)
     }
 
-    /// Cancels `session`'s run: the one in flight in this process (its model call or tool is
-    /// abandoned, open calls get "cancelled" results) or the one paused for a human. Returns
-    /// whether there was one. A run in flight in another process is not reached
-    /// (`KEEL_RUN_LEASED`).
-    pub async fn cancel(&self, session: &SessionId) -> Result<bool, RunFailure> {
-        {
-            let busy = self.shared.busy.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(slot) = busy.get(session) {
-                slot.cancel.cancel();
-                return Ok(true);
+    /// Cancels `session`'s unfinished run, wherever it is: in flight here (its model call or
+    /// tool is abandoned, open calls get "cancelled" results), in another process (which stops
+    /// it within a second), paused for a human or interrupted (ended here, now). `by` says who,
+    /// for the record. Returns whether there was a run to cancel.
+    pub async fn cancel(&self, session: &SessionId, by: &str) -> Result<bool, RunFailure> {
+        if self.shared.sessions.cancel_session(session) {
+            return Ok(true);
+        }
+        let requested = self.shared.store.request_cancel(session, by).await.map_err(|error| {
+            RunFailure::new(error.code(), format!("cannot cancel the run of session {session}: {error}"))
+        })?;
+        let Some(run) = requested else { return Ok(false) };
+        // Paused runs became re-drivable with the request: end those nobody drives, here.
+        let run = OpenRun { state: RunState::Running, lease_expires_ms: 0, ..run };
+        if let Some(takeover) = crate::shared::nobody_drives(&run, self.shared.now_ms()) {
+            let handle = self.resume_taking_over(run.run_id, takeover);
+            match self.shared.observer() {
+                Some(observer) => observer(handle),
+                None => {
+                    // Its outcome is in the store; a failure to end it is worth a log line only.
+                    if let Err(failure) = handle.result().await {
+                        tracing::warn!(%failure, "could not end a cancelled run yet");
+                    }
+                }
             }
         }
-        let paused = self.pending(Some(session)).await?;
-        if paused.is_empty() {
-            return Ok(false);
-        }
-        let claim_token = CancellationToken::new();
-        let _claim = self.shared.claim(session, &claim_token)?;
-        driver::cancel_paused_runs(&self.shared, session).await?;
         Ok(true)
     }
 
@@ -335,8 +312,7 @@ impl Engine {
     /// released so that the next process takes it over at once; its stream ends with
     /// `run.error` `KEEL_SHUTTING_DOWN`. Waits up to `grace`; returns how many runs were still
     /// going then (they are resumable too, once their lease expires).
-    pub async fn shutdown(&self, grace: std::time::Duration) -> usize {
-        use std::sync::atomic::Ordering;
+    pub async fn shutdown(&self, grace: Duration) -> usize {
         self.shared.stopping.cancel();
         let deadline = tokio::time::Instant::now() + grace;
         loop {
@@ -354,15 +330,13 @@ impl Engine {
     /// Decides the approvals and questions of `session` (or all) whose expiry has passed, as
     /// [`Decision::TimedOut`]. Returns how many.
     async fn expire_overdue(&self, session: Option<&SessionId>) -> Result<usize, RunFailure> {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let now = self.shared.now_ms();
         let mut expired = 0;
         for pending in self.pending(session).await? {
             if pending.expires_at_ms > now {
                 continue;
             }
-            match self.shared.store.decide(&pending.id, &Decision::TimedOut).await {
+            match self.shared.store.decide(&pending.id, &Decision::TimedOut, "approvals.timeout").await {
                 Ok(_) => {
                     tracing::info!(id = %pending.id, run = %pending.run_id, "nobody decided in time: timed out");
                     expired += 1;
@@ -381,13 +355,14 @@ impl Engine {
     }
 
     /// Keeps recovering interrupted runs in the background: now, then every `every`. For
-    /// long-lived processes (a server): a run whose process died is taken over once its lease
-    /// expires, and a paused run once a human decided it. Each re-driven run's handle goes to
-    /// `on_run` (a server forwards its events to observers; dropping it is fine: the run goes on
-    /// and its outcome is in the store). Stop the loop by aborting the returned task.
+    /// long-lived processes (a server): a run whose process died is taken over at once when
+    /// that process is provably gone, else once its lease expires; a paused run once a human
+    /// decided it. Each re-driven run's handle goes to `on_run` (a server forwards its events to
+    /// observers; dropping it is fine: the run goes on and its outcome is in the store). Stop
+    /// the loop by aborting the returned task.
     pub fn recover_periodically(
         &self,
-        every: std::time::Duration,
+        every: Duration,
         on_run: impl Fn(RunHandle) + Send + Sync + 'static,
     ) -> tokio::task::JoinHandle<()> {
         let engine = self.clone();
@@ -412,28 +387,56 @@ impl Engine {
     fn spawn(&self, run_id: RunId, plan: Plan, cancel: CancellationToken) -> RunHandle {
         let (event_tx, event_rx) = mpsc::unbounded_channel();
         let (result_tx, result_rx) = oneshot::channel();
-        let handle = RunHandle::new(run_id, event_rx, result_rx, cancel.clone());
+        let (admitted_tx, admitted_rx) = oneshot::channel();
+        let handle = RunHandle::new(run_id, event_rx, result_rx, admitted_rx, cancel.clone());
         let shared = Arc::clone(&self.shared);
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                shared.active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                runtime.spawn(async move {
-                    let result = driver::run(Arc::clone(&shared), plan, event_tx, cancel).await;
-                    // The caller may have dropped the handle: the run's outcome is in the store.
-                    let _ = result_tx.send(result);
-                    if shared.active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
-                        shared.idle.notify_waiters();
-                    }
-                });
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            let failure = RunFailure::new(
+                ErrorCode::Internal,
+                "keel runs need a Tokio runtime: call this from within `#[tokio::main]` or a runtime",
+            );
+            let _ = admitted_tx.send(Err(failure.clone()));
+            let _ = result_tx.send(Err(failure));
+            return handle;
+        };
+        shared.active.fetch_add(1, Ordering::SeqCst);
+        if !shared.watching.swap(true, Ordering::SeqCst) {
+            runtime.spawn(watch_cancellations(Arc::clone(&shared)));
+        }
+        runtime.spawn(async move {
+            let result =
+                driver::run_guarded(Arc::clone(&shared), plan, event_tx, Some(admitted_tx), cancel).await;
+            // The caller may have dropped the handle: the run's outcome is in the store.
+            let _ = result_tx.send(result);
+            if shared.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+                shared.idle.notify_waiters();
             }
-            Err(_) => {
-                let _ = result_tx.send(Err(RunFailure::new(
-                    ErrorCode::Internal,
-                    "keel runs need a Tokio runtime: call this from within `#[tokio::main]` or a runtime",
-                )));
+        });
+        handle
+    }
+}
+
+/// While the engine has runs in flight: polls the store for cancellations other processes
+/// asked for, and cancels those runs here.
+async fn watch_cancellations(shared: Arc<Shared>) {
+    loop {
+        tokio::time::sleep(CANCEL_POLL).await;
+        if shared.active.load(Ordering::SeqCst) == 0 {
+            shared.watching.store(false, Ordering::SeqCst);
+            // A run may have started since and seen the flag still set: go on for it, unless
+            // it started a watcher of its own.
+            if shared.active.load(Ordering::SeqCst) == 0 || shared.watching.swap(true, Ordering::SeqCst) {
+                return;
             }
         }
-        handle
+        match shared.store.cancel_requests(&shared.owner).await {
+            Ok(runs) if !runs.is_empty() => {
+                tracing::info!(?runs, "cancelling runs another process asked to cancel");
+                shared.sessions.cancel_runs(&runs);
+            }
+            Ok(_) => {}
+            Err(error) => tracing::warn!(%error, "could not look for cancellation requests"),
+        }
     }
 }
 

@@ -37,7 +37,18 @@ pub struct RunHandle {
     run_id: RunId,
     events: mpsc::UnboundedReceiver<Event>,
     result: oneshot::Receiver<Result<RunResult, RunFailure>>,
+    admitted: Option<oneshot::Receiver<Result<(), RunFailure>>>,
     cancel: CancellationToken,
+}
+
+/// The driver's side of [`RunHandle::admitted`]: said once, when the run is admitted or refused.
+pub(crate) type Admitted = Option<oneshot::Sender<Result<(), RunFailure>>>;
+
+/// Says whether the run was admitted, the first time only.
+pub(crate) fn tell_admitted(admitted: &mut Admitted, outcome: Result<(), &RunFailure>) {
+    if let Some(sender) = admitted.take() {
+        let _ = sender.send(outcome.map_err(Clone::clone));
+    }
 }
 
 impl RunHandle {
@@ -45,9 +56,23 @@ impl RunHandle {
         run_id: RunId,
         events: mpsc::UnboundedReceiver<Event>,
         result: oneshot::Receiver<Result<RunResult, RunFailure>>,
+        admitted: oneshot::Receiver<Result<(), RunFailure>>,
         cancel: CancellationToken,
     ) -> RunHandle {
-        RunHandle { run_id, events, result, cancel }
+        RunHandle { run_id, events, result, admitted: Some(admitted), cancel }
+    }
+
+    /// Waits until the run is admitted: a new run stored with its first step (its session was
+    /// free, here and in every other process), or lined up behind the run in flight in this
+    /// process (`concurrency: queue` or `replace`); a resumed run claimed. Fails with the reason
+    /// it will not run (`KEEL_SESSION_BUSY`, `KEEL_RUN_LEASED`, a store failure...), which also
+    /// ends its stream. A server calls this before it answers, so that a refusal is an error
+    /// status rather than an error inside a stream.
+    pub async fn admitted(&mut self) -> Result<(), RunFailure> {
+        match self.admitted.take() {
+            Some(admitted) => admitted.await.unwrap_or(Ok(())),
+            None => Ok(()),
+        }
     }
 
     /// The run's id.

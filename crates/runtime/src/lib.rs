@@ -15,10 +15,13 @@
 //! [`Tool`]: keel_core::Tool
 //! [`Store`]: keel_core::Store
 
+mod admission;
 mod driver;
 mod engine;
 mod fault;
 mod handle;
+mod process;
+mod shared;
 
-pub use engine::{Engine, record_decision};
+pub use engine::{Engine, EngineOptions, record_decision, who};
 pub use handle::{RunHandle, RunResult};

@@ -236,6 +236,12 @@ pub(crate) struct Identity {
 }
 
 impl Identity {
+    /// Who this is, for the record of a decision or a cancellation: `HTTP API (sub:alice)`,
+    /// `HTTP API (api-token)`, `HTTP API (ip:127.0.0.1)`. Never a secret.
+    pub(crate) fn describe(&self) -> String {
+        format!("HTTP API ({})", self.key)
+    }
+
     /// The session `id` names for this caller: scoped to its owner, if it has one.
     pub(crate) fn session(&self, id: SessionId) -> SessionId {
         match &self.owner {

@@ -149,7 +149,11 @@ impl Server {
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let engine = self.state.engine.clone();
-        // Re-driven runs (after a crash, or decided elsewhere) reach their sessions' observers.
+        // Runs the engine drives on its own (a session's unfinished run before a new input, a
+        // cancellation it completes) and re-driven runs (after a crash, or decided elsewhere)
+        // reach their sessions' observers.
+        let feeds = Arc::clone(&self.state.feeds);
+        engine.set_observer(move |run| feeds.forward_recovered(run));
         let feeds = Arc::clone(&self.state.feeds);
         let recovery =
             engine.recover_periodically(self.options.recover_every, move |run| feeds.forward_recovered(run));

@@ -200,7 +200,10 @@ pub(crate) async fn chat(
     let feed = state.feeds.feed(&session);
     // Subscribe before the run starts: its first event is not missed.
     let subscriber = feed.subscribe(None);
-    let handle = state.engine.start(session.clone(), input)?;
+    let mut handle = state.engine.start(session.clone(), input)?;
+    // A refusal (a busy session, here or in another process) is an error status, before any
+    // byte of a stream.
+    handle.admitted().await?;
     let run = handle.run_id().clone();
     drop(state.feeds.forward(&session, handle));
     Ok(sse(subscription(&state, subscriber, Some(run))))
@@ -222,7 +225,8 @@ async fn legacy_chat(
         None => SessionId::new(state.legacy_session_id())?,
     };
     let session = identity.session(session);
-    let handle = state.engine.start(session.clone(), Message::user(message))?;
+    let mut handle = state.engine.start(session.clone(), Message::user(message))?;
+    handle.admitted().await?;
     let forwarded = state.feeds.forward(&session, handle);
     let result = tokio::time::timeout(state.request_timeout, forwarded)
         .await
@@ -342,11 +346,12 @@ pub(crate) async fn decide(
     check_decision(&pending, &decision)?;
     let feed = state.feeds.feed(&session);
     let subscriber = feed.subscribe(None);
+    let by = identity.describe();
     if state.engine.is_running(&session) {
         // The run is still busy with its other calls here: it applies the decision itself.
-        keel_runtime::record_decision(state.engine.store().as_ref(), &id, decision).await?;
+        keel_runtime::record_decision(state.engine.store().as_ref(), &id, decision, &by).await?;
     } else {
-        let handle = state.engine.decide(&id, decision).await?;
+        let handle = state.engine.decide(&id, decision, &by).await?;
         drop(state.feeds.forward(&session, handle));
     }
     Ok(sse(subscription(&state, subscriber, Some(pending.run_id))))
@@ -359,7 +364,7 @@ pub(crate) async fn cancel(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let session = identity.session(session_id(path)?);
-    if state.engine.cancel(&session).await? {
+    if state.engine.cancel(&session, &identity.describe()).await? {
         Ok(axum::Json(json!({ "cancelled": true })).into_response())
     } else {
         Err(ApiError::new(

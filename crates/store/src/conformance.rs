@@ -1,67 +1,63 @@
 //! The store conformance suite: the same checks, run against every backend.
 //!
-//! A backend's tests call [`run_all`] with a fresh, empty store. Each check panics with a
-//! message naming the broken rule.
+//! A backend's tests call [`run_all`] with a fresh, empty store that reads its time from the
+//! [`ManualClock`] they pass too: leases expire because the suite moves the clock, never because
+//! it sleeps. Each check panics with a message naming the broken rule; there is at least one
+//! check per rule of `crate::rules`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use keel_core::journal::{JournalEntry, JournalRecord};
+use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, MAX_REDRIVES};
 use keel_core::{
-    Decision, Fence, Message, ModelReply, Part, PendingInput, PendingKind, RunId, RunRecord, RunState,
-    SessionId, StepCommit, StepName, Store, StoreError, Usage,
+    Claim, Committed, Decision, Fence, LeaseStatus, ManualClock, Message, ModelReply, Part, PendingInput,
+    PendingKind, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, Store, StoreError, Usage,
 };
 use serde_json::json;
 
-/// Runs every check against `store`, which must be empty.
-pub async fn run_all(store: &dyn Store) {
+/// Runs every check against `store`, which must be empty and read its time from `clock`.
+pub async fn run_all(store: &dyn Store, clock: &ManualClock) {
     messages_append_idempotently(store).await;
     messages_of_another_run_conflict(store).await;
     runs_round_trip(store).await;
+    commits_need_their_run_in_its_session(store).await;
     journal_first_write_wins(store).await;
-    sessions_are_listed_and_deleted(store).await;
+    sessions_are_listed_and_deleted(store, clock).await;
     steps_commit_whole_and_replay_idempotently(store).await;
-    leases_fence_stale_writers(store).await;
+    leases_fence_stale_writers(store, clock).await;
+    a_dead_owner_is_taken_over_only_by_name(store).await;
     finished_runs_journals_compact(store).await;
-    one_live_run_per_session(store).await;
+    one_unfinished_run_per_session(store, clock).await;
     schedule_ticks_fire_once(store).await;
-    pending_inputs_are_decided_once(store).await;
+    pending_inputs_are_decided_once_and_remember_who_decided(store).await;
     a_paused_run_holds_its_session(store).await;
+    a_finished_run_closes_what_it_waited_for(store).await;
+    cancellation_reaches_the_owner_and_ends_a_pause(store).await;
+    claims_without_progress_poison_a_run(store).await;
     session_state_commits_with_its_step(store).await;
     session_usage_counts_each_model_call_once(store).await;
 }
 
-/// Writes through [`Store::commit_step`], the one write path, one part at a time: the suite's
-/// way to set up and probe a store. Journal-only and state-only commits name a placeholder
-/// session, which they do not touch.
-pub async fn create_run(store: &dyn Store, record: &RunRecord) -> Result<(), StoreError> {
-    store.commit_step(StepCommit { new_run: Some(record), ..bare(&record.session_id, &record.run_id) }).await
-}
+const MINUTE: Duration = Duration::from_secs(60);
 
-/// Appends messages at `first_position..` (see [`Store::commit_step`]).
-pub async fn append_messages(
-    store: &dyn Store,
-    session: &SessionId,
-    run: &RunId,
-    first_position: u64,
-    messages: &[Arc<Message>],
-) -> Result<(), StoreError> {
-    store.commit_step(StepCommit { first_position, messages, ..bare(session, run) }).await
-}
+// The runtime gets its chances to end a poison run cleanly before the store's last resort.
+const _: () = assert!(MAX_REDRIVES < MAX_CLAIMS_WITHOUT_PROGRESS);
 
-/// Records one journal entry.
-pub async fn append_journal(store: &dyn Store, run: &RunId, entry: &JournalEntry) -> Result<(), StoreError> {
-    let placeholder = SessionId::new("conformance-placeholder").unwrap();
-    store.commit_step(StepCommit { entry: Some(entry), ..bare(&placeholder, run) }).await
-}
-
-/// Moves a run to a new state.
-pub async fn set_run_state(store: &dyn Store, run: &RunId, state: RunState) -> Result<(), StoreError> {
-    let placeholder = SessionId::new("conformance-placeholder").unwrap();
-    store.commit_step(StepCommit { state: Some(state), ..bare(&placeholder, run) }).await
+/// A run record of `session`, running.
+pub fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
+    RunRecord {
+        run_id: RunId::from_suffix(run),
+        session_id: session.clone(),
+        input: Message::user("hi"),
+        history_len,
+        call_base: 0,
+        state: RunState::Running,
+    }
 }
 
 /// A commit that writes nothing, to fill in.
-fn bare<'a>(session: &'a SessionId, run: &'a RunId) -> StepCommit<'a> {
+pub fn bare<'a>(session: &'a SessionId, run: &'a RunId) -> StepCommit<'a> {
     StepCommit {
         session,
         run,
@@ -76,25 +72,82 @@ fn bare<'a>(session: &'a SessionId, run: &'a RunId) -> StepCommit<'a> {
     }
 }
 
-fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord {
-    RunRecord {
-        run_id: RunId::from_suffix(run),
-        session_id: session.clone(),
-        input: Message::user("hi"),
-        history_len,
-        call_base: 0,
-        state: RunState::Running,
+/// Creates a run, with no lease: through [`Store::commit_step`], the one write path.
+pub async fn create_run(store: &dyn Store, record: &RunRecord) -> Result<Committed, StoreError> {
+    store.commit_step(StepCommit { new_run: Some(record), ..bare(&record.session_id, &record.run_id) }).await
+}
+
+/// Appends messages at `first_position..` for `run` (see [`Store::commit_step`]).
+pub async fn append_messages(
+    store: &dyn Store,
+    session: &SessionId,
+    run: &RunId,
+    first_position: u64,
+    messages: &[Arc<Message>],
+) -> Result<Committed, StoreError> {
+    store.commit_step(StepCommit { first_position, messages, ..bare(session, run) }).await
+}
+
+/// Records one journal entry.
+async fn append_journal(
+    store: &dyn Store,
+    session: &SessionId,
+    run: &RunId,
+    entry: &JournalEntry,
+) -> Result<Committed, StoreError> {
+    store.commit_step(StepCommit { entry: Some(entry), ..bare(session, run) }).await
+}
+
+/// Moves a run to a new state.
+async fn set_run_state(
+    store: &dyn Store,
+    session: &SessionId,
+    run: &RunId,
+    state: RunState,
+) -> Result<Committed, StoreError> {
+    store.commit_step(StepCommit { state: Some(state), ..bare(session, run) }).await
+}
+
+/// The first commit of a new run, leased to `owner` for a minute.
+fn new_run_commit<'a>(
+    record: &'a RunRecord,
+    owner: &'a str,
+    messages: &'a [Arc<Message>],
+    first_position: u64,
+) -> StepCommit<'a> {
+    StepCommit {
+        new_run: Some(record),
+        first_position,
+        messages,
+        fence: Some(Fence { owner, epoch: 1, ttl: MINUTE }),
+        ..bare(&record.session_id, &record.run_id)
+    }
+}
+
+fn tool_entry(call: &str, output: serde_json::Value) -> JournalEntry {
+    JournalEntry {
+        step: StepName::Tool { name: "add".into(), call_id: call.into() },
+        record: JournalRecord::ToolResult(Ok(output)),
+    }
+}
+
+fn claimed(claim: Claim) -> (u64, u32, bool) {
+    match claim {
+        Claim::Claimed { epoch, attempt, cancel_requested } => (epoch, attempt, cancel_requested),
+        other => panic!("expected a claim, got {other:?}"),
     }
 }
 
 /// Appending the same messages twice (a replay) stores them once.
 pub async fn messages_append_idempotently(store: &dyn Store) {
     let session = SessionId::new("conformance-append").unwrap();
-    let run = RunId::from_suffix("append");
+    let record = run_record("append", &session, 0);
+    create_run(store, &record).await.unwrap();
+    let run = &record.run_id;
     let messages = [Arc::new(Message::user("one")), Arc::new(Message::assistant("two"))];
-    append_messages(store, &session, &run, 0, &messages).await.unwrap();
-    append_messages(store, &session, &run, 0, &messages).await.unwrap();
-    append_messages(store, &session, &run, 1, &messages[1..]).await.unwrap();
+    append_messages(store, &session, run, 0, &messages).await.unwrap();
+    append_messages(store, &session, run, 0, &messages).await.unwrap();
+    append_messages(store, &session, run, 1, &messages[1..]).await.unwrap();
     assert_eq!(
         store.load_messages(&session).await.unwrap(),
         messages,
@@ -107,14 +160,16 @@ pub async fn messages_append_idempotently(store: &dyn Store) {
 /// A position written by one run cannot be overwritten by another, and no gap can be made.
 pub async fn messages_of_another_run_conflict(store: &dyn Store) {
     let session = SessionId::new("conformance-conflict").unwrap();
-    let first = RunId::from_suffix("first");
-    let second = RunId::from_suffix("second");
-    append_messages(store, &session, &first, 0, &[Arc::new(Message::user("a"))]).await.unwrap();
-    let err =
-        append_messages(store, &session, &second, 0, &[Arc::new(Message::user("b"))]).await.unwrap_err();
+    let first = run_record("first", &session, 0);
+    create_run(store, &first).await.unwrap();
+    append_messages(store, &session, &first.run_id, 0, &[Arc::new(Message::user("a"))]).await.unwrap();
+    set_run_state(store, &session, &first.run_id, RunState::Done).await.unwrap();
+    let second = run_record("second", &session, 1);
+    create_run(store, &second).await.unwrap();
+    let b = [Arc::new(Message::user("b"))];
+    let err = append_messages(store, &session, &second.run_id, 0, &b).await.unwrap_err();
     assert!(matches!(err, StoreError::Conflict(_)), "overwrite by another run: {err:?}");
-    let err =
-        append_messages(store, &session, &second, 5, &[Arc::new(Message::user("b"))]).await.unwrap_err();
+    let err = append_messages(store, &session, &second.run_id, 5, &b).await.unwrap_err();
     assert!(matches!(err, StoreError::Conflict(_)), "gap: {err:?}");
     assert_eq!(store.load_messages(&session).await.unwrap(), [Arc::new(Message::user("a"))]);
 }
@@ -126,51 +181,67 @@ pub async fn runs_round_trip(store: &dyn Store) {
     create_run(store, &record).await.unwrap();
     assert_eq!(store.load_run(&record.run_id).await.unwrap().as_ref(), Some(&record));
     assert!(create_run(store, &record).await.is_err(), "a run was created twice");
-    set_run_state(store, &record.run_id, RunState::Done).await.unwrap();
+    set_run_state(store, &session, &record.run_id, RunState::Done).await.unwrap();
     let loaded = store.load_run(&record.run_id).await.unwrap().unwrap();
     assert_eq!(loaded.state, RunState::Done);
     assert_eq!(store.load_run(&RunId::from_suffix("missing")).await.unwrap(), None);
-    assert!(set_run_state(store, &RunId::from_suffix("missing"), RunState::Done).await.is_err());
+}
+
+/// Every write names an existing run of its own session (or creates it).
+pub async fn commits_need_their_run_in_its_session(store: &dyn Store) {
+    let session = SessionId::new("conformance-owned").unwrap();
+    let missing = RunId::from_suffix("owned-missing");
+    let error = set_run_state(store, &session, &missing, RunState::Done).await.unwrap_err();
+    assert!(matches!(error, StoreError::NotFound(_)), "a state change for no run: {error:?}");
+    let error = append_journal(store, &session, &missing, &tool_entry("c1", json!(1))).await.unwrap_err();
+    assert!(matches!(error, StoreError::NotFound(_)), "a journal entry for no run: {error:?}");
+    let record = run_record("owned", &session, 0);
+    create_run(store, &record).await.unwrap();
+    let elsewhere = SessionId::new("conformance-owned-other").unwrap();
+    let hello = [Arc::new(Message::user("hello"))];
+    let error = append_messages(store, &elsewhere, &record.run_id, 0, &hello).await.unwrap_err();
+    assert!(matches!(error, StoreError::Conflict(_)), "a run wrote into another session: {error:?}");
+    assert!(store.load_messages(&elsewhere).await.unwrap().is_empty());
 }
 
 /// The first record of a step wins; the journal keeps write order.
 pub async fn journal_first_write_wins(store: &dyn Store) {
-    let run = RunId::from_suffix("journal");
+    let session = SessionId::new("conformance-journal").unwrap();
+    let record = run_record("journal", &session, 0);
+    create_run(store, &record).await.unwrap();
+    let run = &record.run_id;
     let reply = |text: &str| ModelReply {
-        parts: vec![keel_core::Part::Text(text.into())],
+        parts: vec![Part::Text(text.into())],
         usage: Usage { input_tokens: 1, output_tokens: 1 },
     };
     let entries = [
         JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply("first")) },
-        JournalEntry {
-            step: StepName::Tool { name: "add".into(), call_id: "c1".into() },
-            record: JournalRecord::ToolResult(Ok(json!(5))),
-        },
+        tool_entry("c1", json!(5)),
     ];
     for entry in &entries {
-        append_journal(store, &run, entry).await.unwrap();
+        append_journal(store, &session, run, entry).await.unwrap();
     }
     let duplicate =
         JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply("second")) };
-    append_journal(store, &run, &duplicate).await.unwrap();
-    assert_eq!(store.load_journal(&run).await.unwrap(), entries, "a second record replaced the first");
+    append_journal(store, &session, run, &duplicate).await.unwrap();
+    assert_eq!(store.load_journal(run).await.unwrap(), entries, "a second record replaced the first");
     assert!(store.load_journal(&RunId::from_suffix("empty")).await.unwrap().is_empty());
 }
 
 /// Sessions are listed (most recent first) with their counts, and deleted with everything in them.
-pub async fn sessions_are_listed_and_deleted(store: &dyn Store) {
+pub async fn sessions_are_listed_and_deleted(store: &dyn Store, clock: &ManualClock) {
     let older = SessionId::new("conformance-list-a").unwrap();
     let newer = SessionId::new("conformance-list-b").unwrap();
-    let run = RunId::from_suffix("list-a");
-    create_run(store, &run_record("list-a", &older, 0)).await.unwrap();
-    append_messages(store, &older, &run, 0, &[Arc::new(Message::user("a"))]).await.unwrap();
-    let entry =
-        JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!(1))) };
-    append_journal(store, &run, &entry).await.unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(5));
-    let other = RunId::from_suffix("list-b");
+    let record = run_record("list-a", &older, 0);
+    create_run(store, &record).await.unwrap();
+    let run = &record.run_id;
+    append_messages(store, &older, run, 0, &[Arc::new(Message::user("a"))]).await.unwrap();
+    append_journal(store, &older, run, &tool_entry("c1", json!(1))).await.unwrap();
+    clock.advance(Duration::from_millis(5));
+    let other = run_record("list-b", &newer, 0);
+    create_run(store, &other).await.unwrap();
     let messages = [Arc::new(Message::user("b")), Arc::new(Message::assistant("c"))];
-    append_messages(store, &newer, &other, 0, &messages).await.unwrap();
+    append_messages(store, &newer, &other.run_id, 0, &messages).await.unwrap();
 
     let listed = store.list_sessions().await.unwrap();
     let position = |id: &SessionId| listed.iter().position(|s| &s.id == id).expect("listed");
@@ -182,8 +253,9 @@ pub async fn sessions_are_listed_and_deleted(store: &dyn Store) {
     assert!(store.delete_session(&older).await.unwrap());
     assert!(!store.delete_session(&older).await.unwrap(), "deleting twice found something");
     assert!(store.load_messages(&older).await.unwrap().is_empty());
-    assert_eq!(store.load_run(&run).await.unwrap(), None, "the session's runs survived");
-    assert!(store.load_journal(&run).await.unwrap().is_empty(), "the runs' journals survived");
+    assert_eq!(store.load_run(run).await.unwrap(), None, "the session's runs survived");
+    assert!(store.load_journal(run).await.unwrap().is_empty(), "the runs' journals survived");
+    assert!(store.open_runs(Some(&older)).await.unwrap().is_empty(), "the session's runs are still open");
     assert_eq!(store.load_messages(&newer).await.unwrap().len(), 2, "another session was touched");
 }
 
@@ -192,20 +264,14 @@ pub async fn sessions_are_listed_and_deleted(store: &dyn Store) {
 pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
     let session = SessionId::new("conformance-commit").unwrap();
     let record = run_record("commit", &session, 0);
-    let entry =
-        JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!("x"))) };
+    let entry = tool_entry("c1", json!("x"));
     let messages = [Arc::new(Message::user("q")), Arc::new(Message::assistant("a"))];
     let commit = StepCommit {
-        session: &session,
-        run: &record.run_id,
         new_run: Some(&record),
         entry: Some(&entry),
-        first_position: 0,
         messages: &messages,
         state: Some(RunState::Done),
-        fence: None,
-        pending: &[],
-        session_state: None,
+        ..bare(&session, &record.run_id)
     };
     store.commit_step(commit).await.unwrap();
     // The replay of a step: the run exists by now.
@@ -215,50 +281,50 @@ pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
     assert_eq!(store.load_messages(&session).await.unwrap(), messages);
     assert_eq!(store.load_run(&record.run_id).await.unwrap().unwrap().state, RunState::Done);
     // A commit that conflicts writes none of its parts.
-    let other = RunId::from_suffix("commit-other");
+    let other = run_record("commit-other", &session, 2);
+    create_run(store, &other).await.unwrap();
     let late = JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ToolResult(Ok(json!(1))) };
-    let clash = StepCommit { run: &other, new_run: None, entry: Some(&late), state: None, ..commit };
+    let clash = StepCommit { run: &other.run_id, new_run: None, entry: Some(&late), state: None, ..commit };
     assert!(store.commit_step(clash).await.is_err());
     assert_eq!(store.load_messages(&session).await.unwrap(), messages);
-    assert!(store.load_journal(&other).await.unwrap().is_empty(), "a failed commit wrote its journal entry");
+    assert!(
+        store.load_journal(&other.run_id).await.unwrap().is_empty(),
+        "a failed commit wrote its journal entry"
+    );
 }
 
 /// A lease is claimed by one owner at a time, expires, and fences a writer that lost it.
-pub async fn leases_fence_stale_writers(store: &dyn Store) {
-    use std::time::Duration;
+pub async fn leases_fence_stale_writers(store: &dyn Store, clock: &ManualClock) {
     let session = SessionId::new("conformance-lease").unwrap();
     let record = run_record("lease", &session, 0);
     let run = &record.run_id;
-    // Long enough to still be held a few statements later on a loaded machine.
-    let short = Duration::from_millis(800);
+    let short = Duration::from_secs(10);
     let first = Fence { owner: "process-a", epoch: 1, ttl: short };
     let messages = [Arc::new(Message::user("q"))];
-    let create = StepCommit {
-        session: &session,
-        run,
-        new_run: Some(&record),
-        entry: None,
-        first_position: 0,
-        messages: &messages,
-        state: None,
-        fence: Some(first),
-        pending: &[],
-        session_state: None,
-    };
+    let create =
+        StepCommit { new_run: Some(&record), messages: &messages, fence: Some(first), ..bare(&session, run) };
     store.commit_step(create).await.unwrap();
 
     // Held: nobody else may claim it, and it is not interrupted.
-    assert_eq!(store.claim_run(run, "process-b", short).await.unwrap(), None);
-    assert!(!store.interrupted_runs(Some(&session)).await.unwrap().contains(run));
-    assert!(store.renew_lease(run, "process-a", 1, short).await.unwrap());
-    assert!(!store.renew_lease(run, "process-b", 1, short).await.unwrap());
+    let held = store.claim_run(run, "process-b", short, None).await.unwrap();
+    assert!(matches!(&held, Claim::Held { owner, .. } if owner == "process-a"), "{held:?}");
+    let open = store.open_runs(Some(&session)).await.unwrap();
+    assert_eq!(open.len(), 1);
+    assert!(open[0].is_leased(clock_now(clock)) && !open[0].is_interrupted(clock_now(clock)));
+    assert_eq!(open[0].owner.as_deref(), Some("process-a"));
+    assert_eq!(
+        store.renew_lease(run, "process-a", 1, short).await.unwrap(),
+        LeaseStatus::Held { cancel_requested: false }
+    );
+    assert_eq!(store.renew_lease(run, "process-b", 1, short).await.unwrap(), LeaseStatus::Lost);
 
     // Expired: the run is interrupted, and another owner takes it with a new epoch.
-    std::thread::sleep(Duration::from_millis(900));
-    assert_eq!(store.interrupted_runs(Some(&session)).await.unwrap(), std::slice::from_ref(run));
-    assert!(store.interrupted_runs(None).await.unwrap().contains(run));
-    assert_eq!(store.claim_run(run, "process-b", Duration::from_secs(60)).await.unwrap(), Some(2));
-    assert!(store.interrupted_runs(Some(&session)).await.unwrap().is_empty());
+    clock.advance(short + Duration::from_millis(1));
+    let open = store.open_runs(None).await.unwrap();
+    let found = open.iter().find(|o| &o.run_id == run).expect("listed as open");
+    assert!(found.is_interrupted(clock_now(clock)), "{found:?}");
+    assert_eq!(claimed(store.claim_run(run, "process-b", MINUTE, None).await.unwrap()).0, 2);
+    assert!(!store.open_runs(Some(&session)).await.unwrap()[0].is_interrupted(clock_now(clock)));
 
     // The stalled first owner wakes up: its commit is refused and writes nothing.
     let entry =
@@ -267,30 +333,60 @@ pub async fn leases_fence_stale_writers(store: &dyn Store) {
     let error = store.commit_step(stale).await.unwrap_err();
     assert!(matches!(error, StoreError::LeaseLost(_)), "{error:?}");
     assert!(store.load_journal(run).await.unwrap().is_empty(), "a fenced commit wrote");
-    assert!(!store.renew_lease(run, "process-a", 1, short).await.unwrap());
-    // The new owner commits.
+    assert_eq!(store.renew_lease(run, "process-a", 1, short).await.unwrap(), LeaseStatus::Lost);
+    // The new owner commits; its zero-length renewal releases the lease for the next one.
     let fresh = StepCommit { fence: Some(Fence { owner: "process-b", epoch: 2, ttl: short }), ..stale };
     store.commit_step(fresh).await.unwrap();
-    assert_eq!(store.load_journal(run).await.unwrap().len(), 1);
+    assert_eq!(store.load_journal(run).await.unwrap(), [entry]);
+    assert!(matches!(store.claim_run(run, "process-c", short, None).await.unwrap(), Claim::Held { .. }));
+    store.renew_lease(run, "process-b", 2, Duration::ZERO).await.unwrap();
+    assert_eq!(claimed(store.claim_run(run, "process-c", short, None).await.unwrap()).0, 3);
+    // A finished run is claimed by nobody; an unknown one is an error.
+    set_run_state(store, &session, run, RunState::Done).await.unwrap();
+    assert_eq!(store.claim_run(run, "process-d", short, None).await.unwrap(), Claim::Finished);
+    assert!(store.claim_run(&RunId::from_suffix("no-such-run"), "x", short, None).await.is_err());
+}
 
-    // Finished runs cannot be claimed; unknown runs are an error.
-    set_run_state(store, run, RunState::Done).await.unwrap();
-    assert_eq!(store.claim_run(run, "process-c", short).await.unwrap(), None);
-    assert!(store.claim_run(&RunId::from_suffix("no-such-run"), "x", short).await.is_err());
+fn clock_now(clock: &ManualClock) -> u64 {
+    keel_core::Clock::now_ms(clock)
+}
+
+/// A live lease is taken over only by a claim that names its owner (the caller proved that
+/// process dead); naming anyone else changes nothing.
+pub async fn a_dead_owner_is_taken_over_only_by_name(store: &dyn Store) {
+    let session = SessionId::new("conformance-takeover").unwrap();
+    let record = run_record("takeover", &session, 0);
+    let input = [Arc::new(Message::user("go"))];
+    store.commit_step(new_run_commit(&record, "process-dead", &input, 0)).await.unwrap();
+    let run = &record.run_id;
+    let wrong = store.claim_run(run, "process-b", MINUTE, Some("process-other")).await.unwrap();
+    assert!(matches!(wrong, Claim::Held { .. }), "a takeover naming another owner: {wrong:?}");
+    let (epoch, attempt, _) =
+        claimed(store.claim_run(run, "process-b", MINUTE, Some("process-dead")).await.unwrap());
+    assert_eq!((epoch, attempt), (2, 1));
+    let error = store
+        .commit_step(StepCommit {
+            entry: Some(&tool_entry("c1", json!(1))),
+            fence: Some(Fence { owner: "process-dead", epoch: 1, ttl: MINUTE }),
+            ..bare(&session, run)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(error, StoreError::LeaseLost(_)), "the dead owner still wrote: {error:?}");
+    set_run_state(store, &session, run, RunState::Done).await.unwrap();
 }
 
 /// Compaction empties the journals of finished runs, and only theirs.
 pub async fn finished_runs_journals_compact(store: &dyn Store) {
-    let session = SessionId::new("conformance-compact").unwrap();
-    let finished = run_record("compact-done", &session, 0);
-    let running = run_record("compact-running", &session, 0);
+    let done_session = SessionId::new("conformance-compact-a").unwrap();
+    let open_session = SessionId::new("conformance-compact-b").unwrap();
+    let finished = run_record("compact-done", &done_session, 0);
+    let running = run_record("compact-running", &open_session, 0);
     for record in [&finished, &running] {
         create_run(store, record).await.unwrap();
-        let entry =
-            JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!(1))) };
-        append_journal(store, &record.run_id, &entry).await.unwrap();
+        append_journal(store, &record.session_id, &record.run_id, &tool_entry("c1", json!(1))).await.unwrap();
     }
-    set_run_state(store, &finished.run_id, RunState::Done).await.unwrap();
+    set_run_state(store, &done_session, &finished.run_id, RunState::Done).await.unwrap();
     assert!(store.compact_journals().await.unwrap() >= 1);
     assert!(
         store.load_journal(&finished.run_id).await.unwrap().is_empty(),
@@ -298,32 +394,13 @@ pub async fn finished_runs_journals_compact(store: &dyn Store) {
     );
     assert_eq!(store.load_journal(&running.run_id).await.unwrap().len(), 1, "a running run lost its journal");
     assert_eq!(store.compact_journals().await.unwrap(), 0, "compacting twice removed more");
+    set_run_state(store, &open_session, &running.run_id, RunState::Done).await.unwrap();
 }
 
-/// The first commit of a new run, leased to `owner`.
-fn new_run_commit<'a>(
-    record: &'a RunRecord,
-    owner: &'a str,
-    messages: &'a [Arc<Message>],
-    first_position: u64,
-) -> StepCommit<'a> {
-    StepCommit {
-        session: &record.session_id,
-        run: &record.run_id,
-        new_run: Some(record),
-        entry: None,
-        first_position,
-        messages,
-        state: None,
-        fence: Some(Fence { owner, epoch: 1, ttl: std::time::Duration::from_secs(60) }),
-        pending: &[],
-        session_state: None,
-    }
-}
-
-/// A new run is refused while another run of its session is in flight under a live lease (as
-/// from another process), and admitted once that run is finished.
-pub async fn one_live_run_per_session(store: &dyn Store) {
+/// A new run is refused while its session has any unfinished run: in flight under a live lease
+/// (as in another process), interrupted (its process died: it must be resumed first), or paused
+/// for a human. Once that run is finished, the new one is admitted.
+pub async fn one_unfinished_run_per_session(store: &dyn Store, clock: &ManualClock) {
     let session = SessionId::new("conformance-busy").unwrap();
     let first = run_record("busy-first", &session, 0);
     let second = run_record("busy-second", &session, 1);
@@ -331,11 +408,17 @@ pub async fn one_live_run_per_session(store: &dyn Store) {
     let two = [Arc::new(Message::user("two"))];
     store.commit_step(new_run_commit(&first, "process-a", &one, 0)).await.unwrap();
     let error = store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap_err();
-    assert!(matches!(error, StoreError::Busy(_)), "{error:?}");
+    assert!(matches!(&error, StoreError::Busy(m) if m.contains("in flight")), "{error:?}");
     assert_eq!(store.load_run(&second.run_id).await.unwrap(), None, "the refused run was stored");
-    set_run_state(store, &first.run_id, RunState::Done).await.unwrap();
+    // Its process died: the lease expires, and the run still holds the session.
+    clock.advance(MINUTE * 2);
+    let error = store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap_err();
+    assert!(matches!(&error, StoreError::Busy(m) if m.contains("resumed first")), "{error:?}");
+    assert_eq!(store.load_messages(&session).await.unwrap().len(), 1, "a refused run wrote");
+    set_run_state(store, &session, &first.run_id, RunState::Done).await.unwrap();
     store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap();
     assert_eq!(store.load_messages(&session).await.unwrap().len(), 2);
+    set_run_state(store, &session, &second.run_id, RunState::Done).await.unwrap();
 }
 
 /// Each schedule tick is claimed once; an older tick never wins after a newer one.
@@ -361,10 +444,21 @@ fn pending(id: &str, record: &RunRecord, call_id: &str, kind: PendingKind) -> Pe
     }
 }
 
+/// Pauses `record`'s run (leased to `owner` at `epoch`) on `asked`.
+async fn pause(store: &dyn Store, record: &RunRecord, owner: &str, epoch: u64, asked: &[PendingInput]) {
+    let commit = StepCommit {
+        state: Some(RunState::AwaitingInput),
+        pending: asked,
+        fence: Some(Fence { owner, epoch, ttl: MINUTE }),
+        ..bare(&record.session_id, &record.run_id)
+    };
+    store.commit_step(commit).await.unwrap();
+}
+
 /// A pause stores the run's pending inputs and releases its lease; a decision is journaled as
-/// its step, once: the second is refused, and a later pause does not ask again. The run becomes
-/// re-drivable only when the decision comes.
-pub async fn pending_inputs_are_decided_once(store: &dyn Store) {
+/// its step, once: the second is refused saying who decided first, and a later pause does not
+/// ask again. The run becomes re-drivable only when the decision comes.
+pub async fn pending_inputs_are_decided_once_and_remember_who_decided(store: &dyn Store) {
     let session = SessionId::new("conformance-pending").unwrap();
     let record = run_record("pending", &session, 0);
     let input = [Arc::new(Message::user("go"))];
@@ -378,14 +472,7 @@ pub async fn pending_inputs_are_decided_once(store: &dyn Store) {
     let question =
         pending("qu_conformance2", &record, "c2", PendingKind::Question { question: "Why?".into() });
     let both = [approval.clone(), question.clone()];
-    let fence = Some(Fence { owner: "process-a", epoch: 1, ttl: std::time::Duration::from_secs(60) });
-    let pause = StepCommit {
-        state: Some(RunState::AwaitingInput),
-        pending: &both,
-        fence,
-        ..bare(&session, &record.run_id)
-    };
-    store.commit_step(pause).await.unwrap();
+    pause(store, &record, "process-a", 1, &both).await;
     assert_eq!(store.pending_inputs(Some(&session)).await.unwrap(), both, "pending inputs round trip");
     assert_eq!(store.pending_inputs(None).await.unwrap(), both);
     assert_eq!(store.pending_input(&question.id).await.unwrap().as_ref(), Some(&question));
@@ -393,68 +480,40 @@ pub async fn pending_inputs_are_decided_once(store: &dyn Store) {
     let other = SessionId::new("conformance-none").unwrap();
     assert!(store.pending_inputs(Some(&other)).await.unwrap().is_empty());
     assert_eq!(store.load_run(&record.run_id).await.unwrap().unwrap().state, RunState::AwaitingInput);
-    assert!(
-        store.interrupted_runs(Some(&session)).await.unwrap().is_empty(),
-        "a paused run with no decision is not re-driven"
-    );
-    // Paused: the lease is released, so the process that decides may drive the run.
-    assert!(
-        store
-            .claim_run(&record.run_id, "process-b", std::time::Duration::from_secs(60))
-            .await
-            .unwrap()
-            .is_some()
-    );
-    set_run_state(store, &record.run_id, RunState::AwaitingInput).await.unwrap();
+    let open = store.open_runs(Some(&session)).await.unwrap();
+    assert!(!open[0].is_interrupted(u64::MAX / 2), "a paused run with no decision is not re-driven");
 
-    let decision = Decision::Reject { note: Some("no".into()) };
-    assert_eq!(store.decide(&question.id, &Decision::Answer("because".into())).await.unwrap(), question);
-    let again = store.decide(&question.id, &Decision::Answer("twice".into())).await.unwrap_err();
-    assert!(matches!(again, StoreError::NotPending(_)), "a second decision: {again:?}");
-    let unknown = store.decide("ap_nope", &decision).await.unwrap_err();
+    let answer = Decision::Answer("because".into());
+    assert_eq!(store.decide(&question.id, &answer, "tester one").await.unwrap(), question);
+    let again =
+        store.decide(&question.id, &Decision::Answer("twice".into()), "tester two").await.unwrap_err();
+    assert!(
+        matches!(&again, StoreError::NotPending(m) if m.contains("answered") && m.contains("tester one")),
+        "a second decision must say who decided first: {again:?}"
+    );
+    let decided = store.decided_input(&question.id).await.unwrap().expect("remembered");
+    assert_eq!((decided.outcome.as_str(), decided.by.as_str()), ("answered", "tester one"));
+    let unknown = store.decide("ap_nope", &Decision::Approve { note: None }, "x").await.unwrap_err();
     assert!(matches!(unknown, StoreError::NotPending(_)), "an unknown id: {unknown:?}");
-    let journal = store.load_journal(&record.run_id).await.unwrap();
     assert_eq!(
-        journal,
-        [JournalEntry {
-            step: StepName::Question("c2".into()),
-            record: JournalRecord::Decision(Decision::Answer("because".into()))
-        }],
+        store.load_journal(&record.run_id).await.unwrap(),
+        [JournalEntry { step: StepName::Question("c2".into()), record: JournalRecord::Decision(answer) }],
         "the first decision is journaled, the second changes nothing"
     );
     assert_eq!(store.load_run(&record.run_id).await.unwrap().unwrap().state, RunState::Running);
-    assert_eq!(
-        store.interrupted_runs(Some(&session)).await.unwrap(),
-        std::slice::from_ref(&record.run_id),
-        "a decided run is re-drivable by any process"
-    );
+    let open = store.open_runs(Some(&session)).await.unwrap();
+    assert!(open[0].is_interrupted(0), "a decided run is re-drivable by any process at once");
     assert_eq!(store.pending_inputs(Some(&session)).await.unwrap(), std::slice::from_ref(&approval));
 
     // The re-driven run pauses again on the approval: the decided question is not asked again.
-    let epoch =
-        store.claim_run(&record.run_id, "process-c", std::time::Duration::from_secs(60)).await.unwrap();
-    let repause = StepCommit {
-        state: Some(RunState::AwaitingInput),
-        pending: &both,
-        fence: Some(Fence {
-            owner: "process-c",
-            epoch: epoch.unwrap(),
-            ttl: std::time::Duration::from_secs(60),
-        }),
-        ..bare(&session, &record.run_id)
-    };
-    store.commit_step(repause).await.unwrap();
+    let (epoch, _, _) = claimed(store.claim_run(&record.run_id, "process-c", MINUTE, None).await.unwrap());
+    pause(store, &record, "process-c", epoch, &both).await;
     assert_eq!(
         store.pending_inputs(Some(&session)).await.unwrap(),
         std::slice::from_ref(&approval),
         "a decided input was re-asked"
     );
-
-    // Ending the run drops what it still waited for.
-    set_run_state(store, &record.run_id, RunState::Cancelled).await.unwrap();
-    assert!(store.pending_inputs(None).await.unwrap().is_empty(), "an ended run left pending inputs");
-    let late = store.decide(&approval.id, &Decision::Approve { note: None }).await.unwrap_err();
-    assert!(matches!(late, StoreError::NotPending(_)), "a decision for an ended run: {late:?}");
+    set_run_state(store, &session, &record.run_id, RunState::Cancelled).await.unwrap();
 }
 
 /// A run paused for a human owns its session, lease or not: a new run is refused until it is
@@ -470,14 +529,7 @@ pub async fn a_paused_run_holds_its_session(store: &dyn Store) {
         "c1",
         PendingKind::Approval { tool: "t".into(), input: json!({}) },
     )];
-    let fence = Some(Fence { owner: "process-a", epoch: 1, ttl: std::time::Duration::from_secs(60) });
-    let pause = StepCommit {
-        state: Some(RunState::AwaitingInput),
-        pending: &approval,
-        fence,
-        ..bare(&session, &record.run_id)
-    };
-    store.commit_step(pause).await.unwrap();
+    pause(store, &record, "process-a", 1, &approval).await;
     let second = run_record("paused-second", &session, 1);
     let two = [Arc::new(Message::user("two"))];
     let error = store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap_err();
@@ -487,6 +539,129 @@ pub async fn a_paused_run_holds_its_session(store: &dyn Store) {
         store.pending_inputs(Some(&session)).await.unwrap().is_empty(),
         "a deleted session left pending inputs"
     );
+    assert_eq!(store.decided_input("ap_conformance3").await.unwrap(), None);
+}
+
+/// Ending a run drops what it still waited for, and a late decision is told so.
+pub async fn a_finished_run_closes_what_it_waited_for(store: &dyn Store) {
+    let session = SessionId::new("conformance-closed").unwrap();
+    let record = run_record("closed", &session, 0);
+    let input = [Arc::new(Message::user("go"))];
+    store.commit_step(new_run_commit(&record, "process-a", &input, 0)).await.unwrap();
+    let approval = [pending(
+        "ap_conformance4",
+        &record,
+        "c1",
+        PendingKind::Approval { tool: "t".into(), input: json!({}) },
+    )];
+    pause(store, &record, "process-a", 1, &approval).await;
+    set_run_state(store, &session, &record.run_id, RunState::Failed).await.unwrap();
+    assert!(store.pending_inputs(None).await.unwrap().is_empty(), "an ended run left pending inputs");
+    let late = store.decide("ap_conformance4", &Decision::Approve { note: None }, "x").await.unwrap_err();
+    assert!(
+        matches!(&late, StoreError::NotPending(m) if m.contains("ended")),
+        "a decision for an ended run: {late:?}"
+    );
+    assert!(store.open_runs(Some(&session)).await.unwrap().is_empty());
+}
+
+/// A cancellation request reaches the run's owner (through its commits, its renewals and its
+/// polls); a paused run stops waiting: its inputs are closed as cancelled, it asks for nothing
+/// more, and any process may re-drive it to its end at once.
+pub async fn cancellation_reaches_the_owner_and_ends_a_pause(store: &dyn Store) {
+    let session = SessionId::new("conformance-cancel").unwrap();
+    assert_eq!(store.request_cancel(&session, "nobody").await.unwrap(), None, "nothing to cancel");
+    let record = run_record("cancel-running", &session, 0);
+    let input = [Arc::new(Message::user("go"))];
+    store.commit_step(new_run_commit(&record, "process-a", &input, 0)).await.unwrap();
+    let run = &record.run_id;
+    assert!(store.cancel_requests("process-a").await.unwrap().is_empty());
+    let before =
+        store.request_cancel(&session, "keel cancel (test)").await.unwrap().expect("a run to cancel");
+    assert_eq!((&before.run_id, before.state), (run, RunState::Running));
+    assert_eq!(store.cancel_requests("process-a").await.unwrap(), std::slice::from_ref(run));
+    assert!(store.cancel_requests("process-b").await.unwrap().is_empty(), "another owner was asked");
+    assert_eq!(
+        store.renew_lease(run, "process-a", 1, MINUTE).await.unwrap(),
+        LeaseStatus::Held { cancel_requested: true }
+    );
+    let fence = Some(Fence { owner: "process-a", epoch: 1, ttl: MINUTE });
+    let step = StepCommit { entry: Some(&tool_entry("c0", json!(0))), fence, ..bare(&session, run) };
+    assert_eq!(store.commit_step(step).await.unwrap(), Committed { cancel_requested: true });
+    let open = store.open_runs(Some(&session)).await.unwrap();
+    assert_eq!(open[0].cancel_requested_by.as_deref(), Some("keel cancel (test)"));
+    set_run_state(store, &session, run, RunState::Cancelled).await.unwrap();
+
+    // Paused: nobody drives it, so the request ends the pause itself.
+    let paused = run_record("cancel-paused", &session, 1);
+    let next = [Arc::new(Message::user("again"))];
+    store.commit_step(new_run_commit(&paused, "process-a", &next, 1)).await.unwrap();
+    let approval = [pending(
+        "ap_conformance5",
+        &paused,
+        "c1",
+        PendingKind::Approval { tool: "t".into(), input: json!({}) },
+    )];
+    pause(store, &paused, "process-a", 1, &approval).await;
+    let before = store.request_cancel(&session, "keel cancel (test)").await.unwrap().unwrap();
+    assert_eq!(before.state, RunState::AwaitingInput);
+    assert!(store.pending_inputs(Some(&session)).await.unwrap().is_empty(), "a cancelled pause still waits");
+    let refused =
+        store.decide("ap_conformance5", &Decision::Approve { note: None }, "late").await.unwrap_err();
+    assert!(matches!(&refused, StoreError::NotPending(m) if m.contains("cancelled")), "{refused:?}");
+    let open = store.open_runs(Some(&session)).await.unwrap();
+    assert!(open[0].is_interrupted(0), "a cancelled pause must be re-drivable at once: {open:?}");
+    let (epoch, _, cancel_requested) =
+        claimed(store.claim_run(&paused.run_id, "process-b", MINUTE, None).await.unwrap());
+    assert!(cancel_requested, "the claim must tell the new driver to cancel");
+    // Its re-drive asks again on its way to the end: nothing is stored.
+    pause(store, &paused, "process-b", epoch, &approval).await;
+    assert!(store.pending_inputs(Some(&session)).await.unwrap().is_empty(), "a cancelled run asked again");
+    set_run_state(store, &session, &paused.run_id, RunState::Cancelled).await.unwrap();
+}
+
+/// Every claim counts; a commit resets the count. A run claimed too often without committing is
+/// failed by the claim itself, and closes what it waited for.
+pub async fn claims_without_progress_poison_a_run(store: &dyn Store) {
+    let session = SessionId::new("conformance-poison").unwrap();
+    let record = run_record("poison", &session, 0);
+    let input = [Arc::new(Message::user("go"))];
+    store.commit_step(new_run_commit(&record, "process-0", &input, 0)).await.unwrap();
+    let run = &record.run_id;
+    let release = |owner: &'static str, epoch| async move {
+        store.renew_lease(run, owner, epoch, Duration::ZERO).await.unwrap();
+    };
+    release("process-0", 1).await;
+    let (epoch, attempt, _) = claimed(store.claim_run(run, "process-1", MINUTE, None).await.unwrap());
+    assert_eq!(attempt, 1);
+    // A commit is progress: the count starts over.
+    let fence = Some(Fence { owner: "process-1", epoch, ttl: MINUTE });
+    store
+        .commit_step(StepCommit { entry: Some(&tool_entry("c1", json!(1))), fence, ..bare(&session, run) })
+        .await
+        .unwrap();
+    release("process-1", epoch).await;
+    let owners = ["process-2", "process-3", "process-4", "process-5", "process-6", "process-7"];
+    let mut attempts = Vec::new();
+    for owner in owners.iter().take(MAX_CLAIMS_WITHOUT_PROGRESS as usize) {
+        let (epoch, attempt, _) = claimed(store.claim_run(run, owner, MINUTE, None).await.unwrap());
+        attempts.push(attempt);
+        // Each re-drive replays what is stored before it dies: a repeat is not progress.
+        let fence = Some(Fence { owner, epoch, ttl: MINUTE });
+        let replay = StepCommit {
+            entry: Some(&tool_entry("c1", json!(1))),
+            messages: &input,
+            fence,
+            ..bare(&session, run)
+        };
+        store.commit_step(replay).await.unwrap();
+        release(owner, epoch).await;
+    }
+    assert_eq!(attempts, (1..=MAX_CLAIMS_WITHOUT_PROGRESS).collect::<Vec<_>>());
+    assert_eq!(store.claim_run(run, "process-8", MINUTE, None).await.unwrap(), Claim::Poisoned);
+    assert_eq!(store.load_run(run).await.unwrap().unwrap().state, RunState::Failed);
+    assert!(store.open_runs(Some(&session)).await.unwrap().is_empty(), "a poisoned run is still open");
+    assert_eq!(store.claim_run(run, "process-9", MINUTE, None).await.unwrap(), Claim::Finished);
 }
 
 /// The session's state object is written with its step, all or nothing, and goes with the
@@ -502,11 +677,10 @@ pub async fn session_state_commits_with_its_step(store: &dyn Store) {
         record: JournalRecord::ToolResult(Ok(json!("added"))),
     };
     let cart = json!({"items": ["tea"], "total": 4.5});
-    let ttl = std::time::Duration::from_secs(60);
     let step = StepCommit {
         entry: Some(&entry),
         session_state: Some(&cart),
-        fence: Some(Fence { owner: "process-a", epoch: 1, ttl }),
+        fence: Some(Fence { owner: "process-a", epoch: 1, ttl: MINUTE }),
         ..bare(&session, &record.run_id)
     };
     store.commit_step(step).await.unwrap();
@@ -522,7 +696,7 @@ pub async fn session_state_commits_with_its_step(store: &dyn Store) {
     let stale = StepCommit {
         entry: Some(&stale_entry),
         session_state: Some(&emptied),
-        fence: Some(Fence { owner: "process-b", epoch: 7, ttl }),
+        fence: Some(Fence { owner: "process-b", epoch: 7, ttl: MINUTE }),
         ..bare(&session, &record.run_id)
     };
     let error = store.commit_step(stale).await.unwrap_err();
@@ -548,12 +722,11 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
     let record = run_record("usage", &session, 0);
     let input = [Arc::new(Message::user("hi"))];
     store.commit_step(new_run_commit(&record, "process-a", &input, 0)).await.unwrap();
-    let ttl = std::time::Duration::from_secs(60);
     let reply = |n: u64| ModelReply {
         parts: vec![Part::Text("ok".into())],
         usage: Usage { input_tokens: 100 * n, output_tokens: n },
     };
-    let turn = |n: u32| StepName::ModelTurn(n);
+    let turn = StepName::ModelTurn;
     for (n, position) in [(0u32, 1u64), (1, 2)] {
         let entry =
             JournalEntry { step: turn(n), record: JournalRecord::ModelReply(reply(u64::from(n) + 1)) };
@@ -562,7 +735,7 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
             entry: Some(&entry),
             first_position: position,
             messages: &answer,
-            fence: Some(Fence { owner: "process-a", epoch: 1, ttl }),
+            fence: Some(Fence { owner: "process-a", epoch: 1, ttl: MINUTE }),
             ..bare(&session, &record.run_id)
         };
         store.commit_step(step).await.unwrap();
@@ -572,7 +745,7 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
     let stale_entry = JournalEntry { step: turn(2), record: JournalRecord::ModelReply(reply(50)) };
     let stale = StepCommit {
         entry: Some(&stale_entry),
-        fence: Some(Fence { owner: "process-b", epoch: 9, ttl }),
+        fence: Some(Fence { owner: "process-b", epoch: 9, ttl: MINUTE }),
         ..bare(&session, &record.run_id)
     };
     assert!(store.commit_step(stale).await.is_err());

@@ -1,20 +1,21 @@
-//! The in-memory store: one mutex over plain maps.
+//! The in-memory backend: one mutex over plain maps.
 //!
 //! Operations never await while holding the lock, so a std mutex is right (and faster than an
 //! async one). Domain values are kept as they are, without encoding: this store is the
 //! baseline the runtime's overhead is measured on. The maps use foldhash: keys come from users,
 //! so the hasher is seeded per process (minimally DoS-resistant) yet much cheaper than SipHash.
+//! None of its writes can fail, which is what lets it run the rules without a rollback.
 
 use foldhash::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use keel_core::journal::JournalEntry;
-use keel_core::journal::JournalRecord;
 use keel_core::{
-    BoxFuture, Decision, Message, PendingInput, RunId, RunRecord, RunState, SessionId, SessionSummary,
-    StepCommit, Store, StoreError, Usage,
+    BoxFuture, Clock, DecidedInput, Message, PendingInput, RunId, RunRecord, SessionId, SessionSummary,
+    StepName, StoreError, Usage,
 };
+
+use crate::backend::{Backend, Ruled, RunControl, Tx, Work};
 
 #[derive(Default)]
 struct SessionData {
@@ -27,20 +28,17 @@ struct SessionData {
     usage: Usage,
 }
 
-/// Who drives a run, until when, at which epoch.
-struct LeaseState {
-    owner: String,
-    expires_ms: u64,
-    epoch: u64,
+struct RunData {
+    record: RunRecord,
+    control: RunControl,
 }
 
 #[derive(Default)]
 struct Inner {
     sessions: HashMap<SessionId, SessionData>,
-    leases: HashMap<RunId, LeaseState>,
-    /// Each schedule's last fired tick.
-    schedules: HashMap<String, u64>,
-    runs: HashMap<RunId, RunRecord>,
+    runs: HashMap<RunId, RunData>,
+    /// How many runs each session had.
+    run_counts: HashMap<SessionId, u64>,
     /// Each session's runs that are not finished (usually none or one): what the "one run per
     /// session" check looks at, so that it does not scan every run of the store.
     open_runs: HashMap<SessionId, Vec<RunId>>,
@@ -48,103 +46,245 @@ struct Inner {
     /// Approvals and questions waiting for a human, by id, with the order they were asked in.
     pending: HashMap<String, (u64, PendingInput)>,
     pending_asked: u64,
+    decided: HashMap<String, DecidedInput>,
+    /// Each schedule's last fired tick.
+    schedules: HashMap<String, u64>,
 }
 
 impl Inner {
-    /// Checks that appending `messages` at `first_position` is a valid (possibly repeated) append.
-    fn check_messages(
-        &self,
-        session: &SessionId,
-        run: &RunId,
-        first_position: u64,
-        messages: &[Arc<Message>],
-    ) -> Result<(), StoreError> {
-        let list = self.sessions.get(session).map_or(&[][..], |data| &data.messages[..]);
-        for offset in 0..messages.len() {
-            let position = first_position as usize + offset;
-            match list.get(position) {
-                Some((writer, _)) if writer == run => {}
-                Some((writer, _)) => {
-                    return Err(StoreError::Conflict(format!(
-                        "position {position} of session {session} was written by {writer}, not {run}"
-                    )));
-                }
-                None if position <= list.len() + offset => {}
-                None => {
-                    return Err(StoreError::Conflict(format!(
-                        "position {position} of session {session} is past its end ({})",
-                        list.len()
-                    )));
-                }
+    fn summary(&self, id: &SessionId, data: &SessionData) -> SessionSummary {
+        SessionSummary {
+            id: id.clone(),
+            messages: data.messages.len() as u64,
+            runs: self.run_counts.get(id).copied().unwrap_or(0),
+            updated_at_ms: data.updated_at_ms,
+            usage: data.usage,
+        }
+    }
+
+    fn close_open(&mut self, session: &SessionId, run: &RunId) {
+        if let Some(open) = self.open_runs.get_mut(session) {
+            open.retain(|r| r != run);
+            if open.is_empty() {
+                self.open_runs.remove(session);
             }
         }
-        Ok(())
+    }
+}
+
+impl Tx for Inner {
+    fn message_count(&mut self, session: &SessionId) -> Result<u64, StoreError> {
+        Ok(self.sessions.get(session).map_or(0, |data| data.messages.len() as u64))
+    }
+
+    fn message_writer(&mut self, session: &SessionId, position: u64) -> Result<Option<RunId>, StoreError> {
+        Ok(self
+            .sessions
+            .get(session)
+            .and_then(|data| data.messages.get(position as usize))
+            .map(|(run, _)| run.clone()))
     }
 
     fn append_messages(
         &mut self,
         session: &SessionId,
         run: &RunId,
-        first_position: u64,
-        messages: &[Arc<Message>],
+        _first_position: u64,
+        messages: Vec<Arc<Message>>,
+        now_ms: u64,
     ) -> Result<(), StoreError> {
-        self.check_messages(session, run, first_position, messages)?;
         let data = self.sessions.entry(session.clone()).or_default();
-        data.updated_at_ms = crate::now_ms();
-        for (offset, message) in messages.iter().enumerate() {
-            if first_position as usize + offset == data.messages.len() {
-                data.messages.push((run.clone(), Arc::clone(message)));
-            }
+        data.updated_at_ms = now_ms;
+        data.messages.extend(messages.into_iter().map(|message| (run.clone(), message)));
+        Ok(())
+    }
+
+    fn messages(&mut self, session: &SessionId) -> Result<Vec<Arc<Message>>, StoreError> {
+        Ok(self
+            .sessions
+            .get(session)
+            .map(|data| data.messages.iter().map(|(_, m)| Arc::clone(m)).collect())
+            .unwrap_or_default())
+    }
+
+    fn add_usage(&mut self, session: &SessionId, usage: Usage, now_ms: u64) -> Result<(), StoreError> {
+        let data = self.sessions.entry(session.clone()).or_default();
+        data.usage.add(usage);
+        if data.updated_at_ms == 0 {
+            data.updated_at_ms = now_ms;
         }
         Ok(())
     }
 
-    /// A run of `session` in flight under a live lease, or paused for a human.
-    fn live_run(&self, session: &SessionId) -> Option<&RunRecord> {
-        let now = crate::now_ms();
-        self.open_runs.get(session)?.iter().filter_map(|run| self.runs.get(run)).find(|r| {
-            r.state == RunState::AwaitingInput
-                || self.leases.get(&r.run_id).is_some_and(|l| l.expires_ms > now)
-        })
+    fn set_session_state(
+        &mut self,
+        session: &SessionId,
+        state: &serde_json::Value,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        let data = self.sessions.entry(session.clone()).or_default();
+        data.state = Some(state.clone());
+        data.updated_at_ms = now_ms;
+        Ok(())
     }
 
-    fn has_step(&self, run: &RunId, step: &keel_core::StepName) -> bool {
-        self.journals.get(run).is_some_and(|journal| journal.iter().any(|e| &e.step == step))
+    fn session_state(&mut self, session: &SessionId) -> Result<Option<serde_json::Value>, StoreError> {
+        Ok(self.sessions.get(session).and_then(|data| data.state.clone()))
     }
 
-    /// Records a journal entry; the first record of a step wins. Returns whether it was new.
-    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> bool {
-        let journal = self.journals.entry(run.clone()).or_default();
-        if journal.iter().any(|existing| existing.step == entry.step) {
-            return false;
+    fn session_summary(&mut self, session: &SessionId) -> Result<Option<SessionSummary>, StoreError> {
+        Ok(self.sessions.get(session).map(|data| self.summary(session, data)))
+    }
+
+    fn sessions(&mut self) -> Result<Vec<SessionSummary>, StoreError> {
+        let mut sessions: Vec<SessionSummary> =
+            self.sessions.iter().map(|(id, data)| self.summary(id, data)).collect();
+        sessions.sort_by(|a, b| b.updated_at_ms.cmp(&a.updated_at_ms).then_with(|| a.id.cmp(&b.id)));
+        Ok(sessions)
+    }
+
+    fn delete_session(&mut self, session: &SessionId) -> Result<bool, StoreError> {
+        let existed = self.sessions.remove(session).is_some();
+        let runs: Vec<RunId> = self
+            .runs
+            .iter()
+            .filter(|(_, data)| &data.record.session_id == session)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for run in &runs {
+            self.runs.remove(run);
+            self.journals.remove(run);
         }
-        journal.push(entry.clone());
-        true
+        self.pending.retain(|_, (_, p)| &p.session_id != session);
+        self.decided.retain(|_, d| &d.session_id != session);
+        self.open_runs.remove(session);
+        self.run_counts.remove(session);
+        Ok(existed || !runs.is_empty())
     }
 
-    fn summary(&self, id: &SessionId, data: &SessionData) -> SessionSummary {
-        SessionSummary {
-            id: id.clone(),
-            messages: data.messages.len() as u64,
-            runs: self.runs.values().filter(|r| &r.session_id == id).count() as u64,
-            updated_at_ms: data.updated_at_ms,
-            usage: data.usage,
+    fn insert_run(
+        &mut self,
+        record: &RunRecord,
+        control: &RunControl,
+        _now_ms: u64,
+    ) -> Result<(), StoreError> {
+        if !control.state.is_terminal() {
+            self.open_runs.entry(record.session_id.clone()).or_default().push(record.run_id.clone());
         }
+        *self.run_counts.entry(record.session_id.clone()).or_default() += 1;
+        self.runs.insert(record.run_id.clone(), RunData { record: record.clone(), control: control.clone() });
+        Ok(())
+    }
+
+    fn run(&mut self, run: &RunId) -> Result<Option<RunRecord>, StoreError> {
+        Ok(self.runs.get(run).map(|data| RunRecord { state: data.control.state, ..data.record.clone() }))
+    }
+
+    fn control(&mut self, run: &RunId) -> Result<Option<RunControl>, StoreError> {
+        Ok(self.runs.get(run).map(|data| data.control.clone()))
+    }
+
+    fn set_control(&mut self, run: &RunId, control: &RunControl, _now_ms: u64) -> Result<(), StoreError> {
+        let Some(data) = self.runs.get_mut(run) else { return Ok(()) };
+        let ended = control.state.is_terminal() && !data.control.state.is_terminal();
+        data.control.clone_from(control);
+        if ended {
+            let session = control.session.clone();
+            self.close_open(&session, run);
+        }
+        Ok(())
+    }
+
+    fn open_runs(&mut self, session: Option<&SessionId>) -> Result<Vec<(RunId, RunControl)>, StoreError> {
+        let ids: Vec<&RunId> = match session {
+            Some(session) => {
+                self.open_runs.get(session).map(|runs| runs.iter().collect()).unwrap_or_default()
+            }
+            None => self.open_runs.values().flatten().collect(),
+        };
+        let mut open: Vec<(RunId, RunControl)> = ids
+            .into_iter()
+            .filter_map(|id| self.runs.get(id).map(|data| (id.clone(), data.control.clone())))
+            .collect();
+        // Run ids are time-ordered.
+        open.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(open)
+    }
+
+    fn has_step(&mut self, run: &RunId, step: &StepName) -> Result<bool, StoreError> {
+        Ok(self.journals.get(run).is_some_and(|journal| journal.iter().any(|e| &e.step == step)))
+    }
+
+    fn append_journal(&mut self, run: &RunId, entry: JournalEntry) -> Result<(), StoreError> {
+        self.journals.entry(run.clone()).or_default().push(entry);
+        Ok(())
+    }
+
+    fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError> {
+        Ok(self.journals.get(run).cloned().unwrap_or_default())
+    }
+
+    fn compact_journals(&mut self) -> Result<u64, StoreError> {
+        let Inner { runs, journals, .. } = self;
+        let mut removed = 0;
+        journals.retain(|run, journal| {
+            let finished = runs.get(run).is_some_and(|r| r.control.state.is_terminal());
+            if finished {
+                removed += journal.len() as u64;
+            }
+            !finished && !journal.is_empty()
+        });
+        Ok(removed)
+    }
+
+    fn pending(&mut self, id: &str) -> Result<Option<PendingInput>, StoreError> {
+        Ok(self.pending.get(id).map(|(_, p)| p.clone()))
+    }
+
+    fn pending_list(&mut self, session: Option<&SessionId>) -> Result<Vec<PendingInput>, StoreError> {
+        let mut pending: Vec<&(u64, PendingInput)> =
+            self.pending.values().filter(|(_, p)| session.is_none_or(|s| &p.session_id == s)).collect();
+        pending.sort_by_key(|(asked, p)| (p.created_at_ms, *asked));
+        Ok(pending.into_iter().map(|(_, p)| p.clone()).collect())
+    }
+
+    fn insert_pending(&mut self, pending: &PendingInput) -> Result<(), StoreError> {
+        self.pending_asked += 1;
+        self.pending.insert(pending.id.clone(), (self.pending_asked, pending.clone()));
+        Ok(())
+    }
+
+    fn delete_pending(&mut self, id: &str) -> Result<(), StoreError> {
+        self.pending.remove(id);
+        Ok(())
+    }
+
+    fn decided(&mut self, id: &str) -> Result<Option<DecidedInput>, StoreError> {
+        Ok(self.decided.get(id).cloned())
+    }
+
+    fn insert_decided(&mut self, decided: &DecidedInput) -> Result<(), StoreError> {
+        self.decided.insert(decided.id.clone(), decided.clone());
+        Ok(())
+    }
+
+    fn schedule_last_fire(&mut self, name: &str) -> Result<Option<u64>, StoreError> {
+        Ok(self.schedules.get(name).copied())
+    }
+
+    fn set_schedule_last_fire(&mut self, name: &str, tick_ms: u64) -> Result<(), StoreError> {
+        self.schedules.insert(name.to_owned(), tick_ms);
+        Ok(())
     }
 }
 
-/// A store in process memory.
+/// The memory backend. See the module docs.
 #[derive(Default)]
-pub struct MemoryStore {
+pub struct Memory {
     inner: Mutex<Inner>,
 }
 
-impl MemoryStore {
-    /// An empty store.
-    pub fn new() -> MemoryStore {
-        MemoryStore::default()
-    }
-
+impl Memory {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock cannot leave the maps half-updated in a way that matters
         // more than losing the store, so recover the guard.
@@ -152,299 +292,35 @@ impl MemoryStore {
     }
 }
 
-fn ready<'a, T: Send + 'a>(value: T) -> BoxFuture<'a, T> {
-    Box::pin(std::future::ready(value))
+impl Backend for Memory {
+    fn write<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
+        let result = work(&mut *self.lock());
+        Box::pin(std::future::ready(result))
+    }
+
+    fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
+        self.write(work)
+    }
 }
 
-impl Store for MemoryStore {
-    fn load_messages<'a>(
-        &'a self,
-        session: &'a SessionId,
-    ) -> BoxFuture<'a, Result<Vec<Arc<Message>>, StoreError>> {
-        let inner = self.lock();
-        let messages = inner
-            .sessions
-            .get(session)
-            .map(|data| data.messages.iter().map(|(_, m)| Arc::clone(m)).collect())
-            .unwrap_or_default();
-        ready(Ok(messages))
+/// A store in process memory: nothing survives the process.
+pub type MemoryStore = Ruled<Memory>;
+
+impl Ruled<Memory> {
+    /// An empty store on the system clock.
+    pub fn new() -> MemoryStore {
+        MemoryStore::with_clock(keel_core::clock::system())
     }
 
-    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<(), StoreError>> {
-        let mut inner = self.lock();
-        // Check everything first, so that a failed commit changes nothing.
-        let result = inner
-            .check_messages(commit.session, commit.run, commit.first_position, commit.messages)
-            .and_then(|()| match commit.new_run {
-                Some(run) if inner.runs.contains_key(&run.run_id) => {
-                    Err(StoreError::Conflict(format!("run {} already exists", run.run_id)))
-                }
-                Some(run) => match inner.live_run(&run.session_id) {
-                    Some(other) => Err(crate::busy_error(&run.session_id, &other.run_id, other.state)),
-                    None => Ok(()),
-                },
-                None if commit.state.is_some() && !inner.runs.contains_key(commit.run) => {
-                    Err(StoreError::NotFound(format!("run {}", commit.run)))
-                }
-                None => Ok(()),
-            })
-            .and_then(|()| match (commit.fence, commit.new_run) {
-                (Some(fence), None) => match inner.leases.get(commit.run) {
-                    Some(lease) if lease.owner == fence.owner && lease.epoch == fence.epoch => Ok(()),
-                    _ => Err(StoreError::LeaseLost(format!(
-                        "run {} is no longer leased to {} at epoch {}",
-                        commit.run, fence.owner, fence.epoch
-                    ))),
-                },
-                _ => Ok(()),
-            })
-            .and_then(|()| {
-                if let Some(run) = commit.new_run {
-                    inner.runs.insert(run.run_id.clone(), run.clone());
-                    if !run.state.is_terminal() {
-                        inner.open_runs.entry(run.session_id.clone()).or_default().push(run.run_id.clone());
-                    }
-                }
-                if let Some(fence) = commit.fence {
-                    let expires_ms = crate::now_ms().saturating_add(fence.ttl.as_millis() as u64);
-                    match inner.leases.get_mut(commit.run) {
-                        // The usual case: extend the lease held, without allocating.
-                        Some(lease) if lease.owner == fence.owner && lease.epoch == fence.epoch => {
-                            lease.expires_ms = expires_ms;
-                        }
-                        _ => {
-                            let lease =
-                                LeaseState { owner: fence.owner.to_owned(), expires_ms, epoch: fence.epoch };
-                            inner.leases.insert(commit.run.clone(), lease);
-                        }
-                    }
-                }
-                if let Some(entry) = commit.entry
-                    && inner.append_journal(commit.run, entry)
-                    && let JournalRecord::ModelReply(reply) = &entry.record
-                {
-                    inner.sessions.entry(commit.session.clone()).or_default().usage.add(reply.usage);
-                }
-                inner.append_messages(commit.session, commit.run, commit.first_position, commit.messages)?;
-                if let Some(state) = commit.session_state {
-                    let data = inner.sessions.entry(commit.session.clone()).or_default();
-                    data.state = Some(state.clone());
-                    data.updated_at_ms = crate::now_ms();
-                }
-                for pending in commit.pending {
-                    if !inner.pending.contains_key(&pending.id)
-                        && !inner.has_step(commit.run, &pending.step())
-                    {
-                        inner.pending_asked += 1;
-                        let asked = inner.pending_asked;
-                        inner.pending.insert(pending.id.clone(), (asked, pending.clone()));
-                    }
-                }
-                if let Some(state) = commit.state
-                    && let Some(record) = inner.runs.get_mut(commit.run)
-                {
-                    record.state = state;
-                    let session = record.session_id.clone();
-                    if state != RunState::Running
-                        && let Some(lease) = inner.leases.get_mut(commit.run)
-                    {
-                        lease.expires_ms = 0;
-                    }
-                    if state.is_terminal() {
-                        if let Some(open) = inner.open_runs.get_mut(&session) {
-                            open.retain(|run| run != commit.run);
-                            if open.is_empty() {
-                                inner.open_runs.remove(&session);
-                            }
-                        }
-                    }
-                    if state.is_terminal() && !inner.pending.is_empty() {
-                        inner.pending.retain(|_, (_, p)| &p.run_id != commit.run);
-                    }
-                }
-                Ok(())
-            });
-        ready(result)
+    /// An empty store reading time from `clock`.
+    pub fn with_clock(clock: Arc<dyn Clock>) -> MemoryStore {
+        Ruled::with_backend(Memory::default(), clock)
     }
+}
 
-    fn load_session_state<'a>(
-        &'a self,
-        session: &'a SessionId,
-    ) -> BoxFuture<'a, Result<Option<serde_json::Value>, StoreError>> {
-        ready(Ok(self.lock().sessions.get(session).and_then(|data| data.state.clone())))
-    }
-
-    fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>> {
-        ready(Ok(self.lock().runs.get(run).cloned()))
-    }
-
-    fn load_journal<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Vec<JournalEntry>, StoreError>> {
-        ready(Ok(self.lock().journals.get(run).cloned().unwrap_or_default()))
-    }
-
-    fn claim_run<'a>(
-        &'a self,
-        run: &'a RunId,
-        owner: &'a str,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
-        let mut inner = self.lock();
-        let result = match inner.runs.get(run) {
-            None => Err(StoreError::NotFound(format!("run {run}"))),
-            Some(record) if record.state.is_terminal() => Ok(None),
-            Some(_) => {
-                let now = crate::now_ms();
-                let free = inner.leases.get(run).is_none_or(|l| l.expires_ms <= now || l.owner == owner);
-                if free {
-                    let epoch = inner.leases.get(run).map_or(0, |l| l.epoch) + 1;
-                    let expires_ms = now.saturating_add(ttl.as_millis() as u64);
-                    inner
-                        .leases
-                        .insert(run.clone(), LeaseState { owner: owner.to_owned(), expires_ms, epoch });
-                    Ok(Some(epoch))
-                } else {
-                    Ok(None)
-                }
-            }
-        };
-        ready(result)
-    }
-
-    fn renew_lease<'a>(
-        &'a self,
-        run: &'a RunId,
-        owner: &'a str,
-        epoch: u64,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        let mut inner = self.lock();
-        let renewed = match inner.leases.get_mut(run) {
-            Some(lease) if lease.owner == owner && lease.epoch == epoch => {
-                lease.expires_ms = crate::now_ms().saturating_add(ttl.as_millis() as u64);
-                true
-            }
-            _ => false,
-        };
-        ready(Ok(renewed))
-    }
-
-    fn interrupted_runs<'a>(
-        &'a self,
-        session: Option<&'a SessionId>,
-    ) -> BoxFuture<'a, Result<Vec<RunId>, StoreError>> {
-        let inner = self.lock();
-        let now = crate::now_ms();
-        let mut runs: Vec<RunId> = inner
-            .runs
-            .values()
-            .filter(|r| r.state == RunState::Running)
-            .filter(|r| session.is_none_or(|s| &r.session_id == s))
-            .filter(|r| inner.leases.get(&r.run_id).is_none_or(|l| l.expires_ms <= now))
-            .map(|r| r.run_id.clone())
-            .collect();
-        // Run ids are time-ordered.
-        runs.sort();
-        ready(Ok(runs))
-    }
-
-    fn pending_inputs<'a>(
-        &'a self,
-        session: Option<&'a SessionId>,
-    ) -> BoxFuture<'a, Result<Vec<PendingInput>, StoreError>> {
-        let inner = self.lock();
-        let mut pending: Vec<&(u64, PendingInput)> =
-            inner.pending.values().filter(|(_, p)| session.is_none_or(|s| &p.session_id == s)).collect();
-        pending.sort_by_key(|(asked, p)| (p.created_at_ms, *asked));
-        ready(Ok(pending.into_iter().map(|(_, p)| p.clone()).collect()))
-    }
-
-    fn pending_input<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<PendingInput>, StoreError>> {
-        ready(Ok(self.lock().pending.get(id).map(|(_, p)| p.clone())))
-    }
-
-    fn decide<'a>(
-        &'a self,
-        id: &'a str,
-        decision: &'a Decision,
-    ) -> BoxFuture<'a, Result<PendingInput, StoreError>> {
-        let mut inner = self.lock();
-        let Some((_, pending)) = inner.pending.remove(id) else {
-            return ready(Err(StoreError::not_pending(id)));
-        };
-        let entry = JournalEntry { step: pending.step(), record: JournalRecord::Decision(decision.clone()) };
-        let _ = inner.append_journal(&pending.run_id, &entry);
-        if let Some(record) = inner.runs.get_mut(&pending.run_id)
-            && record.state == RunState::AwaitingInput
-        {
-            record.state = RunState::Running;
-            if let Some(lease) = inner.leases.get_mut(&pending.run_id) {
-                lease.expires_ms = 0;
-            }
-        }
-        ready(Ok(pending))
-    }
-
-    fn claim_schedule_tick<'a>(
-        &'a self,
-        name: &'a str,
-        tick_ms: u64,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        let mut inner = self.lock();
-        let last = inner.schedules.entry(name.to_owned()).or_insert(0);
-        let claimed = *last < tick_ms;
-        if claimed {
-            *last = tick_ms;
-        }
-        ready(Ok(claimed))
-    }
-
-    fn schedule_last_fire<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
-        ready(Ok(self.lock().schedules.get(name).copied().filter(|&tick| tick > 0)))
-    }
-
-    fn compact_journals(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
-        let mut inner = self.lock();
-        let Inner { runs, journals, .. } = &mut *inner;
-        let mut removed = 0;
-        for (run, journal) in journals.iter_mut() {
-            if runs.get(run).is_some_and(|r| r.state.is_terminal()) {
-                removed += journal.len() as u64;
-                journal.clear();
-            }
-        }
-        journals.retain(|_, journal| !journal.is_empty());
-        ready(Ok(removed))
-    }
-
-    fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
-        let inner = self.lock();
-        let mut sessions: Vec<SessionSummary> =
-            inner.sessions.iter().map(|(id, data)| inner.summary(id, data)).collect();
-        sessions.sort_by(|a, b| b.updated_at_ms.cmp(&a.updated_at_ms).then_with(|| a.id.cmp(&b.id)));
-        ready(Ok(sessions))
-    }
-
-    fn session_summary<'a>(
-        &'a self,
-        session: &'a SessionId,
-    ) -> BoxFuture<'a, Result<Option<SessionSummary>, StoreError>> {
-        let inner = self.lock();
-        ready(Ok(inner.sessions.get(session).map(|data| inner.summary(session, data))))
-    }
-
-    fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>> {
-        let mut inner = self.lock();
-        let existed = inner.sessions.remove(session).is_some();
-        let runs: Vec<RunId> =
-            inner.runs.values().filter(|r| &r.session_id == session).map(|r| r.run_id.clone()).collect();
-        for run in &runs {
-            inner.runs.remove(run);
-            inner.journals.remove(run);
-            inner.leases.remove(run);
-        }
-        inner.pending.retain(|_, (_, p)| &p.session_id != session);
-        inner.open_runs.remove(session);
-        ready(Ok(existed || !runs.is_empty()))
+impl Default for Ruled<Memory> {
+    fn default() -> MemoryStore {
+        MemoryStore::new()
     }
 }
 
@@ -454,6 +330,7 @@ mod tests {
 
     #[tokio::test]
     async fn memory_store_conforms() {
-        crate::conformance::run_all(&MemoryStore::new()).await;
+        let clock = keel_core::ManualClock::starting_now();
+        crate::conformance::run_all(&MemoryStore::with_clock(Arc::new(clock.clone())), &clock).await;
     }
 }

@@ -108,6 +108,7 @@ fn check(mut machine: Machine, inputs: Vec<Input>, expected: Expect) {
             Input::ToolDone { call_id, .. } => format!("tool done {call_id}"),
             Input::Decision { call_id, decision } => format!("decision {call_id} {decision:?}"),
             Input::Cancel => "cancel".to_owned(),
+            Input::Abort(failure) => format!("abort: {failure}"),
         };
         writeln!(out, "> {label}").unwrap();
         for action in machine.step(input) {
@@ -624,6 +625,64 @@ fn cancelling_a_paused_run_gives_the_waiting_calls_results() {
               persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":"cancelled: the run was cancelled before this call finished","is_error":true}]}
               emit {"type":"run.done","text":"","stopped":"cancelled","usage":{"inputTokens":10,"outputTokens":5}}
               finish Done { text: "", output: None, stopped: Cancelled, usage: Usage { input_tokens: 10, output_tokens: 5 } }
+        "#]],
+    );
+}
+
+#[test]
+fn aborting_a_run_answers_its_open_calls_and_fails_it() {
+    let failure = RunFailure::new(ErrorCode::RunPoisoned, "the run kept dying at step tool:echo:c1");
+    check(
+        machine(agent(|_| {})),
+        vec![Input::Start, calls(&[("c1", "echo", json!({}))]), Input::Abort(failure)],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":5}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"echo","input":{}}]}
+              emit {"type":"tool.start","callId":"c1","name":"echo","input":{}}
+              call tool tool:echo:c1 {}
+            > abort: KEEL_RUN_POISONED: the run kept dying at step tool:echo:c1
+              emit {"type":"tool.error","callId":"c1","error":"not run: the run kept dying at step tool:echo:c1 (KEEL_RUN_POISONED)"}
+              persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":"not run: the run kept dying at step tool:echo:c1 (KEEL_RUN_POISONED)","is_error":true}]}
+              emit {"type":"run.error","code":"KEEL_RUN_POISONED","message":"the run kept dying at step tool:echo:c1"}
+              finish Failed(RunFailure { code: RunPoisoned, message: "the run kept dying at step tool:echo:c1" })
+        "#]],
+    );
+}
+
+#[test]
+fn a_history_ending_in_unanswered_calls_gets_their_results_before_the_new_input() {
+    let call = |id: &str| {
+        Part::ToolCall(crate::message::ToolCall { call_id: id.into(), name: "echo".into(), input: json!({}) })
+    };
+    // A run made two calls and was failed without its machine (it kept dying): no results.
+    let history = vec![
+        Arc::new(Message::user("earlier")),
+        Arc::new(Message { role: Role::Assistant, parts: vec![call("c1"), call("c2")] }),
+    ];
+    let m = Machine::new(
+        agent(|_| {}),
+        RunId::from_suffix("2"),
+        SessionId::new("s1").unwrap(),
+        history,
+        Message::user("next"),
+        1,
+    );
+    check(
+        m,
+        vec![Input::Start],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_2","sessionId":"s1"}
+              persist #2 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":"not run: the run that made this call ended before the call had a result","is_error":true},{"type":"tool_result","call_id":"c2","name":"echo","output":"not run: the run that made this call ended before the call had a result","is_error":true}]}
+              persist #3 {"v":1,"role":"user","parts":[{"type":"text","text":"next"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 4 messages)
         "#]],
     );
 }

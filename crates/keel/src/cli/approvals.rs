@@ -106,7 +106,7 @@ async fn decide(id: &str, decision: Decision, target: &DecisionTarget) -> std::i
         Decision::Answer(_) | Decision::TimedOut => "answered",
     };
     let Some(agent_path) = &target.agent else {
-        return match record_decision(store.as_ref(), id, decision).await {
+        return match record_decision(store.as_ref(), id, decision, &keel::who("keel approvals")).await {
             Ok(pending) => {
                 eprintln!(
                     "{verb} {id}; run {} of session {} continues the next time the session is driven \
@@ -126,7 +126,7 @@ async fn decide(id: &str, decision: Decision, target: &DecisionTarget) -> std::i
         Ok(agent) => agent,
         Err(code) => return Ok(code),
     };
-    let handle = match agent.decide(id, decision).await {
+    let handle = match agent.decide_as(id, decision, &keel::who("keel approvals")).await {
         Ok(handle) => handle,
         Err(failure) => {
             eprintln!("error[{}]: {}", failure.code, failure.message);

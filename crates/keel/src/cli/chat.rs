@@ -2,7 +2,7 @@
 
 use std::io::{IsTerminal, Write};
 
-use keel::{Agent, ErrorCode};
+use keel::Agent;
 
 use super::run::{Context, load_agent};
 use super::{ChatArgs, RunArgs, exit};
@@ -31,31 +31,13 @@ pub(crate) fn chat(args: ChatArgs) -> std::io::Result<u8> {
     code
 }
 
-/// Reads one line from stdin; `None` at its end.
-async fn read_line() -> std::io::Result<Option<String>> {
-    tokio::task::spawn_blocking(|| {
-        let mut line = String::new();
-        Ok((std::io::stdin().read_line(&mut line)? > 0).then_some(line))
-    })
-    .await
-    .unwrap_or_else(|join| Err(std::io::Error::other(join)))
-}
-
 async fn converse(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
     let terminal = std::io::stdin().is_terminal();
-    let context = Context { agent, args };
-    // A turn a dead process left unfinished completes first, as with `keel run`.
-    match agent.recover(Some(&args.session)).await {
-        Ok(handles) => {
-            for handle in handles {
-                eprintln!("resuming run {} of session {}", handle.run_id(), args.session);
-                context.follow_through(handle).await?;
-            }
-        }
-        Err(failure) => {
-            eprintln!("error[{}]: {}", failure.code, failure.message);
-            return Ok(if failure.code == ErrorCode::SessionIdInvalid { 2 } else { exit::RUN_FAILED });
-        }
+    let context = Context { agent, args, by: keel::who("keel chat") };
+    // A turn nobody drives (its process died, or it was decided since) completes first, as
+    // with `keel run`.
+    if context.recover().await? == 2 {
+        return Ok(2);
     }
     let definition = agent.definition();
     eprintln!(
@@ -70,7 +52,7 @@ async fn converse(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
         }
         let ctrl_c = tokio::signal::ctrl_c();
         let line = tokio::select! {
-            line = read_line() => line?,
+            line = super::input::read_line() => line?,
             _ = ctrl_c => {
                 eprintln!();
                 return Ok(exit::INTERRUPTED);

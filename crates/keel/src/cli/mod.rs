@@ -2,8 +2,10 @@
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "the CLI is where output belongs")]
 
 mod approvals;
+mod cancel;
 mod chat;
 mod check;
+mod input;
 mod render;
 mod run;
 mod serve;
@@ -21,7 +23,17 @@ pub(crate) mod exit {
     pub const RUN_FAILED: u8 = 3;
     pub const STOPPED_AT_LIMIT: u8 = 4;
     pub const AWAITING_INPUT: u8 = 5;
+    pub const BUSY: u8 = 6;
     pub const INTERRUPTED: u8 = 130;
+
+    /// The exit code of a run that failed with `failure`.
+    pub fn for_failure(failure: &keel::RunFailure) -> u8 {
+        match failure.code {
+            keel::ErrorCode::SessionIdInvalid => 2,
+            keel::ErrorCode::SessionBusy | keel::ErrorCode::RunLeased => BUSY,
+            _ => RUN_FAILED,
+        }
+    }
 }
 
 const EXIT_CODES: &str = "\
@@ -32,7 +44,9 @@ Exit codes:
   3    the run failed (run.error)
   4    the run stopped at a limit (max_turns, max_total_tokens, max_tool_calls)
   5    the run is paused, waiting for a human (an approval or a question)
-  130  interrupted (Ctrl-C)";
+  6    the session is busy: another run of it is in flight (here or in another process) or
+       waits for a human
+  130  interrupted (Ctrl-C), or the run was cancelled";
 
 /// keel: run durable AI agents.
 #[derive(Parser)]
@@ -61,6 +75,31 @@ enum Command {
     /// List and decide the approvals and questions paused runs wait for.
     #[command(subcommand, after_help = EXIT_CODES)]
     Approvals(ApprovalsCommand),
+    /// Cancel a session's unfinished run, wherever it is: in flight in any process sharing the
+    /// store, paused for a human, or interrupted.
+    #[command(after_help = CANCEL_EXIT_CODES)]
+    Cancel(CancelArgs),
+}
+
+const CANCEL_EXIT_CODES: &str = "\
+Exit codes:
+  0  the run is cancelled (or asked to stop, when another process drives it)
+  1  the store or the agent cannot be opened
+  2  bad command-line usage
+  3  the session has no unfinished run (KEEL_RUN_NOT_FOUND), or the cancellation failed";
+
+/// Arguments of `keel cancel`.
+#[derive(clap::Args)]
+pub(crate) struct CancelArgs {
+    /// The session whose run to cancel.
+    pub(crate) session: String,
+    /// End the run here and now with this agent (a directory or spec file), when nobody drives
+    /// it. Without it, a paused or interrupted run ends the next time a process drives the
+    /// session; a run in flight in another process stops there either way.
+    #[arg(long)]
+    pub(crate) agent: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
 }
 
 /// `keel approvals ...`
@@ -238,6 +277,7 @@ pub(crate) fn main() -> ExitCode {
         Command::Check(args) => check::check(&args),
         Command::Sessions(command) => sessions::sessions(command),
         Command::Approvals(command) => approvals::approvals(command),
+        Command::Cancel(args) => cancel::cancel(&args),
     };
     match code {
         Ok(code) => ExitCode::from(code),

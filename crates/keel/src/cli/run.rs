@@ -2,8 +2,11 @@
 
 use std::io::{IsTerminal, Write};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
 use futures::StreamExt;
-use keel::{Agent, Decision, ErrorCode, PendingInput, PendingKind, RunHandle, StopReason};
+use keel::{Agent, Decision, ErrorCode, PendingInput, PendingKind, RunHandle, RunId, RunState, StopReason};
 
 use super::RunArgs;
 use super::exit;
@@ -63,64 +66,116 @@ pub(crate) fn load_agent(
 }
 
 async fn drive(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
-    // A turn of this session that a dead process left unfinished (or whose approvals were
+    let context = Context { agent, args, by: keel::who("keel run") };
+    // A turn of this session that nobody drives (its process died, or its approvals were
     // decided since) completes first, from its journal, so the new input sees a whole
     // conversation.
-    let interrupted = match agent.recover(Some(&args.session)).await {
-        Ok(handles) => handles,
-        Err(failure) => {
-            eprintln!("error[{}]: {}", failure.code, failure.message);
-            return Ok(if failure.code == ErrorCode::SessionIdInvalid { 2 } else { exit::RUN_FAILED });
-        }
-    };
-    let context = Context { agent, args };
-    for handle in interrupted {
-        eprintln!("resuming run {} of session {}", handle.run_id(), args.session);
-        let code = context.follow_through(handle).await?;
-        if code != exit::OK {
-            return Ok(code);
-        }
+    let code = context.recover().await?;
+    if code != exit::OK {
+        return Ok(code);
     }
     let Some(input) = &args.input else {
         // Only continuing: say what the session still waits for, if anything.
-        let pending = match agent.pending(Some(&args.session)).await {
+        return context.explain_unfinished().await;
+    };
+    let handle = match agent.run(&args.session, input.as_str()) {
+        Ok(handle) => handle,
+        Err(failure) => {
+            eprintln!("error[{}]: {}", failure.code, failure.message);
+            return Ok(exit::for_failure(&failure));
+        }
+    };
+    context.follow_through(handle).await
+}
+
+/// What following a run needs: the agent, the command's arguments (for the store and agent
+/// paths that explain a pause), and who decides here.
+pub(crate) struct Context<'a> {
+    pub(crate) agent: &'a Agent,
+    pub(crate) args: &'a RunArgs,
+    /// Who this process is, for the record of its decisions.
+    pub(crate) by: String,
+}
+
+/// What comes after a run paused and its inputs were decided.
+enum Next {
+    /// Follow it here.
+    Follow(RunHandle),
+    /// Another process drives it: wait for it there.
+    Elsewhere(RunId, String),
+}
+
+impl Context<'_> {
+    /// Finishes the session's runs that nobody drives, showing them. Returns the exit code of
+    /// the first that did not end well, else [`exit::OK`].
+    pub(crate) async fn recover(&self) -> std::io::Result<u8> {
+        let handles = match self.agent.recover(Some(&self.args.session)).await {
+            Ok(handles) => handles,
+            Err(failure) => {
+                eprintln!("error[{}]: {}", failure.code, failure.message);
+                return Ok(exit::for_failure(&failure));
+            }
+        };
+        for handle in handles {
+            eprintln!("resuming run {} of session {}", handle.run_id(), self.args.session);
+            let code = self.follow_through(handle).await?;
+            // A run someone cancelled, now ended, leaves the session free for what comes next;
+            // one the person here stopped with Ctrl-C stops the command.
+            let cancelled_elsewhere = code == exit::INTERRUPTED && !CTRL_C.load(Ordering::SeqCst);
+            if code != exit::OK && !cancelled_elsewhere {
+                return Ok(code);
+            }
+        }
+        Ok(exit::OK)
+    }
+
+    /// After recovery, without a new input: says what the session's unfinished run waits for
+    /// (a human, or another process), if it has one.
+    async fn explain_unfinished(&self) -> std::io::Result<u8> {
+        let session = self.args.session.as_str();
+        let pending = match self.agent.pending(Some(session)).await {
             Ok(pending) => pending,
             Err(failure) => {
                 eprintln!("error[{}]: {}", failure.code, failure.message);
                 return Ok(exit::RUN_FAILED);
             }
         };
-        if pending.is_empty() {
-            return Ok(exit::OK);
+        if !pending.is_empty() {
+            explain_pause(&pending, &self.args.store, &self.args.agent)?;
+            return Ok(exit::AWAITING_INPUT);
         }
-        explain_pause(&pending, &args.store, &args.agent)?;
-        return Ok(exit::AWAITING_INPUT);
-    };
-    let handle = match agent.run(&args.session, input.as_str()) {
-        Ok(handle) => handle,
-        Err(failure) => {
-            eprintln!("error[{}]: {}", failure.code, failure.message);
-            return Ok(if failure.code == ErrorCode::SessionIdInvalid { 2 } else { exit::RUN_FAILED });
+        let open = match keel::SessionId::new(session) {
+            Ok(id) => self.agent.engine().open_runs(Some(&id)).await,
+            Err(failure) => Err(failure),
+        };
+        match open {
+            Ok(open) => match open.first() {
+                Some(run) => {
+                    let now = self.agent.engine().clock().now_ms();
+                    eprintln!("error[{}]: {}", ErrorCode::SessionBusy, run.busy_message(now));
+                    Ok(exit::BUSY)
+                }
+                None => Ok(exit::OK),
+            },
+            Err(failure) => {
+                eprintln!("error[{}]: {}", failure.code, failure.message);
+                Ok(exit::for_failure(&failure))
+            }
         }
-    };
-    context.follow_through(handle).await
-}
+    }
 
-/// What following a run needs: the agent, and the command's arguments (for the store and
-/// agent paths that explain a pause).
-pub(crate) struct Context<'a> {
-    pub(crate) agent: &'a Agent,
-    pub(crate) args: &'a RunArgs,
-}
-
-impl Context<'_> {
-    /// Follows a run to its end. When it pauses for a human: on a terminal, asks and continues;
-    /// otherwise says how to decide and exits with [`exit::AWAITING_INPUT`].
-    pub(crate) async fn follow_through(&self, mut handle: RunHandle) -> std::io::Result<u8> {
+    /// Follows a run to its end. When it pauses for a human: on a terminal, asks and continues
+    /// (noticing within a second when another process decides first); otherwise says how to
+    /// decide and exits with [`exit::AWAITING_INPUT`].
+    pub(crate) async fn follow_through(&self, handle: RunHandle) -> std::io::Result<u8> {
         let interactive =
             !self.args.json && std::io::stdin().is_terminal() && std::io::stderr().is_terminal();
+        let mut next = Next::Follow(handle);
         loop {
-            let (code, pending) = follow(handle, self.args.json).await?;
+            let (code, pending) = match next {
+                Next::Follow(handle) => follow(handle, self.args.json).await?,
+                Next::Elsewhere(run, why) => self.wait_elsewhere(&run, &why).await?,
+            };
             if pending.is_empty() {
                 return Ok(code);
             }
@@ -128,54 +183,151 @@ impl Context<'_> {
                 explain_pause(&pending, &self.args.store, &self.args.agent)?;
                 return Ok(exit::AWAITING_INPUT);
             }
-            // Every decision is recorded, then the run continues once with all of them.
             for input in &pending {
-                let Some(decision) = ask(input).await? else {
-                    explain_pause(&pending, &self.args.store, &self.args.agent)?;
-                    return Ok(exit::AWAITING_INPUT);
-                };
-                if let Err(failure) =
-                    keel::record_decision(self.agent.store().as_ref(), &input.id, decision).await
-                {
-                    eprintln!("error[{}]: {}", failure.code, failure.message);
-                    return Ok(exit::RUN_FAILED);
+                match self.ask(input).await? {
+                    Asked::Decided | Asked::Elsewhere => {}
+                    Asked::Later => {
+                        explain_pause(&pending, &self.args.store, &self.args.agent)?;
+                        return Ok(exit::AWAITING_INPUT);
+                    }
                 }
             }
-            handle = self.agent.resume(pending[0].run_id.clone());
+            next = self.continue_run(pending[0].run_id.clone()).await;
+        }
+    }
+
+    /// Continues a run whose pause was decided: here, unless another process got to it first.
+    async fn continue_run(&self, run: RunId) -> Next {
+        let mut handle = self.agent.resume(run.clone());
+        match handle.admitted().await {
+            Err(failure) if failure.code == ErrorCode::RunLeased => Next::Elsewhere(run, failure.message),
+            _ => Next::Follow(handle),
+        }
+    }
+
+    /// Waits for a run another process drives to pause or end, and shows how it ended.
+    async fn wait_elsewhere(&self, run: &RunId, why: &str) -> std::io::Result<(u8, Vec<PendingInput>)> {
+        eprintln!("{why}; waiting for it to finish");
+        let store = self.agent.store();
+        let state = loop {
+            match store.load_run(run).await {
+                Ok(Some(record)) if record.state != RunState::Running => break record.state,
+                Ok(Some(_)) => tokio::time::sleep(Duration::from_millis(200)).await,
+                Ok(None) => break RunState::Failed,
+                Err(error) => {
+                    eprintln!("error[{}]: {error}", error.code());
+                    return Ok((exit::RUN_FAILED, Vec::new()));
+                }
+            }
+        };
+        let pending = match state {
+            RunState::AwaitingInput => self.agent.pending(Some(&self.args.session)).await.unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        if state == RunState::Done
+            && let Ok(messages) = store
+                .load_messages(&keel::SessionId::new(&self.args.session).map_err(std::io::Error::other)?)
+                .await
+            && let Some(answer) = messages.iter().rev().find(|m| m.role == keel::Role::Assistant)
+        {
+            println!("{}", answer.text());
+        }
+        Ok(match state {
+            RunState::Done | RunState::Running => (exit::OK, Vec::new()),
+            RunState::AwaitingInput => (exit::AWAITING_INPUT, pending),
+            RunState::Cancelled => (exit::INTERRUPTED, Vec::new()),
+            RunState::Failed => (exit::RUN_FAILED, Vec::new()),
+        })
+    }
+
+    /// Asks the human on the terminal about `input`, and records the answer. Gives up asking
+    /// when another process decides first (it says who), and refuses, without changing
+    /// anything, an answer typed after that.
+    async fn ask(&self, input: &PendingInput) -> std::io::Result<Asked> {
+        let prompt = match &input.kind {
+            PendingKind::Approval { tool, input: tool_input } => {
+                format!("Allow {tool} {tool_input}? [y/N, or a reason to refuse] ")
+            }
+            PendingKind::Question { question } => format!("{question}\n> "),
+        };
+        {
+            let mut stderr = std::io::stderr().lock();
+            write!(stderr, "{prompt}")?;
+            stderr.flush()?;
+        }
+        let store = self.agent.store();
+        let line = loop {
+            tokio::select! {
+                line = super::input::read_line() => break line?,
+                () = tokio::time::sleep(DECIDED_ELSEWHERE_POLL) => {
+                    if matches!(store.pending_input(&input.id).await, Ok(None)) {
+                        let decided = store.decided_input(&input.id).await.ok().flatten();
+                        self.decided_elsewhere(input, decided).await;
+                        return Ok(Asked::Elsewhere);
+                    }
+                }
+            }
+        };
+        let Some(line) = line else { return Ok(Asked::Later) };
+        let decision = parse_answer(&input.kind, line.trim());
+        match keel::record_decision(store.as_ref(), &input.id, decision, &self.by).await {
+            Ok(_) => Ok(Asked::Decided),
+            // Decided elsewhere a moment before: this answer changes nothing, and the run goes
+            // on with the first decision.
+            Err(failure) if failure.code == ErrorCode::NotPending => {
+                eprintln!("error[{}]: {}; your answer changes nothing", failure.code, failure.message);
+                Ok(Asked::Elsewhere)
+            }
+            Err(failure) => Err(std::io::Error::other(failure.to_string())),
+        }
+    }
+
+    /// Says that `input` was decided by someone else, and refuses what was typed meanwhile.
+    async fn decided_elsewhere(&self, input: &PendingInput, decided: Option<keel::DecidedInput>) {
+        let how = match &decided {
+            Some(decided) => {
+                let when = keel_core::clock::relative(decided.at_ms, self.agent.engine().clock().now_ms());
+                format!("{} elsewhere, by {} {when}", decided.outcome, decided.by)
+            }
+            None => "decided elsewhere".to_owned(),
+        };
+        eprintln!("\n{} was {how}; the run goes on", input.id);
+        for typed in super::input::typed_already().await {
+            if !typed.trim().is_empty() {
+                eprintln!("your answer {:?} came too late: it changes nothing", typed.trim());
+            }
         }
     }
 }
 
-/// Asks the human on the terminal. `None` when stdin ends (the decision is left for later).
-async fn ask(input: &PendingInput) -> std::io::Result<Option<Decision>> {
-    let prompt = match &input.kind {
-        PendingKind::Approval { tool, input: tool_input } => {
-            format!("Allow {tool} {tool_input}? [y/N, or a reason to refuse] ")
-        }
-        PendingKind::Question { question } => format!("{question}\n> "),
-    };
-    let is_question = matches!(input.kind, PendingKind::Question { .. });
-    tokio::task::spawn_blocking(move || {
-        let mut stderr = std::io::stderr().lock();
-        write!(stderr, "{prompt}")?;
-        stderr.flush()?;
-        let mut line = String::new();
-        if std::io::stdin().read_line(&mut line)? == 0 {
-            return Ok(None);
-        }
-        let line = line.trim().to_owned();
-        let lower = line.to_ascii_lowercase();
-        Ok(Some(if is_question {
-            Decision::Answer(line)
-        } else if matches!(lower.as_str(), "y" | "yes") {
-            Decision::Approve { note: None }
-        } else {
-            // Anything but a plain "no" is the reason, and the model sees it.
-            Decision::Reject { note: (!matches!(lower.as_str(), "" | "n" | "no")).then_some(line) }
-        }))
-    })
-    .await
-    .unwrap_or_else(|join| Err(std::io::Error::other(join)))
+/// Whether the person pressed Ctrl-C during this command.
+static CTRL_C: AtomicBool = AtomicBool::new(false);
+
+/// How often a prompt checks whether another process decided what it asks.
+const DECIDED_ELSEWHERE_POLL: Duration = Duration::from_millis(250);
+
+/// How asking went.
+enum Asked {
+    /// Decided here.
+    Decided,
+    /// Someone else decided (or cancelled) it first.
+    Elsewhere,
+    /// stdin ended: the decision is left for later.
+    Later,
+}
+
+/// A typed answer as a decision: approvals take `y`/`yes`; anything but a plain no is the
+/// reason for refusing, and the model sees it.
+fn parse_answer(kind: &PendingKind, line: &str) -> Decision {
+    if matches!(kind, PendingKind::Question { .. }) {
+        return Decision::Answer(line.to_owned());
+    }
+    let lower = line.to_ascii_lowercase();
+    if matches!(lower.as_str(), "y" | "yes") {
+        Decision::Approve { note: None }
+    } else {
+        Decision::Reject { note: (!matches!(lower.as_str(), "" | "n" | "no")).then(|| line.to_owned()) }
+    }
 }
 
 /// Says what the paused run waits for and how to decide it.
@@ -231,6 +383,7 @@ pub(crate) async fn follow(mut handle: RunHandle, json: bool) -> std::io::Result
             },
             _ = &mut ctrl_c, if !interrupted => {
                 interrupted = true;
+                CTRL_C.store(true, Ordering::SeqCst);
                 handle.cancel();
             }
         }
@@ -243,11 +396,6 @@ pub(crate) async fn follow(mut handle: RunHandle, json: bool) -> std::io::Result
             StopReason::Cancelled => (exit::INTERRUPTED, Vec::new()),
             StopReason::AwaitingInput => (exit::AWAITING_INPUT, result.pending),
         },
-        // Another process drives the run now (it took the decision over): not a failure here.
-        Err(failure) if failure.code == ErrorCode::RunLeased => {
-            eprintln!("the run continues in another process: {}", failure.message);
-            (exit::OK, Vec::new())
-        }
-        Err(_) => (exit::RUN_FAILED, Vec::new()),
+        Err(failure) => (exit::for_failure(&failure), Vec::new()),
     })
 }

@@ -308,10 +308,10 @@ async fn decisions_made_while_the_run_is_still_busy_are_not_lost() {
         }
     }
     // Decided from "another process" (straight in the store) while `slow` still runs.
-    keel::record_decision(agent.store().as_ref(), &ids[1], keel::Decision::Approve { note: None })
+    keel::record_decision(agent.store().as_ref(), &ids[1], keel::Decision::Approve { note: None }, "test")
         .await
         .unwrap();
-    keel::record_decision(agent.store().as_ref(), &ids[0], keel::Decision::Reject { note: None })
+    keel::record_decision(agent.store().as_ref(), &ids[0], keel::Decision::Reject { note: None }, "test")
         .await
         .unwrap();
     let result = run.result().await.unwrap();

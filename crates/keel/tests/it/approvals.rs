@@ -136,7 +136,7 @@ fn parallel_approvals_are_decided_from_other_processes_in_any_order_and_never_as
 
     // A new input to the session is refused while it waits.
     let busy = keel(dir, &["run"]).arg(dir).args(["again", "--session", "s"]).output().unwrap();
-    assert_eq!(busy.status.code(), Some(3), "{busy:?}");
+    assert_eq!(busy.status.code(), Some(6), "{busy:?}");
     assert!(String::from_utf8_lossy(&busy.stderr).contains("KEEL_SESSION_BUSY"), "{busy:?}");
 
     // The second approval is decided first, from another process, without the agent.

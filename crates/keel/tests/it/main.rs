@@ -4,6 +4,7 @@ mod api;
 mod approvals;
 mod cli;
 mod durability;
+mod one_run;
 mod providers;
 mod serve;
 mod support;

@@ -13,7 +13,7 @@ use crate::support::agent_dir;
 
 /// A `keel serve` process, killed when dropped.
 pub(crate) struct Served {
-    child: Child,
+    pub(crate) child: Child,
     base: String,
 }
 
@@ -72,7 +72,7 @@ impl Drop for Served {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Sse {
     id: Option<String>,
-    event: Option<String>,
+    pub(crate) event: Option<String>,
     data: String,
 }
 

@@ -1,0 +1,131 @@
+//! Every `KEEL_*` environment variable, declared once.
+//!
+//! Code reads a variable by its constant here (`std::env::var(env::RUN_LEASE.name)`), never by a
+//! string of its own; `docs/configuration.md` has a row for each entry of [`ALL`], and a tidy test
+//! checks both ways. Reading the environment is the caller's business: this crate does no I/O.
+
+/// One environment variable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EnvVar {
+    /// Its name.
+    pub name: &'static str,
+    /// Who reads (or sets) it.
+    pub scope: Scope,
+    /// Its default, as documented.
+    pub default: &'static str,
+    /// What it does.
+    pub what: &'static str,
+}
+
+/// Who reads (or sets) a variable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// The `keel` command.
+    Cli,
+    /// `keel serve`.
+    Server,
+    /// The runtime, wherever it runs (the CLI, a server, a Rust program).
+    Runtime,
+    /// Set by keel in a command tool's environment, for the tool to read.
+    Tool,
+    /// Tests and benchmarks only.
+    Testing,
+}
+
+impl Scope {
+    /// The name used in the documentation table.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Cli => "cli",
+            Scope::Server => "server",
+            Scope::Runtime => "runtime",
+            Scope::Tool => "tool",
+            Scope::Testing => "testing",
+        }
+    }
+}
+
+/// Declares each variable once: a constant, and its entry in [`ALL`].
+macro_rules! env_vars {
+    ($($(#[doc = $doc:literal])* $constant:ident = $name:literal, $scope:ident, $default:literal, $what:literal;)*) => {
+        $($(#[doc = $doc])* pub const $constant: EnvVar =
+            EnvVar { name: $name, scope: Scope::$scope, default: $default, what: $what };)*
+
+        /// Every variable, in documentation order.
+        pub const ALL: &[EnvVar] = &[$($constant,)*];
+    };
+}
+
+env_vars! {
+    /// The store.
+    STORE = "KEEL_STORE", Cli, "`memory` for `keel run`/`chat`, `sqlite:.keel/keel.db` otherwise",
+        "where sessions, runs and journals live: `memory` or `sqlite:<path>` (same as `--store`)";
+    /// The log filter.
+    LOG = "KEEL_LOG", Cli, "`warn` (`info` for `keel serve`)",
+        "what is logged to stderr, as a tracing filter (`debug`, `keel_runtime=debug,warn`...)";
+    /// The log format.
+    LOG_FORMAT = "KEEL_LOG_FORMAT", Cli, "text", "`json` logs one JSON object per line, for log collectors";
+    /// The run lease.
+    RUN_LEASE = "KEEL_RUN_LEASE", Runtime, "`30s`",
+        "how long a run's lease lasts without a heartbeat: how soon a process on another machine may take \
+         over a run whose process died (on the same machine a dead process is noticed at once)";
+    /// The API token.
+    API_TOKEN = "KEEL_API_TOKEN", Server, "unset (no auth; loopback only)",
+        "every route but `/health` needs `Authorization: Bearer <token>`";
+    /// The JWT secret.
+    JWT_SECRET = "KEEL_JWT_SECRET", Server, "unset", "HS256/384/512 secret for per-user JWTs (sessions owned by `sub`)";
+    /// The JWKS.
+    JWT_JWKS = "KEEL_JWT_JWKS", Server, "unset",
+        "a JWKS file or http(s) URL for RS*/ES* JWTs (a URL is refetched every 10 minutes and on an unknown `kid`)";
+    /// The JWT issuer.
+    JWT_ISSUER = "KEEL_JWT_ISSUER", Server, "unset", "the `iss` JWTs must carry";
+    /// The JWT audience.
+    JWT_AUDIENCE = "KEEL_JWT_AUDIENCE", Server, "unset", "the `aud` JWTs must carry";
+    /// The rate limit.
+    RATE_LIMIT = "KEEL_RATE_LIMIT", Server, "unset (no limit)", "requests per minute per identity; beyond, `429`";
+    /// A tool call's idempotency key.
+    IDEMPOTENCY_KEY = "KEEL_IDEMPOTENCY_KEY", Tool, "",
+        "`<run_id>:<step>`, the same on every attempt of the call: dedupe side effects with it";
+    /// A tool call's run.
+    RUN_ID = "KEEL_RUN_ID", Tool, "", "the run the call belongs to";
+    /// A tool call's session.
+    SESSION_ID = "KEEL_SESSION_ID", Tool, "", "the session the call belongs to";
+    /// A tool call's id.
+    CALL_ID = "KEEL_CALL_ID", Tool, "", "the call's id";
+    /// Fault injection.
+    FAULT = "KEEL_FAULT", Testing, "unset",
+        "`<point>:<step>` aborts the process at that step boundary, for crash tests; only in debug builds or \
+         builds with the `fault-injection` feature";
+    /// Benchmark runs.
+    BENCH_RUNS = "KEEL_BENCH_RUNS", Testing, "", "runs per `--profile` pass of the tool-loop benchmark";
+    /// Load benchmark streams.
+    LOAD_STREAMS = "KEEL_LOAD_STREAMS", Testing, "", "live streams the load benchmark opens";
+    /// Load benchmark connections.
+    LOAD_CONNECTIONS = "KEEL_LOAD_CONNECTIONS", Testing, "", "connections the load benchmark's turns use";
+    /// Load benchmark seconds.
+    LOAD_SECONDS = "KEEL_LOAD_SECONDS", Testing, "", "how long each load benchmark phase runs";
+    /// Soak turns.
+    LOAD_SOAK_TURNS = "KEEL_LOAD_SOAK_TURNS", Testing, "", "turns of the load benchmark's soak";
+    /// Soak sessions.
+    LOAD_SOAK_SESSIONS = "KEEL_LOAD_SOAK_SESSIONS", Testing, "", "sessions the soak spreads its turns over";
+}
+
+/// The variable named `name`, if keel has one.
+pub fn find(name: &str) -> Option<&'static EnvVar> {
+    ALL.iter().find(|var| var.name == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_prefixed() {
+        let mut seen = std::collections::HashSet::new();
+        for var in ALL {
+            assert!(var.name.starts_with("KEEL_"), "{}", var.name);
+            assert!(seen.insert(var.name), "{} twice", var.name);
+            assert_eq!(find(var.name), Some(var));
+        }
+    }
+}

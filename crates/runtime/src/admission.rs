@@ -1,0 +1,170 @@
+//! Admission: which run of a session may go now, in this process.
+//!
+//! One session runs one run at a time. Across processes the store enforces it (a new run is
+//! refused while another is unfinished); within a process, [`Sessions`] decides what a second
+//! input does before it ever reaches the store, following the agent's `concurrency`: `reject`
+//! refuses it, `queue` lines it up (at most [`Concurrency::MAX_QUEUED`]), `replace` cancels the
+//! run in flight and every input still waiting, then lines it up. A waiting input is never
+//! dropped: a replaced one still runs, cancelled from its start, so that its input is stored.
+//! The session passes from one run to the next as its [`SessionClaim`] drops.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use foldhash::HashMap;
+use keel_core::{Concurrency, ErrorCode, RunFailure, RunId, SessionId};
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+/// The sessions with a run in flight in this process, and the inputs waiting for them.
+#[derive(Default)]
+pub(crate) struct Sessions {
+    busy: Mutex<HashMap<SessionId, SessionSlot>>,
+}
+
+/// A busy session: its run in flight (to cancel it) and who waits for it.
+struct SessionSlot {
+    run: RunId,
+    cancel: CancellationToken,
+    waiting: VecDeque<Waiting>,
+}
+
+/// An input waiting for its session.
+struct Waiting {
+    run: RunId,
+    handover: oneshot::Sender<SessionClaim>,
+    cancel: CancellationToken,
+}
+
+/// Whether a run may start now, or must wait for the session.
+pub(crate) enum Admission {
+    /// The session is the run's.
+    Now(SessionClaim),
+    /// The session will be handed over when the runs before this one end.
+    Wait(oneshot::Receiver<SessionClaim>),
+}
+
+/// Marks a session busy for as long as it lives; dropping it hands the session to the next
+/// waiting run.
+pub(crate) struct SessionClaim {
+    sessions: Arc<Sessions>,
+    session: SessionId,
+}
+
+impl Sessions {
+    fn lock(&self) -> MutexGuard<'_, HashMap<SessionId, SessionSlot>> {
+        self.busy.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Admits `run` to `session` according to `mode`: now, after the runs before it (queue,
+    /// replace), or not at all (`KEEL_SESSION_BUSY`). `cancel` is the run's token: a later
+    /// `replace` cancels it.
+    pub(crate) fn admit(
+        self: &Arc<Self>,
+        session: &SessionId,
+        run: &RunId,
+        cancel: &CancellationToken,
+        mode: Concurrency,
+    ) -> Result<Admission, RunFailure> {
+        let mut busy = self.lock();
+        let Some(slot) = busy.get_mut(session) else {
+            let slot = SessionSlot { run: run.clone(), cancel: cancel.clone(), waiting: VecDeque::new() };
+            busy.insert(session.clone(), slot);
+            return Ok(Admission::Now(SessionClaim { sessions: Arc::clone(self), session: session.clone() }));
+        };
+        let busy_error = |why: &str| {
+            RunFailure::new(
+                ErrorCode::SessionBusy,
+                format!("session {} already has a run in flight{why}", session.external()),
+            )
+        };
+        let (handover, wait) = oneshot::channel();
+        let waiting = Waiting { run: run.clone(), handover, cancel: cancel.clone() };
+        match mode {
+            Concurrency::Reject => {
+                return Err(busy_error(&format!(
+                    " ({}); wait for it to finish or cancel it (`keel cancel {}`)",
+                    slot.run,
+                    session.external()
+                )));
+            }
+            Concurrency::Queue if slot.waiting.len() >= Concurrency::MAX_QUEUED => {
+                return Err(busy_error(&format!(
+                    " and {} inputs waiting, the most `concurrency: queue` allows",
+                    Concurrency::MAX_QUEUED
+                )));
+            }
+            Concurrency::Queue => {}
+            Concurrency::Replace => {
+                // The newest input wins: the run in flight and every input still waiting give
+                // way. The waiting ones keep their place: each runs, cancelled from its start,
+                // so that its input is in the transcript.
+                slot.cancel.cancel();
+                for waiting in &slot.waiting {
+                    waiting.cancel.cancel();
+                }
+            }
+        }
+        slot.waiting.push_back(waiting);
+        Ok(Admission::Wait(wait))
+    }
+
+    /// Claims the session now for `run`, or says it is busy (re-driving a run never waits).
+    pub(crate) fn claim(
+        self: &Arc<Self>,
+        session: &SessionId,
+        run: &RunId,
+        cancel: &CancellationToken,
+    ) -> Result<SessionClaim, RunFailure> {
+        match self.admit(session, run, cancel, Concurrency::Reject)? {
+            Admission::Now(claim) => Ok(claim),
+            Admission::Wait(_) => unreachable!("reject never waits"),
+        }
+    }
+
+    /// Whether `session` has a run in flight here.
+    pub(crate) fn is_busy(&self, session: &SessionId) -> bool {
+        self.lock().contains_key(session)
+    }
+
+    /// Cancels `session`'s run in flight here; whether there was one.
+    pub(crate) fn cancel_session(&self, session: &SessionId) -> bool {
+        self.lock().get(session).map(|slot| slot.cancel.cancel()).is_some()
+    }
+
+    /// Cancels the runs named, where they are in flight here (another process asked).
+    pub(crate) fn cancel_runs(&self, runs: &[RunId]) {
+        for slot in self.lock().values() {
+            if runs.contains(&slot.run) {
+                slot.cancel.cancel();
+            }
+        }
+    }
+}
+
+impl Drop for SessionClaim {
+    /// Hands the session to the next waiting run, or frees it.
+    fn drop(&mut self) {
+        let next = {
+            let mut busy = self.sessions.lock();
+            let Some(slot) = busy.get_mut(&self.session) else { return };
+            match slot.waiting.pop_front() {
+                Some(Waiting { run, handover, cancel }) => {
+                    slot.run = run;
+                    slot.cancel = cancel;
+                    Some(handover)
+                }
+                None => {
+                    busy.remove(&self.session);
+                    None
+                }
+            }
+        };
+        // Outside the lock: a refused handover is dropped here, and hands over to the next in
+        // line.
+        if let Some(handover) = next {
+            let claim = SessionClaim { sessions: Arc::clone(&self.sessions), session: self.session.clone() };
+            drop(handover.send(claim));
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! The seam between keel's store rules and where data lives.
+//!
+//! A backend implements storage operations only ([`Tx`]: read this row, write that one) and a way
+//! to run a batch of them as one transaction ([`Backend`]). It decides nothing: whether a session
+//! is busy, whether a lease still fences a writer, whether a decision may be taken, is decided by
+//! [`crate::rules`] on top of any backend, and [`Ruled`] puts the two together into a
+//! [`keel_core::Store`]. A new backend (PostgreSQL) is a new [`Tx`], run by the same conformance
+//! suite; it cannot get the rules wrong because it never sees them.
+
+use std::sync::Arc;
+
+use keel_core::journal::JournalEntry;
+use keel_core::{
+    BoxFuture, Clock, DecidedInput, Message, PendingInput, RunId, RunRecord, RunState, SessionId,
+    SessionSummary, StepName, StoreError, Usage,
+};
+
+/// What a backend keeps about a run besides its [`RunRecord`]: where it is, who drives it, and
+/// whether someone asked it to stop. Read and written whole.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunControl {
+    /// The run's session.
+    pub session: SessionId,
+    /// Where the run is.
+    pub state: RunState,
+    /// Who holds (or last held) its lease.
+    pub owner: Option<Arc<str>>,
+    /// Until when, in milliseconds since the Unix epoch (0: released).
+    pub lease_expires_ms: u64,
+    /// Bumped by every claim: a commit names the epoch it was claimed at.
+    pub epoch: u64,
+    /// Claims since the run last committed a step.
+    pub attempts: u32,
+    /// Who asked to cancel the run, if someone did.
+    pub cancel_requested_by: Option<String>,
+}
+
+/// Storage operations, inside one transaction (or one consistent read). Every method reads or
+/// writes exactly what it says; none checks a rule. Writes are only called after the rules'
+/// checks passed, so a backend without rollback (memory) stays consistent as long as its writes
+/// cannot fail.
+pub trait Tx {
+    /// How many messages the session has (0 for an unknown session).
+    fn message_count(&mut self, session: &SessionId) -> Result<u64, StoreError>;
+    /// The run that wrote the message at `position`, if there is one.
+    fn message_writer(&mut self, session: &SessionId, position: u64) -> Result<Option<RunId>, StoreError>;
+    /// Appends messages at the end of the session (`first_position` is its message count),
+    /// creating the session if needed.
+    fn append_messages(
+        &mut self,
+        session: &SessionId,
+        run: &RunId,
+        first_position: u64,
+        messages: Vec<Arc<Message>>,
+        now_ms: u64,
+    ) -> Result<(), StoreError>;
+    /// The whole transcript.
+    fn messages(&mut self, session: &SessionId) -> Result<Vec<Arc<Message>>, StoreError>;
+    /// Adds a model call's tokens to the session's totals, creating the session if needed.
+    fn add_usage(&mut self, session: &SessionId, usage: Usage, now_ms: u64) -> Result<(), StoreError>;
+    /// Replaces the session's state object, creating the session if needed.
+    fn set_session_state(
+        &mut self,
+        session: &SessionId,
+        state: &serde_json::Value,
+        now_ms: u64,
+    ) -> Result<(), StoreError>;
+    /// The session's state object.
+    fn session_state(&mut self, session: &SessionId) -> Result<Option<serde_json::Value>, StoreError>;
+    /// One session's summary.
+    fn session_summary(&mut self, session: &SessionId) -> Result<Option<SessionSummary>, StoreError>;
+    /// Every session, most recently written first.
+    fn sessions(&mut self) -> Result<Vec<SessionSummary>, StoreError>;
+    /// Deletes the session and everything of it: messages, runs, journals, pending and decided
+    /// inputs. Returns whether there was anything.
+    fn delete_session(&mut self, session: &SessionId) -> Result<bool, StoreError>;
+
+    /// Stores a new run.
+    fn insert_run(&mut self, record: &RunRecord, control: &RunControl, now_ms: u64)
+    -> Result<(), StoreError>;
+    /// A run's record (its state as in its control).
+    fn run(&mut self, run: &RunId) -> Result<Option<RunRecord>, StoreError>;
+    /// A run's control.
+    fn control(&mut self, run: &RunId) -> Result<Option<RunControl>, StoreError>;
+    /// Replaces a run's control.
+    fn set_control(&mut self, run: &RunId, control: &RunControl, now_ms: u64) -> Result<(), StoreError>;
+    /// The runs not finished: all, or `session`'s; oldest first (run ids are time-ordered).
+    fn open_runs(&mut self, session: Option<&SessionId>) -> Result<Vec<(RunId, RunControl)>, StoreError>;
+
+    /// Whether the run's journal has a record for `step`.
+    fn has_step(&mut self, run: &RunId, step: &StepName) -> Result<bool, StoreError>;
+    /// Appends a record (the caller checked that the step has none).
+    fn append_journal(&mut self, run: &RunId, entry: JournalEntry) -> Result<(), StoreError>;
+    /// The run's journal, in write order.
+    fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError>;
+    /// Drops the journals of finished runs; returns how many records went.
+    fn compact_journals(&mut self) -> Result<u64, StoreError>;
+
+    /// A pending input.
+    fn pending(&mut self, id: &str) -> Result<Option<PendingInput>, StoreError>;
+    /// The pending inputs, all or `session`'s, oldest first (ties: the order they were stored).
+    fn pending_list(&mut self, session: Option<&SessionId>) -> Result<Vec<PendingInput>, StoreError>;
+    /// Stores a pending input (the caller checked that its id is free).
+    fn insert_pending(&mut self, pending: &PendingInput) -> Result<(), StoreError>;
+    /// Removes a pending input.
+    fn delete_pending(&mut self, id: &str) -> Result<(), StoreError>;
+    /// What became of an input that is no longer pending.
+    fn decided(&mut self, id: &str) -> Result<Option<DecidedInput>, StoreError>;
+    /// Remembers what became of an input (replacing what was remembered).
+    fn insert_decided(&mut self, decided: &DecidedInput) -> Result<(), StoreError>;
+
+    /// The last tick a schedule fired for.
+    fn schedule_last_fire(&mut self, name: &str) -> Result<Option<u64>, StoreError>;
+    /// Records a schedule's last tick.
+    fn set_schedule_last_fire(&mut self, name: &str, tick_ms: u64) -> Result<(), StoreError>;
+}
+
+/// Work done inside a transaction.
+pub type Work<T> = Box<dyn FnOnce(&mut dyn Tx) -> Result<T, StoreError> + Send>;
+
+/// Where data lives: runs [`Work`] as one transaction.
+pub trait Backend: Send + Sync + 'static {
+    /// Runs `work` as one write transaction: all of its writes or none. Work that fails leaves
+    /// nothing behind.
+    fn write<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>>;
+
+    /// Runs `work` as one read: it sees every write whose call has returned, and writes nothing.
+    fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>>;
+}
+
+/// A backend under keel's store rules: the [`keel_core::Store`] every backend becomes.
+pub struct Ruled<B> {
+    pub(crate) backend: B,
+    pub(crate) clock: Arc<dyn Clock>,
+}
+
+impl<B: Backend> Ruled<B> {
+    /// `backend` under the rules, reading time from `clock`.
+    pub fn with_backend(backend: B, clock: Arc<dyn Clock>) -> Ruled<B> {
+        Ruled { backend, clock }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+}

@@ -1,0 +1,557 @@
+//! The store's rules, written once above every backend.
+//!
+//! Each rule is a function over [`Tx`] storage operations, run inside one backend transaction:
+//! it reads what it needs, checks everything, and only then writes (so a backend without
+//! rollback stays consistent). The rules:
+//!
+//! - **One run per session.** A new run is refused ([`StoreError::Busy`]) while its session has
+//!   any unfinished run: in flight, interrupted (to be resumed first), or paused for a human.
+//! - **Fencing.** A commit under a [`keel_core::Fence`] writes nothing unless the run's lease
+//!   still has that owner and epoch; every claim bumps the epoch.
+//! - **Idempotent writes.** The first journal record of a step wins; a message position written
+//!   by the same run is skipped, by another run (or past the end) is a conflict.
+//! - **A decision is taken once**, journaled with the removal of its pending input, and
+//!   remembered with who took it; a decided input is never asked again.
+//! - **A finished run drops its pending inputs** (remembered as closed), and a run whose
+//!   cancellation was requested asks for nothing more.
+//! - **Poison runs end.** A claim counts the claims since the run last committed; past
+//!   [`MAX_CLAIMS_WITHOUT_PROGRESS`] the claim itself fails the run.
+//!
+//! [`Ruled`] implements [`Store`] by running these rules (and plain reads) through its backend.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_core::journal::{JournalEntry, JournalRecord};
+use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, decision_outcome};
+use keel_core::{
+    BoxFuture, Claim, Committed, DecidedInput, Decision, LeaseStatus, Message, OpenRun, PendingInput, RunId,
+    RunRecord, RunState, SessionId, SessionSummary, StepCommit, Store, StoreError,
+};
+
+use crate::backend::{Backend, Ruled, RunControl, Tx, Work};
+
+/// A [`StepCommit`] with its data owned, so that it can travel to a backend's writer.
+struct OwnedCommit {
+    session: SessionId,
+    run: RunId,
+    new_run: Option<RunRecord>,
+    entry: Option<JournalEntry>,
+    first_position: u64,
+    messages: Vec<Arc<Message>>,
+    state: Option<RunState>,
+    session_state: Option<serde_json::Value>,
+    pending: Vec<PendingInput>,
+    fence: Option<(String, u64, Duration)>,
+}
+
+impl OwnedCommit {
+    fn new(commit: &StepCommit<'_>) -> OwnedCommit {
+        OwnedCommit {
+            session: commit.session.clone(),
+            run: commit.run.clone(),
+            new_run: commit.new_run.cloned(),
+            entry: commit.entry.cloned(),
+            first_position: commit.first_position,
+            messages: commit.messages.to_vec(),
+            state: commit.state,
+            session_state: commit.session_state.cloned(),
+            pending: commit.pending.to_vec(),
+            fence: commit.fence.map(|f| (f.owner.to_owned(), f.epoch, f.ttl)),
+        }
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The run as recovery and busy checks see it.
+fn open_run(run: RunId, control: RunControl) -> OpenRun {
+    OpenRun {
+        run_id: run,
+        session_id: control.session,
+        state: control.state,
+        owner: control.owner.map(|o| o.to_string()),
+        lease_expires_ms: control.lease_expires_ms,
+        cancel_requested_by: control.cancel_requested_by,
+        attempts: control.attempts,
+    }
+}
+
+/// Checks that appending `count` messages at `first` is a valid (possibly repeated) append by
+/// `run`. Returns how many of them are stored already.
+fn check_messages(
+    tx: &mut dyn Tx,
+    session: &SessionId,
+    run: &RunId,
+    first: u64,
+    count: usize,
+) -> Result<u64, StoreError> {
+    if count == 0 {
+        return Ok(0);
+    }
+    let stored = tx.message_count(session)?;
+    if first > stored {
+        return Err(StoreError::Conflict(format!(
+            "position {first} of session {session} is past its end ({stored})"
+        )));
+    }
+    let repeated = (stored - first).min(count as u64);
+    for position in first..first + repeated {
+        let writer = tx.message_writer(session, position)?;
+        if writer.as_ref() != Some(run) {
+            let writer = writer.map_or_else(|| "nobody".to_owned(), |w| w.to_string());
+            return Err(StoreError::Conflict(format!(
+                "position {position} of session {session} was written by {writer}, not {run}"
+            )));
+        }
+    }
+    Ok(repeated)
+}
+
+/// Removes the run's pending inputs, remembering them as `outcome` by `by`.
+fn close_pending(
+    tx: &mut dyn Tx,
+    run: &RunId,
+    session: &SessionId,
+    outcome: &str,
+    by: &str,
+    now_ms: u64,
+) -> Result<(), StoreError> {
+    for pending in tx.pending_list(Some(session))?.into_iter().filter(|p| &p.run_id == run) {
+        tx.delete_pending(&pending.id)?;
+        tx.insert_decided(&DecidedInput {
+            id: pending.id,
+            run_id: pending.run_id,
+            session_id: pending.session_id,
+            outcome: outcome.to_owned(),
+            by: by.to_owned(),
+            at_ms: now_ms,
+        })?;
+    }
+    Ok(())
+}
+
+fn commit_step(tx: &mut dyn Tx, commit: OwnedCommit, now_ms: u64) -> Result<Committed, StoreError> {
+    let OwnedCommit {
+        session,
+        run,
+        new_run,
+        entry,
+        first_position,
+        messages,
+        state,
+        session_state,
+        pending,
+        fence,
+    } = commit;
+    // Checks: nothing is written unless all pass.
+    let mut control = match &new_run {
+        Some(record) => {
+            if record.run_id != run || record.session_id != session {
+                return Err(StoreError::Conflict(format!("run {run} is not the run its commit creates")));
+            }
+            if tx.control(&run)?.is_some() {
+                return Err(StoreError::Conflict(format!("run {run} already exists")));
+            }
+            if let Some((other, control)) = tx.open_runs(Some(&session))?.into_iter().next() {
+                return Err(StoreError::Busy(open_run(other, control).busy_message(now_ms)));
+            }
+            RunControl {
+                session: session.clone(),
+                state: record.state,
+                owner: fence.as_ref().map(|(owner, _, _)| Arc::from(owner.as_str())),
+                lease_expires_ms: 0,
+                epoch: fence.as_ref().map_or(0, |(_, epoch, _)| *epoch),
+                attempts: 0,
+                cancel_requested_by: None,
+            }
+        }
+        None => {
+            let Some(control) = tx.control(&run)? else {
+                return Err(StoreError::NotFound(format!("run {run}")));
+            };
+            if control.session != session {
+                return Err(StoreError::Conflict(format!(
+                    "run {run} belongs to session {}, not {session}",
+                    control.session
+                )));
+            }
+            if let Some((owner, epoch, _)) = &fence
+                && (control.owner.as_deref() != Some(owner.as_str()) || control.epoch != *epoch)
+            {
+                return Err(StoreError::LeaseLost(format!(
+                    "run {run} is no longer leased to {owner} at epoch {epoch}"
+                )));
+            }
+            control
+        }
+    };
+    let repeated = check_messages(tx, &session, &run, first_position, messages.len())?;
+
+    // Writes. Whatever is new is progress: the run got past a step, so it is no step closer to
+    // being poisoned. A replay that only repeats what is stored is not.
+    let mut progressed = new_run.is_some() || state.is_some() || session_state.is_some();
+    if let Some(state) = state {
+        control.state = state;
+        if state != RunState::Running {
+            control.lease_expires_ms = 0;
+        }
+    }
+    if let Some((_, _, ttl)) = fence
+        && control.state == RunState::Running
+    {
+        control.lease_expires_ms = now_ms.saturating_add(millis(ttl));
+    }
+    if let Some(record) = &new_run {
+        tx.insert_run(record, &control, now_ms)?;
+    }
+    if let Some(entry) = entry
+        && !tx.has_step(&run, &entry.step)?
+    {
+        if let JournalRecord::ModelReply(reply) = &entry.record {
+            tx.add_usage(&session, reply.usage, now_ms)?;
+        }
+        tx.append_journal(&run, entry)?;
+        progressed = true;
+    }
+    if repeated < messages.len() as u64 {
+        let mut messages = messages;
+        messages.drain(..repeated as usize);
+        tx.append_messages(&session, &run, first_position + repeated, messages, now_ms)?;
+        progressed = true;
+    }
+    if let Some(value) = &session_state {
+        tx.set_session_state(&session, value, now_ms)?;
+    }
+    if control.cancel_requested_by.is_none() {
+        for asked in &pending {
+            if tx.pending(&asked.id)?.is_none() && !tx.has_step(&run, &asked.step())? {
+                tx.insert_pending(asked)?;
+                progressed = true;
+            }
+        }
+    }
+    if let Some(state) = state
+        && state.is_terminal()
+    {
+        close_pending(tx, &run, &session, "closed", &format!("the run ended {}", state.as_str()), now_ms)?;
+    }
+    if progressed {
+        control.attempts = 0;
+    }
+    if new_run.is_none() && (progressed || fence.is_some()) {
+        tx.set_control(&run, &control, now_ms)?;
+    }
+    Ok(Committed { cancel_requested: control.cancel_requested_by.is_some() })
+}
+
+fn claim_run(
+    tx: &mut dyn Tx,
+    run: &RunId,
+    owner: &str,
+    ttl: Duration,
+    takeover: Option<&str>,
+    now_ms: u64,
+) -> Result<Claim, StoreError> {
+    let Some(mut control) = tx.control(run)? else {
+        return Err(StoreError::NotFound(format!("run {run}")));
+    };
+    if control.state.is_terminal() {
+        return Ok(Claim::Finished);
+    }
+    let holder = control.owner.as_deref();
+    let held_by_another = control.state == RunState::Running
+        && control.lease_expires_ms > now_ms
+        && holder.is_some_and(|holder| holder != owner && Some(holder) != takeover);
+    if held_by_another {
+        return Ok(Claim::Held {
+            owner: holder.unwrap_or_default().to_owned(),
+            expires_ms: control.lease_expires_ms,
+        });
+    }
+    control.epoch += 1;
+    control.owner = Some(Arc::from(owner));
+    control.lease_expires_ms = now_ms.saturating_add(millis(ttl));
+    control.attempts = control.attempts.saturating_add(1);
+    if control.attempts > MAX_CLAIMS_WITHOUT_PROGRESS {
+        // The runtime's own attempts to end the run cleanly died too: stop here.
+        control.state = RunState::Failed;
+        control.lease_expires_ms = 0;
+        let session = control.session.clone();
+        close_pending(tx, run, &session, "closed", "the run was poisoned", now_ms)?;
+        tx.set_control(run, &control, now_ms)?;
+        return Ok(Claim::Poisoned);
+    }
+    tx.set_control(run, &control, now_ms)?;
+    Ok(Claim::Claimed {
+        epoch: control.epoch,
+        attempt: control.attempts,
+        cancel_requested: control.cancel_requested_by.is_some(),
+    })
+}
+
+fn renew_lease(
+    tx: &mut dyn Tx,
+    run: &RunId,
+    owner: &str,
+    epoch: u64,
+    ttl: Duration,
+    now_ms: u64,
+) -> Result<LeaseStatus, StoreError> {
+    let Some(mut control) = tx.control(run)? else { return Ok(LeaseStatus::Lost) };
+    if control.owner.as_deref() != Some(owner) || control.epoch != epoch {
+        return Ok(LeaseStatus::Lost);
+    }
+    control.lease_expires_ms = now_ms.saturating_add(millis(ttl));
+    tx.set_control(run, &control, now_ms)?;
+    Ok(LeaseStatus::Held { cancel_requested: control.cancel_requested_by.is_some() })
+}
+
+fn request_cancel(
+    tx: &mut dyn Tx,
+    session: &SessionId,
+    by: &str,
+    now_ms: u64,
+) -> Result<Option<OpenRun>, StoreError> {
+    let mut first = None;
+    for (run, mut control) in tx.open_runs(Some(session))? {
+        let before = open_run(run.clone(), control.clone());
+        control.cancel_requested_by.get_or_insert_with(|| by.to_owned());
+        if control.state == RunState::AwaitingInput {
+            // Nobody drives a paused run: make it re-drivable, so that the next process to
+            // drive the session ends it (its open calls get "cancelled" results).
+            close_pending(tx, &run, session, "cancelled", by, now_ms)?;
+            control.state = RunState::Running;
+            control.lease_expires_ms = 0;
+        }
+        tx.set_control(&run, &control, now_ms)?;
+        first.get_or_insert(before);
+    }
+    Ok(first)
+}
+
+fn decide(
+    tx: &mut dyn Tx,
+    id: &str,
+    decision: Decision,
+    by: &str,
+    now_ms: u64,
+) -> Result<PendingInput, StoreError> {
+    let Some(pending) = tx.pending(id)? else {
+        return Err(match tx.decided(id)? {
+            Some(decided) => StoreError::NotPending(decided.refusal(now_ms)),
+            None => StoreError::not_pending(id),
+        });
+    };
+    let run = pending.run_id.clone();
+    let step = pending.step();
+    tx.delete_pending(id)?;
+    tx.insert_decided(&DecidedInput {
+        id: id.to_owned(),
+        run_id: run.clone(),
+        session_id: pending.session_id.clone(),
+        outcome: decision_outcome(&decision).to_owned(),
+        by: by.to_owned(),
+        at_ms: now_ms,
+    })?;
+    if !tx.has_step(&run, &step)? {
+        tx.append_journal(&run, JournalEntry { step, record: JournalRecord::Decision(decision) })?;
+    }
+    if let Some(mut control) = tx.control(&run)?
+        && control.state == RunState::AwaitingInput
+    {
+        // Re-drivable by any process at once.
+        control.state = RunState::Running;
+        control.lease_expires_ms = 0;
+        tx.set_control(&run, &control, now_ms)?;
+    }
+    Ok(pending)
+}
+
+fn claim_schedule_tick(tx: &mut dyn Tx, name: &str, tick_ms: u64) -> Result<bool, StoreError> {
+    if tx.schedule_last_fire(name)?.is_some_and(|last| last >= tick_ms) {
+        return Ok(false);
+    }
+    tx.set_schedule_last_fire(name, tick_ms)?;
+    Ok(true)
+}
+
+impl<B: Backend> Ruled<B> {
+    fn write<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&mut dyn Tx, u64) -> Result<T, StoreError> + Send + 'static,
+    ) -> BoxFuture<'static, Result<T, StoreError>> {
+        let clock = Arc::clone(&self.clock);
+        // The time is read inside the transaction: a write that waited for its turn decides
+        // with the time it is applied at.
+        let work: Work<T> = Box::new(move |tx| work(tx, clock.now_ms()));
+        self.backend.write(work)
+    }
+
+    fn read<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&mut dyn Tx) -> Result<T, StoreError> + Send + 'static,
+    ) -> BoxFuture<'static, Result<T, StoreError>> {
+        self.backend.read(Box::new(work))
+    }
+}
+
+impl<B: Backend> Store for Ruled<B> {
+    fn load_messages<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Vec<Arc<Message>>, StoreError>> {
+        let session = session.clone();
+        self.read(move |tx| tx.messages(&session))
+    }
+
+    fn load_session_state<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Option<serde_json::Value>, StoreError>> {
+        let session = session.clone();
+        self.read(move |tx| tx.session_state(&session))
+    }
+
+    fn load_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<RunRecord>, StoreError>> {
+        let run = run.clone();
+        self.read(move |tx| tx.run(&run))
+    }
+
+    fn load_journal<'a>(
+        &'a self,
+        run: &'a RunId,
+    ) -> BoxFuture<'a, Result<Vec<keel_core::journal::JournalEntry>, StoreError>> {
+        let run = run.clone();
+        self.read(move |tx| tx.journal(&run))
+    }
+
+    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<Committed, StoreError>> {
+        let commit = OwnedCommit::new(&commit);
+        self.write(move |tx, now| commit_step(tx, commit, now))
+    }
+
+    fn claim_run<'a>(
+        &'a self,
+        run: &'a RunId,
+        owner: &'a str,
+        ttl: Duration,
+        takeover: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        let (run, owner, takeover) = (run.clone(), owner.to_owned(), takeover.map(str::to_owned));
+        self.write(move |tx, now| claim_run(tx, &run, &owner, ttl, takeover.as_deref(), now))
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        run: &'a RunId,
+        owner: &'a str,
+        epoch: u64,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<LeaseStatus, StoreError>> {
+        let (run, owner) = (run.clone(), owner.to_owned());
+        self.write(move |tx, now| renew_lease(tx, &run, &owner, epoch, ttl, now))
+    }
+
+    fn open_runs<'a>(
+        &'a self,
+        session: Option<&'a SessionId>,
+    ) -> BoxFuture<'a, Result<Vec<OpenRun>, StoreError>> {
+        let session = session.cloned();
+        self.read(move |tx| {
+            Ok(tx
+                .open_runs(session.as_ref())?
+                .into_iter()
+                .map(|(run, control)| open_run(run, control))
+                .collect())
+        })
+    }
+
+    fn cancel_requests<'a>(&'a self, owner: &'a str) -> BoxFuture<'a, Result<Vec<RunId>, StoreError>> {
+        let owner = owner.to_owned();
+        self.read(move |tx| {
+            Ok(tx
+                .open_runs(None)?
+                .into_iter()
+                .filter(|(_, c)| {
+                    c.cancel_requested_by.is_some() && c.owner.as_deref() == Some(owner.as_str())
+                })
+                .map(|(run, _)| run)
+                .collect())
+        })
+    }
+
+    fn request_cancel<'a>(
+        &'a self,
+        session: &'a SessionId,
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<Option<OpenRun>, StoreError>> {
+        let (session, by) = (session.clone(), by.to_owned());
+        self.write(move |tx, now| request_cancel(tx, &session, &by, now))
+    }
+
+    fn pending_inputs<'a>(
+        &'a self,
+        session: Option<&'a SessionId>,
+    ) -> BoxFuture<'a, Result<Vec<PendingInput>, StoreError>> {
+        let session = session.cloned();
+        self.read(move |tx| tx.pending_list(session.as_ref()))
+    }
+
+    fn pending_input<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<PendingInput>, StoreError>> {
+        let id = id.to_owned();
+        self.read(move |tx| tx.pending(&id))
+    }
+
+    fn decided_input<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<DecidedInput>, StoreError>> {
+        let id = id.to_owned();
+        self.read(move |tx| tx.decided(&id))
+    }
+
+    fn decide<'a>(
+        &'a self,
+        id: &'a str,
+        decision: &'a Decision,
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<PendingInput, StoreError>> {
+        let (id, decision, by) = (id.to_owned(), decision.clone(), by.to_owned());
+        self.write(move |tx, now| decide(tx, &id, decision, &by, now))
+    }
+
+    fn compact_journals(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.write(|tx, _| tx.compact_journals())
+    }
+
+    fn claim_schedule_tick<'a>(
+        &'a self,
+        name: &'a str,
+        tick_ms: u64,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let name = name.to_owned();
+        self.write(move |tx, _| claim_schedule_tick(tx, &name, tick_ms))
+    }
+
+    fn schedule_last_fire<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        let name = name.to_owned();
+        self.read(move |tx| tx.schedule_last_fire(&name))
+    }
+
+    fn session_summary<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<Option<SessionSummary>, StoreError>> {
+        let session = session.clone();
+        self.read(move |tx| tx.session_summary(&session))
+    }
+
+    fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
+        self.read(|tx| tx.sessions())
+    }
+
+    fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let session = session.clone();
+        self.write(move |tx, _| tx.delete_session(&session))
+    }
+}
