@@ -78,9 +78,9 @@ env_vars! {
     JWT_JWKS = "KEEL_JWT_JWKS", Server, "unset",
         "a JWKS file or http(s) URL for RS*/ES* JWTs (a URL is refetched every 10 minutes and on an unknown `kid`)";
     /// The JWT issuer.
-    JWT_ISSUER = "KEEL_JWT_ISSUER", Server, "unset", "the `iss` JWTs must carry";
+    JWT_ISSUER = "KEEL_JWT_ISSUER", Server, "unset", "the issuer (`iss`) JWTs are checked against";
     /// The JWT audience.
-    JWT_AUDIENCE = "KEEL_JWT_AUDIENCE", Server, "unset", "the `aud` JWTs must carry";
+    JWT_AUDIENCE = "KEEL_JWT_AUDIENCE", Server, "unset", "the audience (`aud`) JWTs are checked against";
     /// The rate limit.
     RATE_LIMIT = "KEEL_RATE_LIMIT", Server, "unset (no limit)", "requests per minute per identity; beyond, `429`";
     /// A tool call's idempotency key.
@@ -96,6 +96,11 @@ env_vars! {
     FAULT = "KEEL_FAULT", Testing, "unset",
         "`<point>:<step>` aborts the process at that step boundary, for crash tests; only in debug builds or \
          builds with the `fault-injection` feature";
+    /// Model test iterations.
+    MODEL_ITERATIONS = "KEEL_MODEL_ITERATIONS", Testing, "3",
+        "iterations of the model-based concurrency test (`tests/it/model.rs`)";
+    /// Model test seed.
+    MODEL_SEED = "KEEL_MODEL_SEED", Testing, "random", "the first seed of the model-based concurrency test";
     /// Benchmark runs.
     BENCH_RUNS = "KEEL_BENCH_RUNS", Testing, "", "runs per `--profile` pass of the tool-loop benchmark";
     /// Load benchmark streams.

@@ -42,8 +42,8 @@ pub use ids::{RunId, SessionId, StepName};
 pub use message::{Message, Part, Role};
 pub use provider::{DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind};
 pub use store::{
-    Claim, Committed, DecidedInput, Fence, LeaseStatus, OpenRun, RunRecord, RunState, SessionSummary,
-    StepCommit, Store, StoreError,
+    Claim, Committed, DecidedInput, Fence, LeaseStatus, OpenRun, RunRecord, RunState, SessionSnapshot,
+    SessionSummary, StepCommit, Store, StoreError,
 };
 pub use tool::{ApprovalRule, SessionState, Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
 

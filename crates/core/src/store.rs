@@ -361,6 +361,18 @@ pub fn decision_outcome(decision: &Decision) -> &'static str {
     }
 }
 
+/// A session as a new run starts from it, read at once: its transcript, its state object, and
+/// its unfinished run, if it has one.
+#[derive(Clone, Debug, Default)]
+pub struct SessionSnapshot {
+    /// The whole transcript.
+    pub messages: Vec<Arc<Message>>,
+    /// The state object (`None` when no tool ever set one).
+    pub state: Option<serde_json::Value>,
+    /// The session's unfinished run.
+    pub open_run: Option<OpenRun>,
+}
+
 /// Persistence for sessions, runs and journals.
 ///
 /// Implemented once, in `keel-store`, over storage backends; the runtime, the server and the CLI
@@ -374,6 +386,13 @@ pub trait Store: Send + Sync {
         &'a self,
         session: &'a SessionId,
     ) -> BoxFuture<'a, Result<Vec<Arc<Message>>, StoreError>>;
+
+    /// The session's transcript, state object and unfinished run, in one consistent read: what
+    /// a new run starts from.
+    fn load_session<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<SessionSnapshot, StoreError>>;
 
     /// The session's state object (`None` when no tool ever set one).
     fn load_session_state<'a>(

@@ -49,7 +49,7 @@ impl Server {
         );
         let mut child = Command::new("sh")
             .args(["-c", &script])
-            .env("KEEL_LOG", "error")
+            .env(keel_core::env::LOG.name, "error")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -357,11 +357,11 @@ fn main() {
     std::fs::create_dir_all(&agent).unwrap();
     // No script: the mock echoes the input, a short turn.
     std::fs::write(agent.join("agent.yaml"), "name: load\nmodel: mock\n").unwrap();
-    let streams_count = env_or("KEEL_LOAD_STREAMS", if quick { 500 } else { 20_000 });
-    let seconds = env_or("KEEL_LOAD_SECONDS", if quick { 2 } else { 10 });
-    let connections = env_or("KEEL_LOAD_CONNECTIONS", 32);
-    let soak_turns = env_or("KEEL_LOAD_SOAK_TURNS", if quick { 5_000 } else { 200_000 });
-    let soak_sessions = env_or("KEEL_LOAD_SOAK_SESSIONS", if quick { 200 } else { 2_000 });
+    let streams_count = env_or(keel_core::env::LOAD_STREAMS.name, if quick { 500 } else { 20_000 });
+    let seconds = env_or(keel_core::env::LOAD_SECONDS.name, if quick { 2 } else { 10 });
+    let connections = env_or(keel_core::env::LOAD_CONNECTIONS.name, 32);
+    let soak_turns = env_or(keel_core::env::LOAD_SOAK_TURNS.name, if quick { 5_000 } else { 200_000 });
+    let soak_sessions = env_or(keel_core::env::LOAD_SOAK_SESSIONS.name, if quick { 200 } else { 2_000 });
     println!(
         "keel serve load benchmark (mock model, loopback, {} cores)",
         std::thread::available_parallelism().map_or(1, |n| n.get())

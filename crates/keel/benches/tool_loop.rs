@@ -216,7 +216,8 @@ fn main() {
     if std::env::args().any(|a| a == "--profile") {
         // Just the sequential current-thread loop, for a profiler (callgrind, perf).
         let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let runs = std::env::var("KEEL_BENCH_RUNS").ok().and_then(|n| n.parse().ok()).unwrap_or(2_000);
+        let runs =
+            std::env::var(keel_core::env::BENCH_RUNS.name).ok().and_then(|n| n.parse().ok()).unwrap_or(2_000);
         println!("{:.2} µs/run", sequential(&current, 100, 1, runs));
         return;
     }

@@ -20,6 +20,10 @@ use tokio_util::sync::CancellationToken;
 #[derive(Default)]
 pub(crate) struct Sessions {
     busy: Mutex<HashMap<SessionId, SessionSlot>>,
+    /// Woken when a run gives its session up, for those waiting for a cancelled run to end
+    /// (counted, so that a run ending with nobody waiting pays nothing).
+    ended: tokio::sync::Notify,
+    waiting_for_end: std::sync::atomic::AtomicUsize,
 }
 
 /// A busy session: its run in flight (to cancel it) and who waits for it.
@@ -127,9 +131,28 @@ impl Sessions {
         self.lock().contains_key(session)
     }
 
-    /// Cancels `session`'s run in flight here; whether there was one.
-    pub(crate) fn cancel_session(&self, session: &SessionId) -> bool {
-        self.lock().get(session).map(|slot| slot.cancel.cancel()).is_some()
+    /// Cancels `session`'s run in flight here and waits for it to end (a cancelled run stops at
+    /// once: its model call or tool is abandoned); whether there was one.
+    pub(crate) async fn cancel_and_wait(&self, session: &SessionId) -> bool {
+        use std::sync::atomic::Ordering;
+        let cancelled = match self.lock().get(session) {
+            Some(slot) => {
+                slot.cancel.cancel();
+                slot.run.clone()
+            }
+            None => return false,
+        };
+        self.waiting_for_end.fetch_add(1, Ordering::SeqCst);
+        loop {
+            let ended = self.ended.notified();
+            let still = self.lock().get(session).is_some_and(|slot| slot.run == cancelled);
+            if !still {
+                break;
+            }
+            ended.await;
+        }
+        self.waiting_for_end.fetch_sub(1, Ordering::SeqCst);
+        true
     }
 
     /// Cancels the runs named, where they are in flight here (another process asked).
@@ -160,6 +183,9 @@ impl Drop for SessionClaim {
                 }
             }
         };
+        if self.sessions.waiting_for_end.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            self.sessions.ended.notify_waiters();
+        }
         // Outside the lock: a refused handover is dropped here, and hands over to the next in
         // line.
         if let Some(handover) = next {

@@ -24,7 +24,8 @@ use keel_core::store::MAX_REDRIVES;
 use keel_core::{
     BoxFuture, Claim, Concurrency, DeltaSink, ErrorCode, Event, Fence, LeaseStatus, Message, ModelReply,
     Part, PendingInput, PendingKind, ProviderError, Role, RunFailure, RunId, RunRecord, RunState, SessionId,
-    SessionState, StepCommit, StepName, StopReason, StoreError, ToolContext, ToolError, ToolOutcome,
+    SessionSnapshot, SessionState, StepCommit, StepName, StopReason, StoreError, ToolContext, ToolError,
+    ToolOutcome,
 };
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
@@ -68,8 +69,10 @@ pub(crate) async fn run_guarded(
 ) -> Result<RunResult, RunFailure> {
     use futures::FutureExt;
     let run_id = plan.run_id().clone();
-    let epoch = Arc::new(AtomicU64::new(0));
-    let future = run(Arc::clone(&shared), plan, events.clone(), admitted, cancel, Arc::clone(&epoch));
+    let epoch = AtomicU64::new(0);
+    // Boxed: the run's future is large, and boxing it once is cheaper than moving it through
+    // the panic guard and into the task.
+    let future = Box::pin(run(Arc::clone(&shared), plan, events.clone(), admitted, cancel, &epoch));
     match std::panic::AssertUnwindSafe(future).catch_unwind().await {
         Ok(result) => result,
         Err(panic) => {
@@ -103,7 +106,7 @@ async fn run(
     events: UnboundedSender<Event>,
     mut admitted: Admitted,
     cancel: CancellationToken,
-    epoch: Arc<AtomicU64>,
+    epoch: &AtomicU64,
 ) -> Result<RunResult, RunFailure> {
     let mut reported = false;
     let result = match prepare(&shared, plan, &cancel, &mut admitted).await {
@@ -202,19 +205,19 @@ fn store_failure(error: StoreError) -> RunFailure {
 /// when `concurrency` says to wait for it (`queue`) or to cancel it (`replace`).
 const SETTLE_POLL: Duration = Duration::from_millis(100);
 
-/// Makes `session` free for a new run: its unfinished run, if any, is finished first when
-/// nobody drives it (interrupted, decided, cancelled, or its process provably dead); one that
-/// waits for a human or runs in another process refuses the new input, unless `concurrency`
-/// says to wait for it (`queue`) or to cancel it (`replace`). The caller holds the session in
-/// this process.
-async fn settle_session(shared: &Arc<Shared>, session: &SessionId) -> Result<(), RunFailure> {
+/// Makes `session` free for a new run and returns what the run starts from: its unfinished
+/// run, if any, is finished first when nobody drives it (interrupted, decided, cancelled, or its
+/// process provably dead); one that waits for a human or runs in another process refuses the
+/// new input, unless `concurrency` says to wait for it (`queue`) or to cancel it (`replace`).
+/// The caller holds the session in this process.
+async fn settle_session(shared: &Arc<Shared>, session: &SessionId) -> Result<SessionSnapshot, RunFailure> {
     let mode = shared.agent.concurrency;
     let mut asked_to_cancel = false;
     loop {
-        let open = shared.store.open_runs(Some(session)).await.map_err(store_failure)?;
-        let Some(run) = open.into_iter().next() else { return Ok(()) };
+        let snapshot = shared.store.load_session(session).await.map_err(store_failure)?;
+        let Some(run) = &snapshot.open_run else { return Ok(snapshot) };
         let now = shared.now_ms();
-        if let Some(takeover) = nobody_drives(&run, now) {
+        if let Some(takeover) = nobody_drives(run, now) {
             tracing::info!(run = %run.run_id, %session, "finishing the session's unfinished run before a new input");
             let plan = Plan::Resume { run_id: run.run_id.clone(), session_held: true, takeover };
             match drive_nested(shared, plan).await {
@@ -281,9 +284,8 @@ async fn prepare(
                     })?
                 }
             };
-            settle_session(shared, &session).await?;
-            let history = store.load_messages(&session).await.map_err(store_failure)?;
-            let state = store.load_session_state(&session).await.map_err(store_failure)?.unwrap_or_default();
+            let SessionSnapshot { messages: history, state, .. } = settle_session(shared, &session).await?;
+            let state = state.unwrap_or_default();
             // Each completed model call appends exactly one assistant message.
             let call_base = history.iter().filter(|m| m.role == Role::Assistant).count() as u64;
             let record = RunRecord {
@@ -445,7 +447,7 @@ async fn end_unreadable(shared: &Shared, session: &SessionId, run: &RunId, epoch
     }
 }
 
-struct Driver {
+struct Driver<'a> {
     shared: Arc<Shared>,
     run_id: RunId,
     session: SessionId,
@@ -459,7 +461,7 @@ struct Driver {
     /// The lease epoch commits are fenced with.
     epoch: Option<u64>,
     /// The same, for whoever must release the lease if this task panics.
-    epoch_cell: Arc<AtomicU64>,
+    epoch_cell: &'a AtomicU64,
     /// When to renew the lease while waiting on a model or tools (`None` without a lease).
     beat: Option<tokio::time::Interval>,
     events: UnboundedSender<Event>,
@@ -476,7 +478,7 @@ struct Driver {
     _claim: Option<SessionClaim>,
 }
 
-impl Driver {
+impl Driver<'_> {
     async fn drive(&mut self, mut machine: Machine) -> Result<RunResult, RunFailure> {
         let mut inputs: VecDeque<(Input, Option<JournalEntry>)> = VecDeque::from([(Input::Start, None)]);
         let mut tools: FuturesUnordered<ToolFuture> = FuturesUnordered::new();

@@ -281,27 +281,34 @@ impl Engine {
     /// Cancels `session`'s unfinished run, wherever it is: in flight here (its model call or
     /// tool is abandoned, open calls get "cancelled" results), in another process (which stops
     /// it within a second), paused for a human or interrupted (ended here, now). `by` says who,
-    /// for the record. Returns whether there was a run to cancel.
+    /// for the record. Returns whether there was a run to cancel, once a run in flight here or
+    /// ended here has stopped.
     pub async fn cancel(&self, session: &SessionId, by: &str) -> Result<bool, RunFailure> {
-        if self.shared.sessions.cancel_session(session) {
+        if self.shared.sessions.cancel_and_wait(session).await {
             return Ok(true);
         }
         let requested = self.shared.store.request_cancel(session, by).await.map_err(|error| {
             RunFailure::new(error.code(), format!("cannot cancel the run of session {session}: {error}"))
         })?;
         let Some(run) = requested else { return Ok(false) };
-        // Paused runs became re-drivable with the request: end those nobody drives, here.
+        // Paused runs became re-drivable with the request: end those nobody drives, here, and
+        // wait for that (it runs nothing new), so that the session is free when this returns.
         let run = OpenRun { state: RunState::Running, lease_expires_ms: 0, ..run };
         if let Some(takeover) = crate::shared::nobody_drives(&run, self.shared.now_ms()) {
-            let handle = self.resume_taking_over(run.run_id, takeover);
+            let plan = Plan::Resume { run_id: run.run_id.clone(), session_held: false, takeover };
+            let (copy, ended) = oneshot::channel();
+            let handle = self.spawn_with(run.run_id, plan, CancellationToken::new(), Some(copy));
             match self.shared.observer() {
                 Some(observer) => observer(handle),
-                None => {
-                    // Its outcome is in the store; a failure to end it is worth a log line only.
-                    if let Err(failure) = handle.result().await {
-                        tracing::warn!(%failure, "could not end a cancelled run yet");
-                    }
+                None => drop(handle),
+            }
+            match ended.await {
+                // This process's recovery got to it first: it ends it here; wait for that.
+                Ok(Err(failure)) if failure.code == ErrorCode::RunLeased => {
+                    self.shared.sessions.cancel_and_wait(session).await;
                 }
+                Ok(Err(failure)) => tracing::warn!(%failure, "could not end a cancelled run yet"),
+                Ok(Ok(_)) | Err(_) => {}
             }
         }
         Ok(true)
@@ -385,6 +392,18 @@ impl Engine {
     }
 
     fn spawn(&self, run_id: RunId, plan: Plan, cancel: CancellationToken) -> RunHandle {
+        self.spawn_with(run_id, plan, cancel, None)
+    }
+
+    /// [`Engine::spawn`], also sending the run's result to `copy` (for a caller that gives the
+    /// handle away and still waits for the end).
+    fn spawn_with(
+        &self,
+        run_id: RunId,
+        plan: Plan,
+        cancel: CancellationToken,
+        copy: Option<oneshot::Sender<Result<crate::handle::RunResult, RunFailure>>>,
+    ) -> RunHandle {
         let (event_tx, event_rx) = mpsc::unbounded_channel();
         let (result_tx, result_rx) = oneshot::channel();
         let (admitted_tx, admitted_rx) = oneshot::channel();
@@ -396,6 +415,9 @@ impl Engine {
                 "keel runs need a Tokio runtime: call this from within `#[tokio::main]` or a runtime",
             );
             let _ = admitted_tx.send(Err(failure.clone()));
+            if let Some(copy) = copy {
+                let _ = copy.send(Err(failure.clone()));
+            }
             let _ = result_tx.send(Err(failure));
             return handle;
         };
@@ -406,6 +428,9 @@ impl Engine {
         runtime.spawn(async move {
             let result =
                 driver::run_guarded(Arc::clone(&shared), plan, event_tx, Some(admitted_tx), cancel).await;
+            if let Some(copy) = copy {
+                let _ = copy.send(result.clone());
+            }
             // The caller may have dropped the handle: the run's outcome is in the store.
             let _ = result_tx.send(result);
             if shared.active.fetch_sub(1, Ordering::SeqCst) == 1 {

@@ -9,10 +9,10 @@ use keel_core::agent::OutputSchema;
 use keel_core::{
     AgentDef, BoxFuture, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry, MockFailure, MockScript,
     MockToolCall, ModelReply, ModelRequest, Provider, ProviderError, RetryPolicy, RunState, SessionId,
-    StopReason, Store, Tool, ToolSet,
+    StepName, StopReason, Store, Tool, ToolSet,
 };
 use keel_providers::MockProvider;
-use keel_runtime::Engine;
+use keel_runtime::{Engine, EngineOptions};
 use keel_store::MemoryStore;
 use keel_tools::function_tool;
 use schemars::JsonSchema;
@@ -138,8 +138,11 @@ fn a_run_interrupted_mid_tool_resumes_without_repeating_completed_steps() {
     drop(runtime);
 
     // The same run, killed while `slow` runs: dropping the runtime drops every task mid-flight,
-    // as a crash would, leaving only what was already in the store.
-    let store = Arc::new(MemoryStore::new());
+    // as a crash would, leaving only what was already in the store. Time is a manual clock: the
+    // lease expires when the test says so, not after a sleep.
+    let clock = keel_core::ManualClock::starting_now();
+    let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let options = || EngineOptions { lease_ttl: Duration::from_secs(30), clock: Arc::new(clock.clone()) };
     let log = Arc::new(Mutex::new(Vec::new()));
     let slow_runs = Arc::new(AtomicUsize::new(0));
     let provider = counting(crash_script());
@@ -148,16 +151,14 @@ fn a_run_interrupted_mid_tool_resumes_without_repeating_completed_steps() {
     let started = Arc::new(tokio::sync::Notify::new());
     let run_id = first.block_on(async {
         let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::clone(&started), Arc::clone(&slow_runs))];
-        // Long enough that the check for a live lease below holds on a loaded machine.
-        let lease = Duration::from_millis(1500);
-        let engine = Engine::with_lease_ttl(agent(tools, |_| {}), provider.clone(), store.clone(), lease);
+        let engine = Engine::with_options(agent(tools, |_| {}), provider.clone(), store.clone(), options());
         let handle = engine.start(session("s"), Message::user("go")).unwrap();
         started.notified().await;
         // Let `record` finish and be journaled too.
-        while log.lock().unwrap().is_empty() {
+        let recorded = StepName::Tool { name: "record".into(), call_id: "call_0_0".into() };
+        while !store.load_journal(handle.run_id()).await.unwrap().iter().any(|e| e.step == recorded) {
             tokio::task::yield_now().await;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
         handle.run_id().clone()
     });
     first.shutdown_timeout(Duration::from_secs(1));
@@ -167,11 +168,11 @@ fn a_run_interrupted_mid_tool_resumes_without_repeating_completed_steps() {
     // A new "process" re-drives the run from the store, once the dead one's lease expired.
     let second = tokio::runtime::Runtime::new().unwrap();
     let result = second.block_on(async {
-        let engine = Engine::new(agent(tools(), |_| {}), provider.clone(), store.clone());
+        let engine = Engine::with_options(agent(tools(), |_| {}), provider.clone(), store.clone(), options());
         let early = engine.resume(run_id.clone()).result().await.unwrap_err();
         assert_eq!(early.code, ErrorCode::RunLeased);
         assert!(engine.recover(None).await.unwrap().is_empty(), "a run with a live lease is not interrupted");
-        tokio::time::sleep(Duration::from_millis(1600)).await;
+        clock.advance(Duration::from_secs(31));
         let mut recovered = engine.recover(None).await.unwrap();
         assert_eq!(recovered.len(), 1);
         recovered.pop().unwrap().result().await.unwrap()
@@ -602,34 +603,40 @@ async fn a_finished_run_whose_journal_was_compacted_is_never_executed_again() {
 
 #[test]
 fn a_long_lived_process_takes_over_runs_of_a_dead_one_by_itself() {
-    let store = Arc::new(MemoryStore::new());
+    let clock = keel_core::ManualClock::starting_now();
+    let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let options = || EngineOptions { lease_ttl: Duration::from_secs(30), clock: Arc::new(clock.clone()) };
     let log = Arc::new(Mutex::new(Vec::new()));
     let slow_runs = Arc::new(AtomicUsize::new(0));
     let provider = counting(crash_script());
-    // The first "process" dies while `slow` runs.
+    // The first "process" dies while `slow` runs (after `record` was journaled).
     let first = tokio::runtime::Runtime::new().unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     first.block_on(async {
         let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::clone(&started), Arc::clone(&slow_runs))];
-        let lease = Duration::from_millis(200);
-        let engine = Engine::with_lease_ttl(agent(tools, |_| {}), provider.clone(), store.clone(), lease);
-        engine.start(session("s"), Message::user("go")).unwrap();
+        let engine = Engine::with_options(agent(tools, |_| {}), provider.clone(), store.clone(), options());
+        let handle = engine.start(session("s"), Message::user("go")).unwrap();
         started.notified().await;
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        let recorded = StepName::Tool { name: "record".into(), call_id: "call_0_0".into() };
+        while !store.load_journal(handle.run_id()).await.unwrap().iter().any(|e| e.step == recorded) {
+            tokio::task::yield_now().await;
+        }
     });
     first.shutdown_timeout(Duration::from_secs(1));
+    // Its lease runs out.
+    clock.advance(Duration::from_secs(31));
     // A second one, already running its recovery loop, finishes the run without being asked.
     let second = tokio::runtime::Runtime::new().unwrap();
     second.block_on(async {
         let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::default(), Arc::clone(&slow_runs))];
-        let engine = Engine::new(agent(tools, |_| {}), provider.clone(), store.clone());
-        let recovery = engine.recover_periodically(Duration::from_millis(50), drop);
-        for _ in 0..100 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            if store.load_messages(&session("s")).await.unwrap().len() == 6 {
-                break;
-            }
-        }
+        let engine = Engine::with_options(agent(tools, |_| {}), provider.clone(), store.clone(), options());
+        let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+        let recovery = engine.recover_periodically(Duration::from_millis(50), move |handle| {
+            let done = done_tx.clone();
+            tokio::spawn(async move { done.send(handle.result().await) });
+        });
+        let finished = done_rx.recv().await.expect("a re-driven run");
+        assert_eq!(finished.unwrap().text, "finished: recorded b");
         recovery.abort();
     });
     let transcript = second.block_on(store.load_messages(&session("s"))).unwrap();

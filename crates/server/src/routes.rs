@@ -369,7 +369,7 @@ pub(crate) async fn cancel(
     } else {
         Err(ApiError::new(
             ErrorCode::RunNotFound,
-            format!("session {} has no run in flight", session.external()),
+            format!("session {} has no unfinished run to cancel", session.external()),
         ))
     }
 }

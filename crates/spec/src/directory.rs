@@ -14,7 +14,7 @@ use crate::tree::{self, Kind};
 use crate::{AgentSpec, CommandToolSpec, LoadOptions, SPEC_FILE_NAMES};
 
 /// Directories of the design this build does not read yet.
-const NOT_YET_DIRS: &[&str] = &["schedules", "channels", "memory"];
+pub const NOT_YET_DIRS: &[&str] = &["schedules", "channels", "memory"];
 
 const SKILL_KEYS: &[&str] =
     &["name", "description", "license", "allowed-tools", "metadata", "compatibility", "version"];

@@ -51,7 +51,7 @@ pub trait Tx {
         session: &SessionId,
         run: &RunId,
         first_position: u64,
-        messages: Vec<Arc<Message>>,
+        messages: &[Arc<Message>],
         now_ms: u64,
     ) -> Result<(), StoreError>;
     /// The whole transcript.
@@ -90,7 +90,7 @@ pub trait Tx {
     /// Whether the run's journal has a record for `step`.
     fn has_step(&mut self, run: &RunId, step: &StepName) -> Result<bool, StoreError>;
     /// Appends a record (the caller checked that the step has none).
-    fn append_journal(&mut self, run: &RunId, entry: JournalEntry) -> Result<(), StoreError>;
+    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<(), StoreError>;
     /// The run's journal, in write order.
     fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError>;
     /// Drops the journals of finished runs; returns how many records went.
@@ -121,11 +121,32 @@ pub type Work<T> = Box<dyn FnOnce(&mut dyn Tx) -> Result<T, StoreError> + Send>;
 /// Where data lives: runs [`Work`] as one transaction.
 pub trait Backend: Send + Sync + 'static {
     /// Runs `work` as one write transaction: all of its writes or none. Work that fails leaves
-    /// nothing behind.
+    /// nothing behind. The work owns its data: it may run on another thread (a writer that
+    /// batches commits).
     fn write<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>>;
 
     /// Runs `work` as one read: it sees every write whose call has returned, and writes nothing.
     fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>>;
+
+    /// Runs write `work` here and now, in the caller's thread, when this backend can do that
+    /// without waiting on I/O (it keeps its data in memory). The rules then borrow the caller's
+    /// data instead of copying it for [`Backend::write`]. Gives `work` back when it cannot
+    /// (the default).
+    fn write_here<T, F: FnOnce(&mut dyn Tx) -> Result<T, StoreError>>(
+        &self,
+        work: F,
+    ) -> Result<Result<T, StoreError>, F> {
+        Err(work)
+    }
+
+    /// [`Backend::write_here`] for reads: a backend whose reads do not wait on another thread
+    /// runs them here. Gives `work` back when it cannot (the default).
+    fn read_here<T, F: FnOnce(&mut dyn Tx) -> Result<T, StoreError>>(
+        &self,
+        work: F,
+    ) -> Result<Result<T, StoreError>, F> {
+        Err(work)
+    }
 }
 
 /// A backend under keel's store rules: the [`keel_core::Store`] every backend becomes.

@@ -407,6 +407,11 @@ pub async fn one_unfinished_run_per_session(store: &dyn Store, clock: &ManualClo
     let one = [Arc::new(Message::user("one"))];
     let two = [Arc::new(Message::user("two"))];
     store.commit_step(new_run_commit(&first, "process-a", &one, 0)).await.unwrap();
+    // What a new run starts from, in one read: the transcript, the state, the unfinished run.
+    let snapshot = store.load_session(&session).await.unwrap();
+    assert_eq!(snapshot.messages, one);
+    assert_eq!(snapshot.state, None);
+    assert_eq!(snapshot.open_run.map(|run| run.run_id), Some(first.run_id.clone()));
     let error = store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap_err();
     assert!(matches!(&error, StoreError::Busy(m) if m.contains("in flight")), "{error:?}");
     assert_eq!(store.load_run(&second.run_id).await.unwrap(), None, "the refused run was stored");
@@ -419,6 +424,7 @@ pub async fn one_unfinished_run_per_session(store: &dyn Store, clock: &ManualClo
     store.commit_step(new_run_commit(&second, "process-b", &two, 1)).await.unwrap();
     assert_eq!(store.load_messages(&session).await.unwrap().len(), 2);
     set_run_state(store, &session, &second.run_id, RunState::Done).await.unwrap();
+    assert_eq!(store.load_session(&session).await.unwrap().open_run, None, "a finished run is not open");
 }
 
 /// Each schedule tick is claimed once; an older tick never wins after a newer one.

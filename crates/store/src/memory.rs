@@ -90,12 +90,12 @@ impl Tx for Inner {
         session: &SessionId,
         run: &RunId,
         _first_position: u64,
-        messages: Vec<Arc<Message>>,
+        messages: &[Arc<Message>],
         now_ms: u64,
     ) -> Result<(), StoreError> {
         let data = self.sessions.entry(session.clone()).or_default();
         data.updated_at_ms = now_ms;
-        data.messages.extend(messages.into_iter().map(|message| (run.clone(), message)));
+        data.messages.extend(messages.iter().map(|message| (run.clone(), Arc::clone(message))));
         Ok(())
     }
 
@@ -215,8 +215,8 @@ impl Tx for Inner {
         Ok(self.journals.get(run).is_some_and(|journal| journal.iter().any(|e| &e.step == step)))
     }
 
-    fn append_journal(&mut self, run: &RunId, entry: JournalEntry) -> Result<(), StoreError> {
-        self.journals.entry(run.clone()).or_default().push(entry);
+    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<(), StoreError> {
+        self.journals.entry(run.clone()).or_default().push(entry.clone());
         Ok(())
     }
 
@@ -300,6 +300,20 @@ impl Backend for Memory {
 
     fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
         self.write(work)
+    }
+
+    fn write_here<T, F: FnOnce(&mut dyn Tx) -> Result<T, StoreError>>(
+        &self,
+        work: F,
+    ) -> Result<Result<T, StoreError>, F> {
+        Ok(work(&mut *self.lock()))
+    }
+
+    fn read_here<T, F: FnOnce(&mut dyn Tx) -> Result<T, StoreError>>(
+        &self,
+        work: F,
+    ) -> Result<Result<T, StoreError>, F> {
+        Ok(work(&mut *self.lock()))
     }
 }
 

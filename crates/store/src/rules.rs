@@ -25,11 +25,11 @@ use std::time::Duration;
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, decision_outcome};
 use keel_core::{
-    BoxFuture, Claim, Committed, DecidedInput, Decision, LeaseStatus, Message, OpenRun, PendingInput, RunId,
-    RunRecord, RunState, SessionId, SessionSummary, StepCommit, Store, StoreError,
+    BoxFuture, Claim, Committed, DecidedInput, Decision, Fence, LeaseStatus, Message, OpenRun, PendingInput,
+    RunId, RunRecord, RunState, SessionId, SessionSnapshot, SessionSummary, StepCommit, Store, StoreError,
 };
 
-use crate::backend::{Backend, Ruled, RunControl, Tx, Work};
+use crate::backend::{Backend, Ruled, RunControl, Tx};
 
 /// A [`StepCommit`] with its data owned, so that it can travel to a backend's writer.
 struct OwnedCommit {
@@ -58,6 +58,21 @@ impl OwnedCommit {
             session_state: commit.session_state.cloned(),
             pending: commit.pending.to_vec(),
             fence: commit.fence.map(|f| (f.owner.to_owned(), f.epoch, f.ttl)),
+        }
+    }
+
+    fn view(&self) -> StepCommit<'_> {
+        StepCommit {
+            session: &self.session,
+            run: &self.run,
+            new_run: self.new_run.as_ref(),
+            entry: self.entry.as_ref(),
+            first_position: self.first_position,
+            messages: &self.messages,
+            state: self.state,
+            session_state: self.session_state.as_ref(),
+            pending: &self.pending,
+            fence: self.fence.as_ref().map(|(owner, epoch, ttl)| Fence { owner, epoch: *epoch, ttl: *ttl }),
         }
     }
 }
@@ -110,13 +125,14 @@ fn check_messages(
     Ok(repeated)
 }
 
-/// Removes the run's pending inputs, remembering them as `outcome` by `by`.
+/// Removes the run's pending inputs, remembering them as `outcome` by `by` (said only when
+/// there is something to close).
 fn close_pending(
     tx: &mut dyn Tx,
     run: &RunId,
     session: &SessionId,
     outcome: &str,
-    by: &str,
+    by: impl Fn() -> String,
     now_ms: u64,
 ) -> Result<(), StoreError> {
     for pending in tx.pending_list(Some(session))?.into_iter().filter(|p| &p.run_id == run) {
@@ -126,15 +142,15 @@ fn close_pending(
             run_id: pending.run_id,
             session_id: pending.session_id,
             outcome: outcome.to_owned(),
-            by: by.to_owned(),
+            by: by(),
             at_ms: now_ms,
         })?;
     }
     Ok(())
 }
 
-fn commit_step(tx: &mut dyn Tx, commit: OwnedCommit, now_ms: u64) -> Result<Committed, StoreError> {
-    let OwnedCommit {
+fn commit_step(tx: &mut dyn Tx, commit: &StepCommit<'_>, now_ms: u64) -> Result<Committed, StoreError> {
+    let StepCommit {
         session,
         run,
         new_run,
@@ -145,89 +161,97 @@ fn commit_step(tx: &mut dyn Tx, commit: OwnedCommit, now_ms: u64) -> Result<Comm
         session_state,
         pending,
         fence,
-    } = commit;
+    } = *commit;
     // Checks: nothing is written unless all pass.
-    let mut control = match &new_run {
+    let mut control = match new_run {
         Some(record) => {
-            if record.run_id != run || record.session_id != session {
+            if &record.run_id != run || &record.session_id != session {
                 return Err(StoreError::Conflict(format!("run {run} is not the run its commit creates")));
             }
-            if tx.control(&run)?.is_some() {
+            if tx.control(run)?.is_some() {
                 return Err(StoreError::Conflict(format!("run {run} already exists")));
             }
-            if let Some((other, control)) = tx.open_runs(Some(&session))?.into_iter().next() {
+            if let Some((other, control)) = tx.open_runs(Some(session))?.into_iter().next() {
                 return Err(StoreError::Busy(open_run(other, control).busy_message(now_ms)));
             }
             RunControl {
                 session: session.clone(),
                 state: record.state,
-                owner: fence.as_ref().map(|(owner, _, _)| Arc::from(owner.as_str())),
+                owner: fence.map(|fence| Arc::from(fence.owner)),
                 lease_expires_ms: 0,
-                epoch: fence.as_ref().map_or(0, |(_, epoch, _)| *epoch),
+                epoch: fence.map_or(0, |fence| fence.epoch),
                 attempts: 0,
                 cancel_requested_by: None,
             }
         }
         None => {
-            let Some(control) = tx.control(&run)? else {
+            let Some(control) = tx.control(run)? else {
                 return Err(StoreError::NotFound(format!("run {run}")));
             };
-            if control.session != session {
+            if &control.session != session {
                 return Err(StoreError::Conflict(format!(
                     "run {run} belongs to session {}, not {session}",
                     control.session
                 )));
             }
-            if let Some((owner, epoch, _)) = &fence
-                && (control.owner.as_deref() != Some(owner.as_str()) || control.epoch != *epoch)
+            if let Some(fence) = fence
+                && (control.owner.as_deref() != Some(fence.owner) || control.epoch != fence.epoch)
             {
                 return Err(StoreError::LeaseLost(format!(
-                    "run {run} is no longer leased to {owner} at epoch {epoch}"
+                    "run {run} is no longer leased to {} at epoch {}",
+                    fence.owner, fence.epoch
                 )));
             }
             control
         }
     };
-    let repeated = check_messages(tx, &session, &run, first_position, messages.len())?;
+    let repeated = check_messages(tx, session, run, first_position, messages.len())?;
 
     // Writes. Whatever is new is progress: the run got past a step, so it is no step closer to
     // being poisoned. A replay that only repeats what is stored is not.
     let mut progressed = new_run.is_some() || state.is_some() || session_state.is_some();
+    // Whether the run's control row must be written: not for a commit that only adds to the
+    // journal and the transcript of a run whose lease has most of its length left.
+    let mut control_changed = state.is_some();
     if let Some(state) = state {
         control.state = state;
         if state != RunState::Running {
             control.lease_expires_ms = 0;
         }
     }
-    if let Some((_, _, ttl)) = fence
+    if let Some(fence) = fence
         && control.state == RunState::Running
     {
-        control.lease_expires_ms = now_ms.saturating_add(millis(ttl));
+        let ttl = millis(fence.ttl);
+        // Extended when a third of it is gone (heartbeats renew it too).
+        if control.lease_expires_ms < now_ms.saturating_add(ttl - ttl / 3) {
+            control.lease_expires_ms = now_ms.saturating_add(ttl);
+            control_changed = true;
+        }
     }
-    if let Some(record) = &new_run {
+    if let Some(record) = new_run {
         tx.insert_run(record, &control, now_ms)?;
     }
     if let Some(entry) = entry
-        && !tx.has_step(&run, &entry.step)?
+        && !tx.has_step(run, &entry.step)?
     {
         if let JournalRecord::ModelReply(reply) = &entry.record {
-            tx.add_usage(&session, reply.usage, now_ms)?;
+            tx.add_usage(session, reply.usage, now_ms)?;
         }
-        tx.append_journal(&run, entry)?;
+        tx.append_journal(run, entry)?;
         progressed = true;
     }
     if repeated < messages.len() as u64 {
-        let mut messages = messages;
-        messages.drain(..repeated as usize);
-        tx.append_messages(&session, &run, first_position + repeated, messages, now_ms)?;
+        let fresh = &messages[repeated as usize..];
+        tx.append_messages(session, run, first_position + repeated, fresh, now_ms)?;
         progressed = true;
     }
-    if let Some(value) = &session_state {
-        tx.set_session_state(&session, value, now_ms)?;
+    if let Some(value) = session_state {
+        tx.set_session_state(session, value, now_ms)?;
     }
     if control.cancel_requested_by.is_none() {
-        for asked in &pending {
-            if tx.pending(&asked.id)?.is_none() && !tx.has_step(&run, &asked.step())? {
+        for asked in pending {
+            if tx.pending(&asked.id)?.is_none() && !tx.has_step(run, &asked.step())? {
                 tx.insert_pending(asked)?;
                 progressed = true;
             }
@@ -236,13 +260,14 @@ fn commit_step(tx: &mut dyn Tx, commit: OwnedCommit, now_ms: u64) -> Result<Comm
     if let Some(state) = state
         && state.is_terminal()
     {
-        close_pending(tx, &run, &session, "closed", &format!("the run ended {}", state.as_str()), now_ms)?;
+        close_pending(tx, run, session, "closed", || format!("the run ended {}", state.as_str()), now_ms)?;
     }
-    if progressed {
+    if progressed && control.attempts != 0 {
         control.attempts = 0;
+        control_changed = true;
     }
-    if new_run.is_none() && (progressed || fence.is_some()) {
-        tx.set_control(&run, &control, now_ms)?;
+    if new_run.is_none() && control_changed {
+        tx.set_control(run, &control, now_ms)?;
     }
     Ok(Committed { cancel_requested: control.cancel_requested_by.is_some() })
 }
@@ -280,7 +305,7 @@ fn claim_run(
         control.state = RunState::Failed;
         control.lease_expires_ms = 0;
         let session = control.session.clone();
-        close_pending(tx, run, &session, "closed", "the run was poisoned", now_ms)?;
+        close_pending(tx, run, &session, "closed", || "the run was poisoned".to_owned(), now_ms)?;
         tx.set_control(run, &control, now_ms)?;
         return Ok(Claim::Poisoned);
     }
@@ -322,7 +347,7 @@ fn request_cancel(
         if control.state == RunState::AwaitingInput {
             // Nobody drives a paused run: make it re-drivable, so that the next process to
             // drive the session ends it (its open calls get "cancelled" results).
-            close_pending(tx, &run, session, "cancelled", by, now_ms)?;
+            close_pending(tx, &run, session, "cancelled", || by.to_owned(), now_ms)?;
             control.state = RunState::Running;
             control.lease_expires_ms = 0;
         }
@@ -357,7 +382,7 @@ fn decide(
         at_ms: now_ms,
     })?;
     if !tx.has_step(&run, &step)? {
-        tx.append_journal(&run, JournalEntry { step, record: JournalRecord::Decision(decision) })?;
+        tx.append_journal(&run, &JournalEntry { step, record: JournalRecord::Decision(decision) })?;
     }
     if let Some(mut control) = tx.control(&run)?
         && control.state == RunState::AwaitingInput
@@ -386,15 +411,21 @@ impl<B: Backend> Ruled<B> {
         let clock = Arc::clone(&self.clock);
         // The time is read inside the transaction: a write that waited for its turn decides
         // with the time it is applied at.
-        let work: Work<T> = Box::new(move |tx| work(tx, clock.now_ms()));
-        self.backend.write(work)
+        let work = move |tx: &mut dyn Tx| work(tx, clock.now_ms());
+        match self.backend.write_here(work) {
+            Ok(result) => Box::pin(std::future::ready(result)),
+            Err(work) => self.backend.write(Box::new(work)),
+        }
     }
 
     fn read<T: Send + 'static>(
         &self,
         work: impl FnOnce(&mut dyn Tx) -> Result<T, StoreError> + Send + 'static,
     ) -> BoxFuture<'static, Result<T, StoreError>> {
-        self.backend.read(Box::new(work))
+        match self.backend.read_here(work) {
+            Ok(result) => Box::pin(std::future::ready(result)),
+            Err(work) => self.backend.read(Box::new(work)),
+        }
     }
 }
 
@@ -405,6 +436,20 @@ impl<B: Backend> Store for Ruled<B> {
     ) -> BoxFuture<'a, Result<Vec<Arc<Message>>, StoreError>> {
         let session = session.clone();
         self.read(move |tx| tx.messages(&session))
+    }
+
+    fn load_session<'a>(
+        &'a self,
+        session: &'a SessionId,
+    ) -> BoxFuture<'a, Result<SessionSnapshot, StoreError>> {
+        let session = session.clone();
+        self.read(move |tx| {
+            Ok(SessionSnapshot {
+                messages: tx.messages(&session)?,
+                state: tx.session_state(&session)?,
+                open_run: tx.open_runs(Some(&session))?.into_iter().next().map(|(run, c)| open_run(run, c)),
+            })
+        })
     }
 
     fn load_session_state<'a>(
@@ -429,8 +474,16 @@ impl<B: Backend> Store for Ruled<B> {
     }
 
     fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<Committed, StoreError>> {
-        let commit = OwnedCommit::new(&commit);
-        self.write(move |tx, now| commit_step(tx, commit, now))
+        // A backend in memory runs the rules on the caller's data; one with a writer thread
+        // gets a copy.
+        let here = |tx: &mut dyn Tx| commit_step(tx, &commit, self.clock.now_ms());
+        match self.backend.write_here(here) {
+            Ok(result) => Box::pin(std::future::ready(result)),
+            Err(_) => {
+                let owned = OwnedCommit::new(&commit);
+                self.write(move |tx, now| commit_step(tx, &owned.view(), now))
+            }
+        }
     }
 
     fn claim_run<'a>(

@@ -430,9 +430,15 @@ impl Backend for Sqlite {
 
     fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
         // On the caller's thread: WAL lets reads run beside the writer.
-        let connection = self.lock();
-        let result = work(&mut SqliteTx { c: &connection });
+        let result = work(&mut SqliteTx { c: &self.lock() });
         Box::pin(std::future::ready(result))
+    }
+
+    fn read_here<T, F: FnOnce(&mut dyn Tx) -> Result<T, StoreError>>(
+        &self,
+        work: F,
+    ) -> Result<Result<T, StoreError>, F> {
+        Ok(work(&mut SqliteTx { c: &self.lock() }))
     }
 }
 
@@ -499,7 +505,7 @@ impl Tx for SqliteTx<'_> {
         session: &SessionId,
         run: &RunId,
         first_position: u64,
-        messages: Vec<Arc<Message>>,
+        messages: &[Arc<Message>],
         now_ms: u64,
     ) -> Result<(), StoreError> {
         for (offset, message) in messages.iter().enumerate() {
@@ -712,7 +718,7 @@ impl Tx for SqliteTx<'_> {
             .map_err(map_error)
     }
 
-    fn append_journal(&mut self, run: &RunId, entry: JournalEntry) -> Result<(), StoreError> {
+    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<(), StoreError> {
         self.execute(
             "INSERT INTO journal (run_id, step, seq, body)
              VALUES (?1, ?2, (SELECT COUNT(*) FROM journal WHERE run_id = ?1), ?3)",

@@ -10,6 +10,7 @@
 
 use std::process::Stdio;
 
+use keel_core::env;
 use keel_core::{BoxFuture, CommandToolDef, ErrorCode, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec};
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
@@ -49,10 +50,10 @@ impl CommandTool {
         let mut child = Command::new(program)
             .args(args)
             .current_dir(&self.config.working_dir)
-            .env("KEEL_IDEMPOTENCY_KEY", &ctx.idempotency_key)
-            .env("KEEL_RUN_ID", ctx.run_id.as_str())
-            .env("KEEL_SESSION_ID", ctx.session_id.as_str())
-            .env("KEEL_CALL_ID", &ctx.call_id)
+            .env(env::IDEMPOTENCY_KEY.name, &ctx.idempotency_key)
+            .env(env::RUN_ID.name, ctx.run_id.as_str())
+            .env(env::SESSION_ID.name, ctx.session_id.as_str())
+            .env(env::CALL_ID.name, &ctx.call_id)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
+use keel_core::env;
 use keel_core::error::ErrorCode;
 use keel_core::{BoxFuture, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec};
 use serde_json::{Value, json};
@@ -95,10 +96,10 @@ impl Tool for ShellTool {
                     .env("TERM", "dumb");
             }
             command
-                .env("KEEL_IDEMPOTENCY_KEY", &ctx.idempotency_key)
-                .env("KEEL_RUN_ID", ctx.run_id.as_str())
-                .env("KEEL_SESSION_ID", ctx.session_id.as_str())
-                .env("KEEL_CALL_ID", &ctx.call_id)
+                .env(env::IDEMPOTENCY_KEY.name, &ctx.idempotency_key)
+                .env(env::RUN_ID.name, ctx.run_id.as_str())
+                .env(env::SESSION_ID.name, ctx.session_id.as_str())
+                .env(env::CALL_ID.name, &ctx.call_id)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())

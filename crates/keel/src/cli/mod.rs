@@ -196,7 +196,7 @@ fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
 #[derive(clap::Args)]
 pub(crate) struct StoreArgs {
     /// The store: `sqlite:<path>` (or `memory`, which is always empty here).
-    #[arg(long, env = "KEEL_STORE", default_value = "sqlite:.keel/keel.db")]
+    #[arg(long, env = keel_core::env::STORE.name, default_value = "sqlite:.keel/keel.db")]
     pub(crate) store: String,
 }
 
@@ -213,7 +213,7 @@ pub(crate) struct RunArgs {
     pub(crate) session: String,
     /// Where sessions and journals live: `memory` (gone when the command ends) or `sqlite:<path>`
     /// (a conversation continues across runs of the command with the same --session).
-    #[arg(long, env = "KEEL_STORE", default_value = "memory")]
+    #[arg(long, env = keel_core::env::STORE.name, default_value = "memory")]
     pub(crate) store: String,
     /// Use this model instead of the spec's (`mock`, `openai/gpt-4o-mini`, ...).
     #[arg(long)]
@@ -233,7 +233,7 @@ pub(crate) struct ChatArgs {
     #[arg(long)]
     pub(crate) session: Option<String>,
     /// Where sessions and journals live: `memory` or `sqlite:<path>`.
-    #[arg(long, env = "KEEL_STORE", default_value = "memory")]
+    #[arg(long, env = keel_core::env::STORE.name, default_value = "memory")]
     pub(crate) store: String,
     /// Use this model instead of the spec's (`mock`, `openai/gpt-4o-mini`, ...).
     #[arg(long)]
@@ -252,7 +252,7 @@ pub(crate) struct ServeArgs {
     #[arg(long, env = "PORT", default_value_t = 3000)]
     pub(crate) port: u16,
     /// Where sessions and journals live (`sqlite:<path>` or `memory`).
-    #[arg(long, env = "KEEL_STORE", default_value = "sqlite:.keel/keel.db")]
+    #[arg(long, env = keel_core::env::STORE.name, default_value = "sqlite:.keel/keel.db")]
     pub(crate) store: String,
     /// Use this model instead of the spec's.
     #[arg(long)]
@@ -293,10 +293,10 @@ pub(crate) fn main() -> ExitCode {
 /// Logs go to stderr, filtered by `KEEL_LOG` (default: warnings; `keel serve`: info), as
 /// text, or as one JSON object per line with `KEEL_LOG_FORMAT=json` (for log collectors).
 fn init_logging(default: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
+    let filter = tracing_subscriber::EnvFilter::try_from_env(keel_core::env::LOG.name)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if std::env::var("KEEL_LOG_FORMAT").is_ok_and(|f| f == "json") {
+    let _ = if std::env::var(keel_core::env::LOG_FORMAT.name).is_ok_and(|f| f == "json") {
         builder.json().with_current_span(true).with_span_list(false).try_init()
     } else {
         builder.without_time().try_init()

@@ -2,6 +2,8 @@
 
 use std::net::SocketAddr;
 
+use keel_core::env;
+
 use super::{ServeArgs, exit};
 
 pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
@@ -11,7 +13,7 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
     };
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     // KEEL_JWT_JWKS: a file, or an http(s) URL fetched once the runtime runs.
-    let jwks_source = var("KEEL_JWT_JWKS");
+    let jwks_source = var(env::JWT_JWKS.name);
     let jwks_url = jwks_source.clone().filter(|s| s.starts_with("https://") || s.starts_with("http://"));
     let jwks = match (&jwks_source, &jwks_url) {
         (Some(path), None) => match std::fs::read_to_string(path) {
@@ -23,15 +25,15 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
         },
         _ => None,
     };
-    let secret = var("KEEL_JWT_SECRET");
+    let secret = var(env::JWT_SECRET.name);
     let jwt = (secret.is_some() || jwks_source.is_some()).then(|| keel_server::JwtOptions {
         secret,
         jwks,
         jwks_url,
-        issuer: var("KEEL_JWT_ISSUER"),
-        audience: var("KEEL_JWT_AUDIENCE"),
+        issuer: var(env::JWT_ISSUER.name),
+        audience: var(env::JWT_AUDIENCE.name),
     });
-    let rate_limit_per_minute = match var("KEEL_RATE_LIMIT").map(|v| v.trim().parse::<u32>()) {
+    let rate_limit_per_minute = match var(env::RATE_LIMIT.name).map(|v| v.trim().parse::<u32>()) {
         None => None,
         Some(Ok(n)) => Some(n),
         Some(Err(_)) => {
@@ -40,7 +42,7 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
         }
     };
     let mut options = keel_server::ServerOptions {
-        api_token: var("KEEL_API_TOKEN"),
+        api_token: var(env::API_TOKEN.name),
         jwt,
         rate_limit_per_minute,
         ..keel_server::ServerOptions::default()

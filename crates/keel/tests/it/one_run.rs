@@ -475,3 +475,103 @@ fn keel_cancel_stops_a_run_in_another_process_and_a_paused_one() {
     assert!(!nothing.status.success());
     assert!(stderr(&nothing).contains("KEEL_RUN_NOT_FOUND"), "{}", stderr(&nothing));
 }
+
+#[tokio::test]
+async fn a_run_leased_by_a_process_on_another_host_is_never_taken_over() {
+    let dir = slow_agent(0);
+    let path = dir.path();
+    let agent = path.to_str().unwrap();
+    // A run in flight on another machine: its owner names a kernel this host cannot check.
+    {
+        let store = keel::SqliteStore::open(&path.join("keel.db")).unwrap();
+        let session = keel::SessionId::new("s").unwrap();
+        let record = keel_core::RunRecord {
+            run_id: keel::RunId::from_suffix("elsewhere"),
+            session_id: session.clone(),
+            input: keel::Message::user("go"),
+            history_len: 0,
+            call_base: 0,
+            state: keel::RunState::Running,
+        };
+        let owner = "keel/otherhost/0123456789abcdef/4242/99/nonce";
+        let input = [Arc::new(keel::Message::user("go"))];
+        let commit = keel_core::StepCommit {
+            session: &session,
+            run: &record.run_id,
+            new_run: Some(&record),
+            entry: None,
+            first_position: 0,
+            messages: &input,
+            state: None,
+            session_state: None,
+            pending: &[],
+            fence: Some(keel_core::Fence { owner, epoch: 1, ttl: Duration::from_secs(3600) }),
+        };
+        keel::Store::commit_step(&store, commit).await.unwrap();
+    }
+    for args in [vec!["run", agent, "--session", "s"], vec!["run", agent, "more", "--session", "s"]] {
+        let output = keel(path, &args).output().unwrap();
+        assert_eq!(output.status.code(), Some(6), "{output:?}");
+        let message = stderr(&output);
+        assert!(message.contains("keel process 4242 on host otherhost"), "{message}");
+        assert!(message.contains("in 60 min"), "when it can be taken over: {message}");
+    }
+    assert_eq!(read(path, "started.txt"), "", "the other host's run was driven here");
+    let stored = messages(path, "s");
+    assert_eq!(stored.len(), 1, "{stored:#?}");
+}
+
+#[tokio::test]
+async fn a_run_whose_journal_cannot_be_read_fails_alone_and_the_others_go_on() {
+    let dir = slow_agent(0);
+    let path = dir.path();
+    let agent = path.to_str().unwrap();
+    // Two sessions, each with a run killed after its tool's step was committed.
+    for session in ["a", "b"] {
+        let output = keel(path, &["run", agent, "go", "--session", session])
+            .env("KEEL_FAULT", "after_commit:tool:slow:call_0_0")
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), None, "the fault aborts the process: {output:?}");
+    }
+    // Session a's journal is damaged.
+    let damaged = Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); \
+             c.execute(\"UPDATE journal SET body = '{not json' WHERE step = 'llm:turn:0' AND run_id IN \
+             (SELECT id FROM runs WHERE session_id = 'a')\"); c.commit()",
+        )
+        .arg(path.join("keel.db"))
+        .status()
+        .unwrap();
+    assert!(damaged.success());
+    // A server recovers both at start: a fails with a code, b finishes.
+    let server = Served::start(path, &sqlite(path), &[]);
+    let http = client();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let finished = loop {
+        let transcript: Value = http.get(server.url("/chat/b")).send().await.unwrap().json().await.unwrap();
+        if transcript["messages"].as_array().is_some_and(|m| m.len() == 4) {
+            break transcript;
+        }
+        assert!(Instant::now() < deadline, "session b was not recovered: {transcript:#}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(finished["messages"][3]["content"][0]["text"], "Done: slept");
+    drop(server);
+    let failed = Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); \
+             print(c.execute(\"SELECT state FROM runs WHERE session_id = 'a'\").fetchone()[0])",
+        )
+        .arg(path.join("keel.db"))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&failed.stdout).trim(), "failed", "{failed:?}");
+    // Session a takes new input; the call its failed run left open is answered first.
+    let next = keel(path, &["run", agent, "again", "--session", "a"]).output().unwrap();
+    assert!(next.status.success(), "{next:?}");
+    assert_whole(&messages(path, "a"));
+}
