@@ -2,8 +2,8 @@
 //! answers, cancels and SIGKILLs across up to three `keel` processes on one SQLite file, with
 //! the store's and the session's invariants checked after every operation.
 //!
-//! Each iteration draws its operations from a seed (printed on failure; `KEEL_MODEL_SEED`
-//! replays one). `KEEL_MODEL_ITERATIONS` sets how many iterations run (a few in the default
+//! Each iteration draws its operations, and the agent's `concurrency` mode, from a seed (printed
+//! on failure; `KEEL_MODEL_SEED` replays one). `KEEL_MODEL_ITERATIONS` sets how many iterations run (a few in the default
 //! suite; run it with hundreds before trusting a change to the store or the runtime).
 //!
 //! Checked after each operation:
@@ -52,9 +52,11 @@ fn tool(name: &str, seconds: &str) -> String {
     )
 }
 
-fn model_agent() -> tempfile::TempDir {
-    let mut spec =
-        String::from("model: mock\ntools: [ask_question]\napprovals: { tools: [pay] }\nmock:\n  script:\n");
+/// The agent, with the iteration's `concurrency` mode.
+fn model_agent(concurrency: &str) -> tempfile::TempDir {
+    let mut spec = format!(
+        "model: mock\nconcurrency: {concurrency}\ntools: [ask_question]\napprovals: {{ tools: [pay] }}\nmock:\n  script:\n"
+    );
     for index in 0..400 {
         spec.push_str(&format!("    - {}\n", PATTERNS[index % PATTERNS.len()]));
     }
@@ -410,8 +412,10 @@ async fn random_interleavings_across_processes_keep_every_session_whole() {
     let mut totals: HashMap<String, usize> = HashMap::new();
     for iteration in 0..iterations() {
         let seed = first_seed.wrapping_add(iteration);
-        let dir = model_agent();
+        let concurrency = ["reject", "queue", "replace"][(seed % 3) as usize];
+        let dir = model_agent(concurrency);
         let mut world = World::new(dir.path(), seed);
+        world.log.push(format!("concurrency: {concurrency}"));
         for _ in 0..14 {
             world.step().await;
             world.check().await;

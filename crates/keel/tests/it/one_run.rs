@@ -223,6 +223,37 @@ fn a_decision_made_elsewhere_reaches_a_waiting_chat_and_the_session_stays_whole(
 }
 
 #[test]
+fn a_waiting_terminal_follows_a_run_that_another_process_continues() {
+    let dir = agent_dir(&[("agent.yaml", CONVERT_AGENT), ("tools/convert.toml", CONVERT_TOML)]);
+    let dir = dir.path();
+    let run = format!(
+        "{} run {} 'convert 10 km' --session t --store {}",
+        assert_cmd::cargo::cargo_bin("keel").display(),
+        dir.display(),
+        sqlite(dir)
+    );
+    let terminal = Terminal::start(dir, &run);
+    let seen = terminal.wait_for("Allow convert", 0);
+    let listed = keel(dir, &["approvals", "list", "--json"]).output().unwrap();
+    let pending: Value =
+        serde_json::from_slice(listed.stdout.split(|b| *b == b'\n').next().unwrap()).unwrap();
+    let id = pending["id"].as_str().unwrap();
+    // Decided, and continued, by another process.
+    let elsewhere =
+        keel(dir, &["approvals", "approve", id, "--agent", dir.to_str().unwrap()]).output().unwrap();
+    assert!(elsewhere.status.success(), "{elsewhere:?}");
+    assert_eq!(String::from_utf8_lossy(&elsewhere.stdout), "10 km is 6.2 miles.\n");
+    // The terminal stops asking, says so, and shows how the run ended, without running it again.
+    let seen = terminal.wait_for("approved elsewhere", seen);
+    terminal.wait_for("10 km is 6.2 miles.", seen);
+    let mut terminal = terminal;
+    let status = terminal.child.wait().unwrap();
+    assert!(status.success(), "{}", terminal.screen());
+    assert_eq!(read(dir, "calls.txt").lines().count(), 1);
+    assert_whole(&messages(dir, "t"));
+}
+
+#[test]
 fn a_second_decision_is_refused_saying_who_decided_first_and_changes_nothing() {
     let dir = agent_dir(&[("agent.yaml", CONVERT_AGENT), ("tools/convert.toml", CONVERT_TOML)]);
     let dir = dir.path();
