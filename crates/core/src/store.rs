@@ -186,6 +186,24 @@ pub struct StepCommit<'a> {
     pub fence: Option<Fence<'a>>,
 }
 
+impl<'a> StepCommit<'a> {
+    /// A commit of `run` that writes nothing yet, to fill in with struct update syntax.
+    pub fn new(session: &'a SessionId, run: &'a RunId) -> StepCommit<'a> {
+        StepCommit {
+            session,
+            run,
+            new_run: None,
+            entry: None,
+            first_position: 0,
+            messages: &[],
+            state: None,
+            session_state: None,
+            pending: &[],
+            fence: None,
+        }
+    }
+}
+
 /// Who may write a run: the owner of its lease, at an epoch. Every claim bumps the epoch, so a
 /// writer that stalled past its lease's expiry cannot commit over the new owner's work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -431,16 +431,9 @@ async fn prepare(
 /// run's claims keep counting until the store poisons it).
 async fn end_unreadable(shared: &Shared, session: &SessionId, run: &RunId, epoch: u64) {
     let commit = StepCommit {
-        session,
-        run,
-        new_run: None,
-        entry: None,
-        first_position: 0,
-        messages: &[],
         state: Some(RunState::Failed),
-        session_state: None,
-        pending: &[],
         fence: Some(Fence { owner: &shared.owner, epoch, ttl: shared.lease_ttl }),
+        ..StepCommit::new(session, run)
     };
     if let Err(error) = shared.store.commit_step(commit).await {
         tracing::warn!(%run, %error, "could not mark an unreadable run failed");
@@ -591,22 +584,9 @@ impl Driver<'_> {
 
     /// A commit of this run under its lease that writes nothing yet, to fill in.
     fn bare_commit(&self) -> StepCommit<'_> {
-        StepCommit {
-            session: &self.session,
-            run: &self.run_id,
-            new_run: None,
-            fence: self.epoch.map(|epoch| Fence {
-                owner: &self.shared.owner,
-                epoch,
-                ttl: self.shared.lease_ttl,
-            }),
-            entry: None,
-            first_position: 0,
-            messages: &[],
-            state: None,
-            pending: &[],
-            session_state: None,
-        }
+        let fence =
+            self.epoch.map(|epoch| Fence { owner: &self.shared.owner, epoch, ttl: self.shared.lease_ttl });
+        StepCommit { fence, ..StepCommit::new(&self.session, &self.run_id) }
     }
 
     /// Writes what a step produced (journal entry, messages, new state) in one store commit.

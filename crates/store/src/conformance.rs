@@ -56,25 +56,14 @@ pub fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord
     }
 }
 
-/// A commit that writes nothing, to fill in.
-pub fn bare<'a>(session: &'a SessionId, run: &'a RunId) -> StepCommit<'a> {
-    StepCommit {
-        session,
-        run,
-        new_run: None,
-        entry: None,
-        first_position: 0,
-        messages: &[],
-        state: None,
-        fence: None,
-        pending: &[],
-        session_state: None,
-    }
-}
-
 /// Creates a run, with no lease: through [`Store::commit_step`], the one write path.
 pub async fn create_run(store: &dyn Store, record: &RunRecord) -> Result<Committed, StoreError> {
-    store.commit_step(StepCommit { new_run: Some(record), ..bare(&record.session_id, &record.run_id) }).await
+    store
+        .commit_step(StepCommit {
+            new_run: Some(record),
+            ..StepCommit::new(&record.session_id, &record.run_id)
+        })
+        .await
 }
 
 /// Appends messages at `first_position..` for `run` (see [`Store::commit_step`]).
@@ -85,7 +74,7 @@ pub async fn append_messages(
     first_position: u64,
     messages: &[Arc<Message>],
 ) -> Result<Committed, StoreError> {
-    store.commit_step(StepCommit { first_position, messages, ..bare(session, run) }).await
+    store.commit_step(StepCommit { first_position, messages, ..StepCommit::new(session, run) }).await
 }
 
 /// Records one journal entry.
@@ -95,7 +84,7 @@ async fn append_journal(
     run: &RunId,
     entry: &JournalEntry,
 ) -> Result<Committed, StoreError> {
-    store.commit_step(StepCommit { entry: Some(entry), ..bare(session, run) }).await
+    store.commit_step(StepCommit { entry: Some(entry), ..StepCommit::new(session, run) }).await
 }
 
 /// Moves a run to a new state.
@@ -105,7 +94,7 @@ async fn set_run_state(
     run: &RunId,
     state: RunState,
 ) -> Result<Committed, StoreError> {
-    store.commit_step(StepCommit { state: Some(state), ..bare(session, run) }).await
+    store.commit_step(StepCommit { state: Some(state), ..StepCommit::new(session, run) }).await
 }
 
 /// The first commit of a new run, leased to `owner` for a minute.
@@ -120,7 +109,7 @@ fn new_run_commit<'a>(
         first_position,
         messages,
         fence: Some(Fence { owner, epoch: 1, ttl: MINUTE }),
-        ..bare(&record.session_id, &record.run_id)
+        ..StepCommit::new(&record.session_id, &record.run_id)
     }
 }
 
@@ -271,7 +260,7 @@ pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
         entry: Some(&entry),
         messages: &messages,
         state: Some(RunState::Done),
-        ..bare(&session, &record.run_id)
+        ..StepCommit::new(&session, &record.run_id)
     };
     store.commit_step(commit).await.unwrap();
     // The replay of a step: the run exists by now.
@@ -301,8 +290,12 @@ pub async fn leases_fence_stale_writers(store: &dyn Store, clock: &ManualClock) 
     let short = Duration::from_secs(10);
     let first = Fence { owner: "process-a", epoch: 1, ttl: short };
     let messages = [Arc::new(Message::user("q"))];
-    let create =
-        StepCommit { new_run: Some(&record), messages: &messages, fence: Some(first), ..bare(&session, run) };
+    let create = StepCommit {
+        new_run: Some(&record),
+        messages: &messages,
+        fence: Some(first),
+        ..StepCommit::new(&session, run)
+    };
     store.commit_step(create).await.unwrap();
 
     // Held: nobody else may claim it, and it is not interrupted.
@@ -368,7 +361,7 @@ pub async fn a_dead_owner_is_taken_over_only_by_name(store: &dyn Store) {
         .commit_step(StepCommit {
             entry: Some(&tool_entry("c1", json!(1))),
             fence: Some(Fence { owner: "process-dead", epoch: 1, ttl: MINUTE }),
-            ..bare(&session, run)
+            ..StepCommit::new(&session, run)
         })
         .await
         .unwrap_err();
@@ -456,7 +449,7 @@ async fn pause(store: &dyn Store, record: &RunRecord, owner: &str, epoch: u64, a
         state: Some(RunState::AwaitingInput),
         pending: asked,
         fence: Some(Fence { owner, epoch, ttl: MINUTE }),
-        ..bare(&record.session_id, &record.run_id)
+        ..StepCommit::new(&record.session_id, &record.run_id)
     };
     store.commit_step(commit).await.unwrap();
 }
@@ -592,7 +585,8 @@ pub async fn cancellation_reaches_the_owner_and_ends_a_pause(store: &dyn Store) 
         LeaseStatus::Held { cancel_requested: true }
     );
     let fence = Some(Fence { owner: "process-a", epoch: 1, ttl: MINUTE });
-    let step = StepCommit { entry: Some(&tool_entry("c0", json!(0))), fence, ..bare(&session, run) };
+    let step =
+        StepCommit { entry: Some(&tool_entry("c0", json!(0))), fence, ..StepCommit::new(&session, run) };
     assert_eq!(store.commit_step(step).await.unwrap(), Committed { cancel_requested: true });
     let open = store.open_runs(Some(&session)).await.unwrap();
     assert_eq!(open[0].cancel_requested_by.as_deref(), Some("keel cancel (test)"));
@@ -643,7 +637,11 @@ pub async fn claims_without_progress_poison_a_run(store: &dyn Store) {
     // A commit is progress: the count starts over.
     let fence = Some(Fence { owner: "process-1", epoch, ttl: MINUTE });
     store
-        .commit_step(StepCommit { entry: Some(&tool_entry("c1", json!(1))), fence, ..bare(&session, run) })
+        .commit_step(StepCommit {
+            entry: Some(&tool_entry("c1", json!(1))),
+            fence,
+            ..StepCommit::new(&session, run)
+        })
         .await
         .unwrap();
     release("process-1", epoch).await;
@@ -658,7 +656,7 @@ pub async fn claims_without_progress_poison_a_run(store: &dyn Store) {
             entry: Some(&tool_entry("c1", json!(1))),
             messages: &input,
             fence,
-            ..bare(&session, run)
+            ..StepCommit::new(&session, run)
         };
         store.commit_step(replay).await.unwrap();
         release(owner, epoch).await;
@@ -687,7 +685,7 @@ pub async fn session_state_commits_with_its_step(store: &dyn Store) {
         entry: Some(&entry),
         session_state: Some(&cart),
         fence: Some(Fence { owner: "process-a", epoch: 1, ttl: MINUTE }),
-        ..bare(&session, &record.run_id)
+        ..StepCommit::new(&session, &record.run_id)
     };
     store.commit_step(step).await.unwrap();
     assert_eq!(store.load_session_state(&session).await.unwrap(), Some(cart.clone()));
@@ -703,7 +701,7 @@ pub async fn session_state_commits_with_its_step(store: &dyn Store) {
         entry: Some(&stale_entry),
         session_state: Some(&emptied),
         fence: Some(Fence { owner: "process-b", epoch: 7, ttl: MINUTE }),
-        ..bare(&session, &record.run_id)
+        ..StepCommit::new(&session, &record.run_id)
     };
     let error = store.commit_step(stale).await.unwrap_err();
     assert!(matches!(error, StoreError::LeaseLost(_)), "{error:?}");
@@ -742,7 +740,7 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
             first_position: position,
             messages: &answer,
             fence: Some(Fence { owner: "process-a", epoch: 1, ttl: MINUTE }),
-            ..bare(&session, &record.run_id)
+            ..StepCommit::new(&session, &record.run_id)
         };
         store.commit_step(step).await.unwrap();
         // The same step again, as a replay after a crash would write it.
@@ -752,7 +750,7 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
     let stale = StepCommit {
         entry: Some(&stale_entry),
         fence: Some(Fence { owner: "process-b", epoch: 9, ttl: MINUTE }),
-        ..bare(&session, &record.run_id)
+        ..StepCommit::new(&session, &record.run_id)
     };
     assert!(store.commit_step(stale).await.is_err());
     let summary = store.session_summary(&session).await.unwrap().expect("the session exists");

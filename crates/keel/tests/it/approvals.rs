@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::support::agent_dir;
+use crate::support::{agent_dir, keel_on_store as keel};
 
 /// One model turn calls three tools at once; `pay` and `ship` need approval, `note` does not.
 const AGENT: &str = "model: mock
@@ -62,21 +62,6 @@ fn agent(dir: &Path) -> &str {
 
 fn store_arg(dir: &Path) -> String {
     format!("sqlite:{}", dir.join("keel.db").display())
-}
-
-/// `keel <args> --store <dir's db>`, in the agent's directory.
-fn keel(dir: &Path, args: &[&str]) -> Command {
-    let mut command = Command::new(assert_cmd::cargo::cargo_bin("keel"));
-    command
-        .current_dir(dir)
-        .env_remove("KEEL_FAULT")
-        .env_remove("KEEL_STORE")
-        .env("KEEL_LOG", "error")
-        .args(args)
-        .arg("--store")
-        .arg(store_arg(dir))
-        .stdin(Stdio::null());
-    command
 }
 
 /// `keel run <dir> go --session s --json`.

@@ -89,7 +89,6 @@ struct Ended {
 
 struct World {
     dir: PathBuf,
-    store_arg: String,
     store: Arc<dyn Store>,
     rng: fastrand::Rng,
     live: Vec<Live>,
@@ -103,12 +102,9 @@ struct World {
 
 impl World {
     fn new(dir: &Path, seed: u64) -> World {
-        let db = dir.join("keel.db");
-        let store_arg = format!("sqlite:{}", db.display());
-        let store: Arc<dyn Store> = Arc::new(keel::SqliteStore::open(&db).unwrap());
+        let store: Arc<dyn Store> = Arc::new(keel::SqliteStore::open(&dir.join("keel.db")).unwrap());
         World {
             dir: dir.to_owned(),
-            store_arg,
             store,
             rng: fastrand::Rng::with_seed(seed),
             live: Vec::new(),
@@ -131,19 +127,8 @@ impl World {
     }
 
     fn keel(&self, args: &[&str]) -> Command {
-        let mut command = Command::new(assert_cmd::cargo::cargo_bin("keel"));
-        command
-            .current_dir(&self.dir)
-            .env_remove("KEEL_FAULT")
-            .env_remove("KEEL_STORE")
-            .env_remove("KEEL_RUN_LEASE")
-            .env("KEEL_LOG", "error")
-            .args(args)
-            .arg("--store")
-            .arg(&self.store_arg)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+        let mut command = crate::support::keel_on_store(&self.dir, args);
+        command.stdout(Stdio::null()).stderr(Stdio::null());
         command
     }
 

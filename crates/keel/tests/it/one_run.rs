@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::serve::{Served, client, read_sse, sqlite};
-use crate::support::agent_dir;
+use crate::support::{agent_dir, keel_on_store as keel};
 
 /// One tool that needs approval, then an answer that quotes it; a third entry for the next turn.
 const CONVERT_AGENT: &str = "model: mock
@@ -48,22 +48,6 @@ fn slow_agent(seconds: u32) -> tempfile::TempDir {
         ("agent.yaml", SLOW_AGENT),
         ("tools/slow.toml", &SLOW_TOML.replace("SECONDS", &seconds.to_string())),
     ])
-}
-
-/// `keel <args>` in `dir`, against the directory's SQLite store, stdin closed.
-fn keel(dir: &Path, args: &[&str]) -> Command {
-    let mut command = Command::new(assert_cmd::cargo::cargo_bin("keel"));
-    command
-        .current_dir(dir)
-        .env_remove("KEEL_FAULT")
-        .env_remove("KEEL_STORE")
-        .env_remove("KEEL_RUN_LEASE")
-        .env("KEEL_LOG", "error")
-        .args(args)
-        .arg("--store")
-        .arg(sqlite(dir))
-        .stdin(Stdio::null());
-    command
 }
 
 fn read(dir: &Path, file: &str) -> String {
@@ -527,16 +511,10 @@ async fn a_run_leased_by_a_process_on_another_host_is_never_taken_over() {
         let owner = "keel/otherhost/0123456789abcdef/4242/99/nonce";
         let input = [Arc::new(keel::Message::user("go"))];
         let commit = keel_core::StepCommit {
-            session: &session,
-            run: &record.run_id,
             new_run: Some(&record),
-            entry: None,
-            first_position: 0,
             messages: &input,
-            state: None,
-            session_state: None,
-            pending: &[],
             fence: Some(keel_core::Fence { owner, epoch: 1, ttl: Duration::from_secs(3600) }),
+            ..keel_core::StepCommit::new(&session, &record.run_id)
         };
         keel::Store::commit_step(&store, commit).await.unwrap();
     }

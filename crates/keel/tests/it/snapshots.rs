@@ -3,7 +3,7 @@
 //! to review (`cargo insta review`, or `INSTA_UPDATE=always` to accept).
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
 use serde_json::{Value, json};
 
@@ -26,17 +26,7 @@ fn agent() -> tempfile::TempDir {
 }
 
 fn keel(dir: &Path, args: &[&str]) -> Output {
-    Command::new(assert_cmd::cargo::cargo_bin("keel"))
-        .current_dir(dir)
-        .env_remove("KEEL_FAULT")
-        .env_remove("KEEL_STORE")
-        .env("KEEL_LOG", "error")
-        .args(args)
-        .arg("--store")
-        .arg(sqlite(dir))
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
+    crate::support::keel_on_store(dir, args).output().unwrap()
 }
 
 /// What a person sees of a command: its exit code, stdout and stderr, with this test's paths

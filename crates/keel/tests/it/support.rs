@@ -22,6 +22,23 @@ pub fn keel() -> Command {
     command
 }
 
+/// `keel <args> --store sqlite:<dir>/keel.db`, run in `dir`: logs quiet, stdin closed, no
+/// fault injected, no store or lease from the environment.
+pub fn keel_on_store(dir: &Path, args: &[&str]) -> std::process::Command {
+    let mut command = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"));
+    command
+        .current_dir(dir)
+        .env_remove("KEEL_FAULT")
+        .env_remove("KEEL_STORE")
+        .env_remove("KEEL_RUN_LEASE")
+        .env("KEEL_LOG", "error")
+        .args(args)
+        .arg("--store")
+        .arg(format!("sqlite:{}", dir.join("keel.db").display()))
+        .stdin(std::process::Stdio::null());
+    command
+}
+
 /// The repository's root (for the examples).
 pub fn repo_root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().parent().unwrap()
