@@ -456,7 +456,7 @@ struct Driver<'a> {
     /// The same, for whoever must release the lease if this task panics.
     epoch_cell: &'a AtomicU64,
     /// When to renew the lease while waiting on a model or tools (`None` without a lease).
-    beat: Option<tokio::time::Interval>,
+    beat: Option<Heartbeat>,
     events: UnboundedSender<Event>,
     cancel: CancellationToken,
     /// The claim's attempt, when the run died at its next new step too many times in a row: it
@@ -509,11 +509,12 @@ impl Driver<'_> {
                             tools.clear();
                             Wake::Input(Input::Cancel, None, None)
                         }
-                        () = next_beat(&mut self.beat) => Wake::Heartbeat,
                         Some((step, call_id, outcome, state)) = tools.next() => {
                             let entry = JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) };
                             Wake::Input(Input::ToolDone { call_id, outcome }, Some(entry), state)
                         }
+                        // After the work: a call done at once never starts the heartbeat's timer.
+                        () = next_beat(&mut self.beat) => Wake::Heartbeat,
                     };
                     match woken {
                         Wake::Heartbeat => {
@@ -882,8 +883,8 @@ impl Driver<'_> {
             let finished = tokio::select! {
                 biased;
                 () = self.cancel.cancelled() => return Ok((Input::Cancel, None)),
-                () = next_beat(&mut self.beat) => None,
                 result = &mut call => Some(result),
+                () = next_beat(&mut self.beat) => None,
             };
             match finished {
                 Some(result) => break result,
@@ -1011,19 +1012,28 @@ impl PendingCommit {
     }
 }
 
-/// Ticks a third of the way through the lease: how often a driver waiting on a model or tools
-/// renews it (each commit renews it too). A timer, not a task: a run costs no extra spawn.
-fn heartbeat(shared: &Shared) -> tokio::time::Interval {
-    let period = (shared.lease_ttl / 3).max(std::time::Duration::from_millis(10));
-    let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    beat
+/// When a driver waiting on a model or tools renews its lease: a third of the way through it
+/// (a commit extends it too, once a third is gone). A timer, not a task: a run costs no extra
+/// spawn; and it is started at the run's first wait, so a run that never waits has none.
+struct Heartbeat {
+    period: Duration,
+    interval: Option<tokio::time::Interval>,
+}
+
+fn heartbeat(shared: &Shared) -> Heartbeat {
+    Heartbeat { period: (shared.lease_ttl / 3).max(Duration::from_millis(10)), interval: None }
 }
 
 /// The next heartbeat, or never without a lease.
-async fn next_beat(beat: &mut Option<tokio::time::Interval>) {
+async fn next_beat(beat: &mut Option<Heartbeat>) {
     match beat {
-        Some(interval) => {
+        Some(Heartbeat { period, interval }) => {
+            let period = *period;
+            let interval = interval.get_or_insert_with(|| {
+                let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+                interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                interval
+            });
             interval.tick().await;
         }
         None => std::future::pending().await,

@@ -423,7 +423,7 @@ impl Engine {
         };
         shared.active.fetch_add(1, Ordering::SeqCst);
         if !shared.watching.swap(true, Ordering::SeqCst) {
-            runtime.spawn(watch_cancellations(Arc::clone(&shared)));
+            runtime.spawn(watch_cancellations(Arc::downgrade(&shared)));
         }
         runtime.spawn(async move {
             let result =
@@ -442,10 +442,12 @@ impl Engine {
 }
 
 /// While the engine has runs in flight: polls the store for cancellations other processes
-/// asked for, and cancels those runs here.
-async fn watch_cancellations(shared: Arc<Shared>) {
+/// asked for, and cancels those runs here. It holds the engine weakly: a dropped engine (and its
+/// store) is freed at once, not at the next poll.
+async fn watch_cancellations(shared: std::sync::Weak<Shared>) {
     loop {
         tokio::time::sleep(CANCEL_POLL).await;
+        let Some(shared) = shared.upgrade() else { return };
         if shared.active.load(Ordering::SeqCst) == 0 {
             shared.watching.store(false, Ordering::SeqCst);
             // A run may have started since and seen the flag still set: go on for it, unless

@@ -84,13 +84,16 @@ pub trait Tx {
     fn control(&mut self, run: &RunId) -> Result<Option<RunControl>, StoreError>;
     /// Replaces a run's control.
     fn set_control(&mut self, run: &RunId, control: &RunControl, now_ms: u64) -> Result<(), StoreError>;
+    /// The running runs leased to `owner` whose cancellation was requested.
+    fn cancel_requested(&mut self, owner: &str) -> Result<Vec<RunId>, StoreError>;
     /// The runs not finished: all, or `session`'s; oldest first (run ids are time-ordered).
     fn open_runs(&mut self, session: Option<&SessionId>) -> Result<Vec<(RunId, RunControl)>, StoreError>;
 
     /// Whether the run's journal has a record for `step`.
     fn has_step(&mut self, run: &RunId, step: &StepName) -> Result<bool, StoreError>;
-    /// Appends a record (the caller checked that the step has none).
-    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<(), StoreError>;
+    /// Appends a record unless the step has one already (the first record of a step wins).
+    /// Returns whether it appended.
+    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<bool, StoreError>;
     /// The run's journal, in write order.
     fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError>;
     /// Drops the journals of finished runs; returns how many records went.

@@ -195,6 +195,24 @@ impl Tx for Inner {
         Ok(())
     }
 
+    fn cancel_requested(&mut self, owner: &str) -> Result<Vec<RunId>, StoreError> {
+        let mut runs: Vec<RunId> = self
+            .open_runs
+            .values()
+            .flatten()
+            .filter(|run| {
+                self.runs.get(*run).is_some_and(|data| {
+                    data.control.cancel_requested_by.is_some()
+                        && data.control.state == keel_core::RunState::Running
+                        && data.control.owner.as_deref() == Some(owner)
+                })
+            })
+            .cloned()
+            .collect();
+        runs.sort();
+        Ok(runs)
+    }
+
     fn open_runs(&mut self, session: Option<&SessionId>) -> Result<Vec<(RunId, RunControl)>, StoreError> {
         let ids: Vec<&RunId> = match session {
             Some(session) => {
@@ -215,9 +233,13 @@ impl Tx for Inner {
         Ok(self.journals.get(run).is_some_and(|journal| journal.iter().any(|e| &e.step == step)))
     }
 
-    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<(), StoreError> {
-        self.journals.entry(run.clone()).or_default().push(entry.clone());
-        Ok(())
+    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<bool, StoreError> {
+        let journal = self.journals.entry(run.clone()).or_default();
+        if journal.iter().any(|existing| existing.step == entry.step) {
+            return Ok(false);
+        }
+        journal.push(entry.clone());
+        Ok(true)
     }
 
     fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError> {

@@ -233,12 +233,11 @@ fn commit_step(tx: &mut dyn Tx, commit: &StepCommit<'_>, now_ms: u64) -> Result<
         tx.insert_run(record, &control, now_ms)?;
     }
     if let Some(entry) = entry
-        && !tx.has_step(run, &entry.step)?
+        && tx.append_journal(run, entry)?
     {
         if let JournalRecord::ModelReply(reply) = &entry.record {
             tx.add_usage(session, reply.usage, now_ms)?;
         }
-        tx.append_journal(run, entry)?;
         progressed = true;
     }
     if repeated < messages.len() as u64 {
@@ -381,9 +380,7 @@ fn decide(
         by: by.to_owned(),
         at_ms: now_ms,
     })?;
-    if !tx.has_step(&run, &step)? {
-        tx.append_journal(&run, &JournalEntry { step, record: JournalRecord::Decision(decision) })?;
-    }
+    tx.append_journal(&run, &JournalEntry { step, record: JournalRecord::Decision(decision) })?;
     if let Some(mut control) = tx.control(&run)?
         && control.state == RunState::AwaitingInput
     {
@@ -524,16 +521,7 @@ impl<B: Backend> Store for Ruled<B> {
 
     fn cancel_requests<'a>(&'a self, owner: &'a str) -> BoxFuture<'a, Result<Vec<RunId>, StoreError>> {
         let owner = owner.to_owned();
-        self.read(move |tx| {
-            Ok(tx
-                .open_runs(None)?
-                .into_iter()
-                .filter(|(_, c)| {
-                    c.cancel_requested_by.is_some() && c.owner.as_deref() == Some(owner.as_str())
-                })
-                .map(|(run, _)| run)
-                .collect())
-        })
+        self.read(move |tx| tx.cancel_requested(&owner))
     }
 
     fn request_cancel<'a>(
