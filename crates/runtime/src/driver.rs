@@ -210,7 +210,12 @@ const SETTLE_POLL: Duration = Duration::from_millis(100);
 /// process provably dead); one that waits for a human or runs in another process refuses the
 /// new input, unless `concurrency` says to wait for it (`queue`) or to cancel it (`replace`).
 /// The caller holds the session in this process.
-async fn settle_session(shared: &Arc<Shared>, session: &SessionId) -> Result<SessionSnapshot, RunFailure> {
+async fn settle_session(
+    shared: &Arc<Shared>,
+    session: &SessionId,
+    cancel: &CancellationToken,
+    admitted: &mut Admitted,
+) -> Result<SessionSnapshot, RunFailure> {
     let mode = shared.agent.concurrency;
     let mut asked_to_cancel = false;
     loop {
@@ -238,10 +243,22 @@ async fn settle_session(shared: &Arc<Shared>, session: &SessionId) -> Result<Ses
                 asked_to_cancel = true;
             }
             (RunState::Running, Concurrency::Replace | Concurrency::Queue) => {
-                // Driven elsewhere: wait for it to end (it was asked to, under `replace`). A
-                // cancelled input still waits, so that it is stored.
+                // Driven elsewhere: wait for it to end (it was asked to, under `replace`), unless
+                // this input is cancelled meanwhile: then it gives up, unstored. Waiting in line
+                // is being admitted, as behind a run of this process.
+                tell_admitted(admitted, Ok(()));
                 tokio::select! {
                     () = shared.stopping.cancelled() => return Err(shutting_down(&run.run_id)),
+                    () = cancel.cancelled() => {
+                        return Err(RunFailure::new(
+                            ErrorCode::SessionBusy,
+                            format!(
+                                "the input to session {} was cancelled while it waited for run {} in another process",
+                                session.external(),
+                                run.run_id
+                            ),
+                        ));
+                    }
                     () = tokio::time::sleep(SETTLE_POLL) => {}
                 }
             }
@@ -284,7 +301,8 @@ async fn prepare(
                     })?
                 }
             };
-            let SessionSnapshot { messages: history, state, .. } = settle_session(shared, &session).await?;
+            let SessionSnapshot { messages: history, state, .. } =
+                settle_session(shared, &session, cancel, admitted).await?;
             let state = state.unwrap_or_default();
             // Each completed model call appends exactly one assistant message.
             let call_base = history.iter().filter(|m| m.role == Role::Assistant).count() as u64;

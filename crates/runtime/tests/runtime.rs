@@ -663,3 +663,35 @@ async fn two_processes_cannot_run_one_session_at_once() {
     assert_eq!(done.stopped, StopReason::Final);
     assert_eq!(store.load_messages(&session("shared")).await.unwrap().len(), 4);
 }
+
+#[tokio::test]
+async fn an_input_queued_behind_another_processs_run_waits_for_it_and_can_be_cancelled_meanwhile() {
+    // Two engines on one store stand for two processes.
+    let store = Arc::new(MemoryStore::new());
+    let slow = vec![MockEntry { delay_ms: 400, text: Some("slow".into()), ..MockEntry::default() }];
+    let first = Engine::new(agent(vec![], |_| {}), counting(slow), store.clone());
+    let queue = |a: &mut AgentDef| a.concurrency = keel_core::Concurrency::Queue;
+    let second =
+        Engine::new(agent(vec![], queue), counting(vec![text("a"), text("b"), text("c")]), store.clone());
+    let running = first.start(session("q"), Message::user("one")).unwrap();
+    while store.open_runs(Some(&session("q"))).await.unwrap().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    // Queued behind the other process's run: admitted at once (a server answers 200), it waits,
+    // then runs after it.
+    let mut waiting = second.start(session("q"), Message::user("two")).unwrap();
+    waiting.admitted().await.unwrap();
+    assert_eq!(store.open_runs(Some(&session("q"))).await.unwrap().len(), 1, "it waits, not runs");
+    // Another queued input, cancelled while it waits: it gives up at once, unstored.
+    let third = Engine::new(agent(vec![], queue), counting(vec![]), store.clone());
+    let cancelled = third.start(session("q"), Message::user("never")).unwrap();
+    assert!(third.cancel(&session("q"), "test").await.unwrap());
+    assert_eq!(cancelled.result().await.unwrap_err().code, ErrorCode::SessionBusy);
+    assert_eq!(running.result().await.unwrap().text, "slow");
+    assert_eq!(waiting.result().await.unwrap().stopped, StopReason::Final);
+    let texts: Vec<String> =
+        store.load_messages(&session("q")).await.unwrap().iter().map(|m| m.text()).collect();
+    assert!(!texts.iter().any(|t| t == "never"), "{texts:?}");
+    assert_eq!(texts[..2], ["one", "slow"]);
+    assert!(texts.contains(&"two".to_owned()), "{texts:?}");
+}
