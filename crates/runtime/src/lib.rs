@@ -25,3 +25,4 @@ mod shared;
 
 pub use engine::{Engine, EngineOptions, record_decision, who};
 pub use handle::{RunHandle, RunResult};
+pub use process::is_provably_dead;

@@ -74,7 +74,7 @@ pub(crate) fn lease_owner() -> String {
 
 /// Whether `owner`'s process is provably gone: it ran in this very kernel and pid namespace,
 /// and its pid is now free, a zombie, or another process's.
-pub(crate) fn is_provably_dead(owner: &str) -> bool {
+pub fn is_provably_dead(owner: &str) -> bool {
     let me = identity();
     let Some(them) = LeaseOwner::parse(owner) else { return false };
     if me.machine.is_empty() || them.machine != me.machine || them.start == 0 {

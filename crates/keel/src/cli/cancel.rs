@@ -59,7 +59,8 @@ pub(crate) fn cancel(args: &CancelArgs) -> std::io::Result<u8> {
             }
         };
         let now = keel::SystemClock.now_ms();
-        if !run.is_leased(now) {
+        let dead = run.owner.as_deref().is_some_and(keel_runtime::is_provably_dead);
+        if !run.is_leased(now) || dead {
             eprintln!(
                 "cancelled run {} of session {session}: it no longer waits; its open calls get \"cancelled\" \
                  results the next time the session is driven (`keel run <agent> --session {session}`), or now \
