@@ -75,13 +75,7 @@ fn new_run_id() -> RunId {
 
 /// Who does something, for the record (decisions, cancellations): `what (pid N on host H)`.
 pub fn who(what: &str) -> String {
-    let host =
-        std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default();
-    if host.is_empty() {
-        format!("{what} (pid {})", std::process::id())
-    } else {
-        format!("{what} (pid {} on host {host})", std::process::id())
-    }
+    format!("{what} (pid {} on host {})", std::process::id(), crate::process::host())
 }
 
 /// Records a human's decision on pending input `id` in `store` (checking that it fits what is

@@ -63,8 +63,8 @@ impl RunHandle {
     }
 
     /// Waits until the run is admitted: a new run stored with its first step (its session was
-    /// free, here and in every other process), or lined up behind the run in flight in this
-    /// process (`concurrency: queue` or `replace`); a resumed run claimed. Fails with the reason
+    /// free, here and in every other process), or lined up behind the session's run in flight,
+    /// in this process or another (`concurrency: queue` or `replace`); a resumed run claimed. Fails with the reason
     /// it will not run (`KEEL_SESSION_BUSY`, `KEEL_RUN_LEASED`, a store failure...), which also
     /// ends its stream. A server calls this before it answers, so that a refusal is an error
     /// status rather than an error inside a stream.

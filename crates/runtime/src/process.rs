@@ -65,6 +65,11 @@ fn start_time(pid: u32) -> Option<u64> {
     process_stat(pid).map(|(start, _)| start)
 }
 
+/// This machine's host name (read once), for people.
+pub(crate) fn host() -> &'static str {
+    &identity().host
+}
+
 /// A lease owner name for an engine of this process.
 pub(crate) fn lease_owner() -> String {
     let me = identity();
