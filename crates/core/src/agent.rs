@@ -267,6 +267,9 @@ pub struct CommandToolDef {
     pub working_dir: PathBuf,
     /// Its own time limit; the agent's `limits.tool_timeout` applies too.
     pub timeout: Option<Duration>,
+    /// The variables of keel's environment it gets besides the minimal ones (`env = [...]`);
+    /// keel's own secrets are never passed, even when named.
+    pub env: Vec<String>,
 }
 
 /// The script of the `mock` provider (spec key `mock.script`): one entry per model call of the

@@ -45,6 +45,21 @@ impl Scope {
     }
 }
 
+/// keel's own secrets: never passed to a tool, whatever a tool file or `shell.inherit_env` asks.
+pub const SECRETS: &[&str] = &[
+    API_TOKEN.name,
+    JWT_SECRET.name,
+    "OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "OPENROUTER_API_KEY",
+    "OLLAMA_API_KEY",
+];
+
+/// Whether `name` is one of keel's own secrets ([`SECRETS`]).
+pub fn is_secret(name: &str) -> bool {
+    SECRETS.contains(&name)
+}
+
 /// Declares each variable once: a constant, and its entry in [`ALL`].
 macro_rules! env_vars {
     ($($(#[doc = $doc:literal])* $constant:ident = $name:literal, $scope:ident, $default:literal, $what:literal;)*) => {
@@ -83,6 +98,25 @@ env_vars! {
     JWT_AUDIENCE = "KEEL_JWT_AUDIENCE", Server, "unset", "the audience (`aud`) JWTs are checked against";
     /// The rate limit.
     RATE_LIMIT = "KEEL_RATE_LIMIT", Server, "unset (no limit)", "requests per minute per identity; beyond, `429`";
+    /// Host names a server without auth answers.
+    ALLOWED_HOSTS = "KEEL_ALLOWED_HOSTS", Server, "unset (loopback names only)",
+        "comma-separated `Host` names a server without auth answers besides `localhost`, `*.localhost` and \
+         loopback IPs (a reverse proxy's name, say); `*` accepts any (DNS rebinding is then yours to stop)";
+    /// Web origins allowed to call the API.
+    CORS_ORIGINS = "KEEL_CORS_ORIGINS", Server, "unset (none)",
+        "comma-separated origins (`https://app.example.com`) whose pages may call the API: their CORS \
+         preflights are answered; any other page's requests are `403`";
+    /// The first-request deadline of a connection.
+    FIRST_REQUEST_TIMEOUT = "KEEL_FIRST_REQUEST_TIMEOUT", Server, "`10s`",
+        "how long a new connection may take to send its first request's headers before it is closed";
+    /// The idle timeout of a connection.
+    IDLE_TIMEOUT = "KEEL_IDLE_TIMEOUT", Server, "`60s`",
+        "how long a connection with no request in flight stays open (an open event stream is in flight)";
+    /// The cap on connections per client address.
+    MAX_CONNECTIONS_PER_CLIENT = "KEEL_MAX_CONNECTIONS_PER_CLIENT", Server,
+        "512 without auth; no limit with auth",
+        "how many connections one client address (an IPv6 client: its /64) may hold; beyond, new ones are \
+         closed at once. `0`: no limit";
     /// A tool call's idempotency key.
     IDEMPOTENCY_KEY = "KEEL_IDEMPOTENCY_KEY", Tool, "",
         "`<run_id>:<step>`, the same on every attempt of the call: dedupe side effects with it";

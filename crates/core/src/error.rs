@@ -128,6 +128,14 @@ error_codes! {
     BodyTooLarge = "KEEL_BODY_TOO_LARGE",
     /// An HTTP request has no valid credentials.
     Unauthorized = "KEEL_UNAUTHORIZED",
+    /// A server without auth was addressed by a name that is not a loopback one (DNS
+    /// rebinding: a web page pointing its own name at 127.0.0.1).
+    HostNotAllowed = "KEEL_HOST_NOT_ALLOWED",
+    /// A request came from a web page of another origin than the server's, and that origin is
+    /// not in `KEEL_CORS_ORIGINS`.
+    OriginNotAllowed = "KEEL_ORIGIN_NOT_ALLOWED",
+    /// A JSON route was sent a body that is not declared `Content-Type: application/json`.
+    UnsupportedMediaType = "KEEL_UNSUPPORTED_MEDIA_TYPE",
     /// No such route (or the resource is not visible to the caller).
     NotFound = "KEEL_NOT_FOUND",
     /// The route exists but not with this HTTP method.

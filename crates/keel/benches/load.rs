@@ -50,6 +50,8 @@ impl Server {
         let mut child = Command::new("sh")
             .args(["-c", &script])
             .env(keel_core::env::LOG.name, "error")
+            // Every client here is 127.0.0.1, holding thousands of connections.
+            .env(keel_core::env::MAX_CONNECTIONS_PER_CLIENT.name, "0")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -123,7 +125,7 @@ async fn read_until(
 async fn turn(stream: &mut TcpStream, buffer: &mut Vec<u8>, session: &str) -> std::io::Result<()> {
     let body = format!("{{\"sessionId\":\"{session}\",\"input\":\"hello there, keel\"}}");
     let request = format!(
-        "POST /chat HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "POST /chat HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(request.as_bytes()).await?;
@@ -170,7 +172,7 @@ async fn streams(agent: &Path, wanted: u64) {
                 break;
             }
         };
-        let request = format!("GET /chat/watch-{i}/events HTTP/1.1\r\nhost: bench\r\n\r\n");
+        let request = format!("GET /chat/watch-{i}/events HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n");
         stream.write_all(request.as_bytes()).await.unwrap();
         open.push(stream);
     }

@@ -209,7 +209,7 @@ impl Agent {
     /// sharing the store, paused for a human, or interrupted. Returns whether there was one.
     pub async fn cancel(&self, session: &str) -> Result<bool, RunFailure> {
         let session = SessionId::new(session)?;
-        self.engine.cancel(&session, &keel_runtime::who("keel (Rust API)")).await
+        Ok(self.engine.cancel(&session, &keel_runtime::who("keel (Rust API)")).await?.had_run())
     }
 
     /// The session's state object (`Value::Null` when no tool set one): what its tools read

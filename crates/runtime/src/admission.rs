@@ -132,15 +132,17 @@ impl Sessions {
     }
 
     /// Cancels `session`'s run in flight here and waits for it to end (a cancelled run stops at
-    /// once: its model call or tool is abandoned); whether there was one.
-    pub(crate) async fn cancel_and_wait(&self, session: &SessionId) -> bool {
+    /// once: its model call or tool is abandoned); `None` when there was none, else whether this
+    /// call is the one that cancelled it (`false`: it was being cancelled already).
+    pub(crate) async fn cancel_and_wait(&self, session: &SessionId) -> Option<bool> {
         use std::sync::atomic::Ordering;
-        let cancelled = match self.lock().get(session) {
+        let (cancelled, first) = match self.lock().get(session) {
             Some(slot) => {
+                let first = !slot.cancel.is_cancelled();
                 slot.cancel.cancel();
-                slot.run.clone()
+                (slot.run.clone(), first)
             }
-            None => return false,
+            None => return None,
         };
         self.waiting_for_end.fetch_add(1, Ordering::SeqCst);
         loop {
@@ -152,7 +154,7 @@ impl Sessions {
             ended.await;
         }
         self.waiting_for_end.fetch_sub(1, Ordering::SeqCst);
-        true
+        Some(first)
     }
 
     /// Cancels the runs named, where they are in flight here (another process asked).

@@ -32,6 +32,28 @@ impl Default for EngineOptions {
     }
 }
 
+/// What [`Engine::cancel`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Cancellation {
+    /// The session had no unfinished run.
+    NoRun,
+    /// This call cancelled the run.
+    Cancelled,
+    /// The run was being cancelled already (by a concurrent call, another process, or a
+    /// `replace` input); it ends all the same. `by`: who asked first, when the store knows.
+    AlreadyCancelling {
+        /// Who asked first.
+        by: Option<String>,
+    },
+}
+
+impl Cancellation {
+    /// Whether there was a run to cancel (by this call or an earlier one).
+    pub fn had_run(&self) -> bool {
+        !matches!(self, Cancellation::NoRun)
+    }
+}
+
 /// The lease length when `KEEL_RUN_LEASE` does not say.
 const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 
@@ -275,16 +297,23 @@ impl Engine {
     /// Cancels `session`'s unfinished run, wherever it is: in flight here (its model call or
     /// tool is abandoned, open calls get "cancelled" results), in another process (which stops
     /// it within a second), paused for a human or interrupted (ended here, now). `by` says who,
-    /// for the record. Returns whether there was a run to cancel, once a run in flight here or
-    /// ended here has stopped.
-    pub async fn cancel(&self, session: &SessionId, by: &str) -> Result<bool, RunFailure> {
-        if self.shared.sessions.cancel_and_wait(session).await {
-            return Ok(true);
+    /// for the record. Answers once a run in flight here or ended here has stopped: whether
+    /// there was a run, and whether this call is the one that cancelled it (of several
+    /// concurrent calls, one is).
+    pub async fn cancel(&self, session: &SessionId, by: &str) -> Result<Cancellation, RunFailure> {
+        match self.shared.sessions.cancel_and_wait(session).await {
+            Some(true) => return Ok(Cancellation::Cancelled),
+            Some(false) => return Ok(Cancellation::AlreadyCancelling { by: None }),
+            None => {}
         }
         let requested = self.shared.store.request_cancel(session, by).await.map_err(|error| {
             RunFailure::new(error.code(), format!("cannot cancel the run of session {session}: {error}"))
         })?;
-        let Some(run) = requested else { return Ok(false) };
+        let Some(run) = requested else { return Ok(Cancellation::NoRun) };
+        let answer = match run.cancel_requested_by.clone() {
+            Some(first) => Cancellation::AlreadyCancelling { by: Some(first) },
+            None => Cancellation::Cancelled,
+        };
         // Paused runs became re-drivable with the request: end those nobody drives, here, and
         // wait for that (it runs nothing new), so that the session is free when this returns.
         let run = OpenRun { state: RunState::Running, lease_expires_ms: 0, ..run };
@@ -305,7 +334,7 @@ impl Engine {
                 Ok(Ok(_)) | Err(_) => {}
             }
         }
-        Ok(true)
+        Ok(answer)
     }
 
     /// Stops this engine's runs for a process shutdown: each stops at its next step boundary

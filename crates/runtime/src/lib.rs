@@ -23,6 +23,6 @@ mod handle;
 mod process;
 mod shared;
 
-pub use engine::{Engine, EngineOptions, record_decision, who};
+pub use engine::{Cancellation, Engine, EngineOptions, record_decision, who};
 pub use handle::{RunHandle, RunResult};
 pub use process::is_provably_dead;

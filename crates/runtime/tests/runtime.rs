@@ -685,7 +685,7 @@ async fn an_input_queued_behind_another_processs_run_waits_for_it_and_can_be_can
     // Another queued input, cancelled while it waits: it gives up at once, unstored.
     let third = Engine::new(agent(vec![], queue), counting(vec![]), store.clone());
     let cancelled = third.start(session("q"), Message::user("never")).unwrap();
-    assert!(third.cancel(&session("q"), "test").await.unwrap());
+    assert_eq!(third.cancel(&session("q"), "test").await.unwrap(), keel_runtime::Cancellation::Cancelled);
     assert_eq!(cancelled.result().await.unwrap_err().code, ErrorCode::SessionBusy);
     assert_eq!(running.result().await.unwrap().text, "slow");
     assert_eq!(waiting.result().await.unwrap().stopped, StopReason::Final);

@@ -5,7 +5,7 @@
 //! A JWT's subject owns the sessions it creates: its session ids are scoped to it
 //! ([`SessionId::scoped`]), so another subject asking for the same id reaches a different,
 //! usually empty, session: a 404, and nothing to guess. `/health` and the playground page
-//! (`GET /`) need no credentials.
+//! (`GET /`, `HEAD` too) need no credentials.
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -34,9 +34,9 @@ pub struct JwtOptions {
     /// Where the JWKS came from, to fetch it again: every 10 minutes, and when a token names a
     /// key id the set does not have (a key rotation), at most every 30 seconds.
     pub jwks_url: Option<String>,
-    /// The `iss` tokens must have, if any.
+    /// The `iss` tokens must have, if any (then a token without `iss` is refused).
     pub issuer: Option<String>,
-    /// The `aud` tokens must have, if any.
+    /// The `aud` tokens must have, if any (then a token without `aud` is refused).
     pub audience: Option<String>,
 }
 
@@ -205,15 +205,26 @@ impl JwtVerifier {
         }
         let mut validation = Validation::new(algorithm);
         validation.leeway = 30;
-        validation.set_required_spec_claims(&["exp", "sub"]);
+        // A configured issuer or audience is required, not just checked when present: a token
+        // minted for another service (no `aud`) must not open this one.
+        let mut required = vec!["exp", "sub"];
         match &self.issuer {
-            Some(issuer) => validation.set_issuer(&[issuer]),
+            Some(issuer) => {
+                validation.set_issuer(&[issuer]);
+                required.push("iss");
+            }
             None => validation.iss = None,
         }
         match &self.audience {
-            Some(audience) => validation.set_audience(&[audience]),
+            Some(audience) => {
+                validation.set_audience(&[audience]);
+                required.push("aud");
+            }
             None => validation.validate_aud = false,
         }
+        validation.set_required_spec_claims(&required);
+        // A token not valid yet (`nbf` in the future, beyond the leeway) is refused.
+        validation.validate_nbf = true;
         let mut last = String::new();
         for key in candidates {
             match jsonwebtoken::decode::<Claims>(token, key, &validation) {
@@ -267,7 +278,8 @@ pub(crate) async fn authenticate(
     mut request: Request,
     next: Next,
 ) -> Response {
-    let open = request.method() == axum::http::Method::GET && matches!(request.uri().path(), "/health" | "/");
+    let read = matches!(*request.method(), axum::http::Method::GET | axum::http::Method::HEAD);
+    let open = read && matches!(request.uri().path(), "/health" | "/");
     if open {
         request.extensions_mut().insert(Identity { owner: None, key: "anonymous".into() });
         return next.run(request).await;
@@ -277,8 +289,8 @@ pub(crate) async fn authenticate(
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")))
-        .map(|token| token.trim().to_owned());
+        .and_then(bearer_token)
+        .map(str::to_owned);
     // Anonymous callers are told apart (for the rate limit) by their address.
     let peer = request
         .extensions()
@@ -331,6 +343,13 @@ async fn identify(state: &AppState, token: Option<&str>, peer: Option<String>) -
     Err(ApiError::new(ErrorCode::Unauthorized, "the bearer token is not valid"))
 }
 
+/// The token of an `Authorization: Bearer <token>` value; the scheme's name is
+/// case-insensitive (RFC 9110 §11.1), and any spaces or tabs may follow it.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once([' ', '\t'])?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|token| !token.is_empty())
+}
+
 /// Compares without leaking, through timing, how much of the token matched.
 fn token_matches(given: &str, expected: &str) -> bool {
     // `ct_eq` on slices of different lengths returns early; the length is not the secret.
@@ -339,7 +358,17 @@ fn token_matches(given: &str, expected: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::token_matches;
+    use super::{bearer_token, token_matches};
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for value in ["Bearer abc", "bearer abc", "BEARER abc", "BeArEr   abc ", "Bearer\tabc"] {
+            assert_eq!(bearer_token(value), Some("abc"), "{value:?}");
+        }
+        for value in ["Basic abc", "Bearer", "Bearer ", "Bearerabc", "abc"] {
+            assert_eq!(bearer_token(value), None, "{value:?}");
+        }
+    }
 
     #[test]
     fn tokens_match_exactly() {

@@ -41,6 +41,8 @@ pub(crate) fn status_of(code: ErrorCode) -> StatusCode {
             StatusCode::BAD_REQUEST
         }
         ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+        ErrorCode::HostNotAllowed | ErrorCode::OriginNotAllowed => StatusCode::FORBIDDEN,
+        ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
         ErrorCode::NotFound | ErrorCode::SessionNotFound | ErrorCode::RunNotFound | ErrorCode::NotPending => {
             StatusCode::NOT_FOUND
         }

@@ -16,7 +16,9 @@
 
 mod auth;
 mod error;
+mod connections;
 mod feed;
+mod guard;
 mod metrics;
 mod observe;
 mod routes;
@@ -49,6 +51,21 @@ pub struct ServerOptions {
     pub recover_every: Duration,
     /// How long a request that does not stream may take (504 `KEEL_REQUEST_TIMEOUT` after).
     pub request_timeout: Duration,
+    /// `KEEL_ALLOWED_HOSTS`: the `Host` names a server without auth answers besides loopback
+    /// ones (`*`: any; DNS rebinding is then yours to prevent).
+    pub allowed_hosts: Vec<String>,
+    /// `KEEL_CORS_ORIGINS`: the web origins (`https://app.example.com`) whose pages may call the
+    /// API; none by default.
+    pub cors_origins: Vec<String>,
+    /// How long a new connection may take to send its first request (its headers): a client
+    /// that connects and sends nothing is cut off after it.
+    pub first_request_timeout: Duration,
+    /// How long a connection with no request in flight stays open (an open event stream is a
+    /// request in flight).
+    pub idle_timeout: Duration,
+    /// How many connections one client address may hold at once (an IPv6 client: its /64);
+    /// `None`: no limit. Beyond it, new connections are closed at once.
+    pub max_connections_per_client: Option<usize>,
 }
 
 impl Default for ServerOptions {
@@ -60,9 +77,17 @@ impl Default for ServerOptions {
             shutdown_grace: Duration::from_secs(10),
             recover_every: Duration::from_secs(10),
             request_timeout: Duration::from_secs(30),
+            allowed_hosts: Vec::new(),
+            cors_origins: Vec::new(),
+            first_request_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_connections_per_client: Some(DEFAULT_CONNECTIONS_PER_CLIENT),
         }
     }
 }
+
+/// The default of [`ServerOptions::max_connections_per_client`].
+pub const DEFAULT_CONNECTIONS_PER_CLIENT: usize = 512;
 
 /// What every handler shares.
 pub(crate) struct AppState {
@@ -76,6 +101,7 @@ pub(crate) struct AppState {
     pub(crate) api_token: Option<String>,
     pub(crate) jwt: Option<auth::JwtVerifier>,
     pub(crate) rate_limiter: Option<auth::RateLimiter>,
+    pub(crate) browser: guard::BrowserPolicy,
     legacy_sessions: AtomicU64,
 }
 
@@ -100,6 +126,8 @@ impl Server {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(0));
         let metrics = Arc::new(metrics::Metrics::new());
+        let api_token = options.api_token.clone().filter(|t| !t.is_empty());
+        let has_auth = api_token.is_some() || options.jwt.is_some();
         let state = AppState {
             engine,
             feeds: Arc::new(feed::Feeds::new(Arc::clone(&metrics))),
@@ -107,9 +135,10 @@ impl Server {
             metrics,
             request_timeout: options.request_timeout,
             started_ms,
-            api_token: options.api_token.clone().filter(|t| !t.is_empty()),
+            api_token,
             jwt: options.jwt.as_ref().map(auth::JwtVerifier::new).transpose()?,
             rate_limiter: options.rate_limit_per_minute.and_then(auth::rate_limiter),
+            browser: guard::BrowserPolicy::new(has_auth, &options.allowed_hosts, &options.cors_origins),
             legacy_sessions: AtomicU64::new(0),
         };
         Ok(Server { state: Arc::new(state), options })
@@ -131,11 +160,19 @@ impl Server {
             .route("/chat", post(routes::chat))
             .route("/chat/{session}/events", get(routes::events))
             .route("/chat/{session}/approvals/{id}", post(routes::decide));
-        quick
+        // Outermost first: observe, CORS preflights (listed origins only), the browser guard
+        // (Host, Origin), auth, then the routes.
+        let routes = quick
             .merge(streaming)
             .fallback(routes::not_found)
             .method_not_allowed_fallback(routes::method_not_allowed)
             .layer(axum::middleware::from_fn_with_state(Arc::clone(state), auth::authenticate))
+            .layer(axum::middleware::from_fn_with_state(Arc::clone(state), guard::guard));
+        let routes = match guard::cors(&self.options.cors_origins) {
+            Some(cors) => routes.layer(cors),
+            None => routes,
+        };
+        routes
             .layer(axum::middleware::from_fn_with_state(Arc::clone(state), observe::observe))
             .with_state(Arc::clone(state))
     }
@@ -183,9 +220,20 @@ impl Server {
             }
         });
         let closing = self.state.closing.clone();
-        let result =
-            accept_loop(listener, self.router(), shutdown, closing.clone(), self.options.shutdown_grace)
-                .await;
+        let limits = connections::Limits {
+            first_request: self.options.first_request_timeout,
+            idle: self.options.idle_timeout,
+            per_client: self.options.max_connections_per_client,
+        };
+        let result = connections::accept_loop(
+            listener,
+            self.router(),
+            shutdown,
+            closing.clone(),
+            self.options.shutdown_grace,
+            limits,
+        )
+        .await;
         // Whether the server stopped on the signal or failed, runs end at a step boundary.
         closing.cancel();
         recovery.abort();
@@ -214,67 +262,4 @@ pub fn check_bind(address: &SocketAddr, options: &ServerOptions) -> Result<(), S
          and its tools. Set KEEL_API_TOKEN (clients then send `Authorization: Bearer <token>`), or listen on \
          127.0.0.1"
     ))
-}
-
-/// How many requests (event streams, mostly) one HTTP/2 connection may carry at once.
-const MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
-
-/// Serves HTTP/1.1 and HTTP/2 (cleartext, prior knowledge: thousands of event streams over a
-/// few connections) until `shutdown`; then ends the open streams (`closing`) and lets the
-/// connections finish, for up to `grace`.
-async fn accept_loop(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    closing: CancellationToken,
-    grace: Duration,
-) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-    use tower::ServiceExt;
-
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    // The timer arms hyper's header-read timeout (30 s): a client that sends its request
-    // headers a byte at a time cannot hold a connection forever.
-    builder.http1().timer(TokioTimer::new());
-    builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_STREAMS_PER_CONNECTION);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of descriptors, say: wait for connections to close rather than spin.
-                    tracing::error!(%error, "cannot accept a connection");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
-        };
-        // Events are small writes that must go out at once: without TCP_NODELAY, Nagle's
-        // algorithm and the client's delayed ACK hold each for ~40 ms.
-        if let Err(error) = stream.set_nodelay(true) {
-            tracing::debug!(%error, "could not set TCP_NODELAY");
-        }
-        let app = app.clone();
-        let service =
-            hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
-                request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
-                app.clone().oneshot(request)
-            });
-        let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::debug!(%error, "connection ended with an error");
-            }
-        });
-    }
-    tracing::info!("shutting down: no new requests; open streams end");
-    closing.cancel();
-    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
-        tracing::warn!("connections still open at the end of the grace period");
-    }
-    Ok(())
 }

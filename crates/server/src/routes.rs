@@ -13,6 +13,7 @@ use futures::Stream;
 use keel_core::human::check_decision;
 use keel_core::wire::{message_to_json, pending_to_json};
 use keel_core::{Decision, ErrorCode, Message, Part, Role, RunId, SessionId};
+use keel_runtime::Cancellation;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -25,13 +26,31 @@ use crate::metrics::StreamGuard;
 /// The largest request body the API reads.
 pub const MAX_BODY: usize = 1024 * 1024;
 
-/// A JSON request body: at most [`MAX_BODY`] bytes (else 413), valid UTF-8 JSON (else 400).
+/// A JSON request body: declared `application/json` (else 415), at most [`MAX_BODY`] bytes
+/// (else 413), valid UTF-8 JSON (else 400).
 pub(crate) struct JsonBody(pub(crate) Value);
+
+/// Whether a `Content-Type` is JSON's (`application/json`, any parameters).
+fn is_json(content_type: Option<&HeaderValue>) -> bool {
+    content_type.and_then(|value| value.to_str().ok()).is_some_and(|value| {
+        value.split(';').next().is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"))
+    })
+}
 
 impl<S: Send + Sync> FromRequest<S> for JsonBody {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, _state: &S) -> Result<JsonBody, ApiError> {
+        // A browser sends `text/plain` and form bodies to any origin without a preflight; a JSON
+        // body it can only send after one, which keel answers for allowed origins only.
+        let content_type = request.headers().get(axum::http::header::CONTENT_TYPE);
+        if !is_json(content_type) {
+            let given = content_type.and_then(|v| v.to_str().ok()).map_or("none".to_owned(), |v| format!("{v:?}"));
+            return Err(ApiError::new(
+                ErrorCode::UnsupportedMediaType,
+                format!("send the body as JSON with `Content-Type: application/json` (the request's is {given})"),
+            ));
+        }
         let too_large = || {
             ApiError::new(
                 ErrorCode::BodyTooLarge,
@@ -364,13 +383,20 @@ pub(crate) async fn cancel(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let session = identity.session(session_id(path)?);
-    if state.engine.cancel(&session, &identity.describe()).await? {
-        Ok(axum::Json(json!({ "cancelled": true })).into_response())
-    } else {
-        Err(ApiError::new(
+    match state.engine.cancel(&session, &identity.describe()).await? {
+        Cancellation::Cancelled => Ok(axum::Json(json!({ "cancelled": true })).into_response()),
+        // Of several concurrent requests, one cancelled the run; the others say so.
+        Cancellation::AlreadyCancelling { by } => {
+            let mut body = json!({ "cancelled": false, "alreadyCancelling": true });
+            if let Some(by) = by {
+                body["by"] = json!(by);
+            }
+            Ok(axum::Json(body).into_response())
+        }
+        Cancellation::NoRun => Err(ApiError::new(
             ErrorCode::RunNotFound,
             format!("session {} has no unfinished run to cancel", session.external()),
-        ))
+        )),
     }
 }
 

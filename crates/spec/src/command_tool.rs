@@ -5,6 +5,7 @@
 //! command = ["python3", "add.py"]        # argv; no shell
 //! timeout = "10s"                         # optional
 //! working_dir = "."                       # optional, relative to the agent directory
+//! env = ["MY_API_KEY"]                    # optional: variables of keel's environment it gets
 //! [input_schema]                          # optional JSON Schema, default: any object
 //! type = "object"
 //! properties = { a = { type = "number" }, b = { type = "number" } }
@@ -22,7 +23,7 @@ use crate::decode::Decoder;
 use crate::diagnostic::{Diagnostic, Pos, read_text};
 use crate::tree::{self, Format, Kind};
 
-const KEYS: &[&str] = &["description", "command", "input_schema", "timeout", "working_dir"];
+const KEYS: &[&str] = &["description", "command", "input_schema", "timeout", "working_dir", "env"];
 
 /// Loads every `*.toml` of `tools_dir` (sorted by name). `base_dir` is where commands run by
 /// default and what relative paths are relative to.
@@ -83,6 +84,10 @@ fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) ->
         }
         None => base_dir.to_owned(),
     };
+    let env = match map.take("env") {
+        Some(node) => pass_through(node, &mut d)?,
+        None => Vec::new(),
+    };
     map.finish(&mut d, "", KEYS);
 
     if description.is_none() && map_lacks(&root, "description") {
@@ -116,9 +121,30 @@ fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) ->
             command: command?,
             working_dir,
             timeout,
+            env,
         },
         file: file.to_owned(),
     })
+}
+
+/// `env`: the names of the variables passed on from keel's environment. A tool starts from a
+/// minimal environment; keel's own secrets are never passed, so naming one is an error.
+fn pass_through(node: &tree::Node, d: &mut Decoder<'_>) -> Option<Vec<String>> {
+    let mut names = Vec::new();
+    for (name, pos) in d.string_list(node, "env")? {
+        let valid = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            d.error(pos, format!("`env` lists {name:?}, which is not an environment variable name")).hint =
+                Some("names are letters, digits and `_`, not starting with a digit: `env = [\"MY_API_KEY\"]`".into());
+        } else if keel_core::env::is_secret(&name) || name.starts_with("KEEL_") {
+            d.error(pos, format!("`env` lists {name}, one of keel's own settings: keel never passes it to a tool")).hint =
+                Some("give the tool its own variable (say `MY_TOOL_API_KEY`) and name that".into());
+        } else {
+            names.push(name);
+        }
+    }
+    Some(names)
 }
 
 fn map_lacks(root: &tree::Node, key: &str) -> bool {
@@ -154,15 +180,19 @@ fn command(node: &tree::Node, d: &mut Decoder<'_>, working_dir: &Path) -> Option
             return None;
         }
         argv[0] = resolved.to_string_lossy().into_owned();
-    } else if !on_path(program) {
-        d.error(node.pos, format!("the command's program `{program}` is not on PATH")).hint =
-            Some("install it, or give a path such as `./scripts/tool.sh`".into());
-        return None;
+    } else {
+        // Found on keel's PATH now, and run from there: the tool itself gets a minimal PATH.
+        let Some(found) = on_path(program) else {
+            d.error(node.pos, format!("the command's program `{program}` is not on PATH")).hint =
+                Some("install it, or give a path such as `./scripts/tool.sh`".into());
+            return None;
+        };
+        argv[0] = found.to_string_lossy().into_owned();
     }
     Some(argv)
 }
 
-fn on_path(program: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
+fn on_path(program: &str) -> Option<PathBuf> {
+    let paths = std::env::var_os("PATH")?;
+    std::env::split_paths(&paths).map(|dir| dir.join(program)).find(|path| path.is_file())
 }

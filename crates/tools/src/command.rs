@@ -5,8 +5,11 @@
 //! program runs in its own process group, and a timeout or a cancelled run kills the whole group
 //! (a shell script's children included), not just the direct child.
 //!
-//! The program gets `KEEL_IDEMPOTENCY_KEY`, `KEEL_RUN_ID`, `KEEL_SESSION_ID` and `KEEL_CALL_ID`
-//! in its environment, so that it can dedupe side effects when a crash makes a call run again.
+//! The program gets the same minimal environment as `shell` (`PATH`, `HOME` = its working
+//! directory, `LANG`, `TERM`), the variables its tool file names (`env = ["MY_API_KEY"]`;
+//! never keel's own secrets), and `KEEL_IDEMPOTENCY_KEY`, `KEEL_RUN_ID`, `KEEL_SESSION_ID` and
+//! `KEEL_CALL_ID`, so that it can dedupe side effects when a crash makes a call run again. It
+//! dies with keel (see `process`), so a re-driven step never overlaps the attempt before it.
 
 use std::process::Stdio;
 
@@ -15,7 +18,7 @@ use keel_core::{BoxFuture, CommandToolDef, ErrorCode, Tool, ToolContext, ToolErr
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
 
-use crate::process::{GroupKiller, read_capped, read_tail};
+use crate::process::{GroupKiller, minimal_env, own_group_dying_with_keel, read_capped, read_tail};
 use tokio::process::Command;
 
 /// The most stdout kept from a command (the output cap of the agent applies after).
@@ -47,7 +50,10 @@ impl CommandTool {
         let Some((program, args)) = self.config.command.split_first() else {
             return Err(ToolError::failed(format!("command tool `{name}` has an empty `command`")));
         };
-        let mut child = Command::new(program)
+        let mut command = Command::new(program);
+        minimal_env(&mut command, &self.config.working_dir, &self.config.env);
+        own_group_dying_with_keel(&mut command);
+        let mut child = command
             .args(args)
             .current_dir(&self.config.working_dir)
             .env(env::IDEMPOTENCY_KEY.name, &ctx.idempotency_key)
@@ -57,8 +63,6 @@ impl CommandTool {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true)
             .spawn()
             .map_err(|e| {
                 ToolError::failed(format!(
@@ -182,6 +186,7 @@ mod tests {
             command: vec!["sh".into(), "-c".into(), script.into()],
             working_dir: dir.to_owned(),
             timeout,
+            env: Vec::new(),
         })
     }
 

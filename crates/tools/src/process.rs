@@ -1,10 +1,159 @@
 //! Child processes of the process-running tools (command tools, `shell`): each runs in its
 //! own process group, which is killed whole when the call times out, is cancelled or panics,
-//! and their output is read with a cap.
+//! or when keel itself dies; each gets a minimal environment without keel's secrets; and their
+//! output is read with a cap.
+//!
+//! **Dying with keel** (Linux): a killed keel cannot kill anything, and a tool that outlived it
+//! would still be doing its step while the recovered run does the same step again. So between
+//! fork and exec the child forks once more: the grandchild goes on to exec the tool, and the
+//! child stays behind as a tiny supervisor in the tool's process group, with a parent-death
+//! signal. When the tool exits, the supervisor exits with its status (keel sees the tool's own
+//! exit code); when keel dies, the supervisor kills the whole group, background jobs included.
+//! It runs no Rust code that allocates or locks between fork and exec: raw system calls only.
 
+use keel_core::env;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::process::Command;
+
+/// The `PATH` of the minimal environment.
+pub const MINIMAL_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Gives `command` the minimal environment (`PATH`, `HOME` = `home`, `LANG`, `TERM`), then
+/// the variables named in `pass` that keel's environment has: nothing else of keel's.
+pub(crate) fn minimal_env(command: &mut Command, home: &std::path::Path, pass: &[String]) {
+    command
+        .env_clear()
+        .env("PATH", MINIMAL_PATH)
+        .env("HOME", home)
+        .env("LANG", "C.UTF-8")
+        .env("TERM", "dumb");
+    for name in pass.iter().filter(|name| !env::is_secret(name)) {
+        if let Some(value) = std::env::var_os(name) {
+            command.env(name, value);
+        }
+    }
+}
+
+/// Takes keel's own secrets out of an environment a tool inherits whole.
+pub(crate) fn without_secrets(command: &mut Command) {
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(env::is_secret) {
+            command.env_remove(&name);
+        }
+    }
+}
+
+/// Runs `command` in its own process group that dies with keel (see the module docs).
+pub(crate) fn own_group_dying_with_keel(command: &mut Command) {
+    command.process_group(0).kill_on_drop(true);
+    #[cfg(target_os = "linux")]
+    supervisor::install(command.as_std_mut());
+}
+
+#[cfg(target_os = "linux")]
+#[allow(
+    unsafe_code,
+    reason = "code between fork and exec can only be raw system calls; no safe wrapper promises that"
+)]
+mod supervisor {
+    use std::os::unix::process::CommandExt;
+
+    /// The signal the supervisor gets when keel dies. SIGCHLD and it are blocked in the
+    /// supervisor and taken with `sigwaitinfo`, so no handler inherited from keel ever runs.
+    const KEEL_DIED: libc::c_int = libc::SIGUSR2;
+
+    pub(super) fn install(command: &mut std::process::Command) {
+        // SAFETY: the closure runs in the child between fork and exec. `fork_supervisor` makes
+        // only async-signal-safe system calls (no allocation, no locks), as that requires.
+        unsafe {
+            command.pre_exec(fork_supervisor);
+        }
+    }
+
+    /// In the forked child (already the leader of its process group): forks the tool, which
+    /// returns to be exec'd, and supervises it. Returns an error only when no supervision is
+    /// possible; then the spawn fails rather than run a tool that would outlive keel.
+    fn fork_supervisor() -> std::io::Result<()> {
+        // SAFETY: raw system calls on memory of this stack frame.
+        unsafe {
+            let keel = libc::getppid();
+            let mut waited: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut waited);
+            libc::sigaddset(&mut waited, libc::SIGCHLD);
+            libc::sigaddset(&mut waited, KEEL_DIED);
+            if libc::sigprocmask(libc::SIG_BLOCK, &waited, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::prctl(libc::PR_SET_PDEATHSIG, KEEL_DIED as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let tool = libc::fork();
+            if tool < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if tool == 0 {
+                // The tool: no blocked signals, as std leaves a child.
+                let mut none: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut none);
+                libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+                return Ok(());
+            }
+            supervise(keel, tool, &waited)
+        }
+    }
+
+    /// The supervisor's whole life; never returns.
+    unsafe fn supervise(keel: libc::pid_t, tool: libc::pid_t, waited: &libc::sigset_t) -> ! {
+        // SAFETY: raw system calls only (see `fork_supervisor`).
+        unsafe {
+            // Hold nothing keel waits on: the tool's pipes, and std's exec-status pipe (keel's
+            // spawn waits for its end; the tool's exec closes its own copy).
+            if libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32) != 0 {
+                for fd in 0..4096 {
+                    libc::close(fd);
+                }
+            }
+            for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGPIPE] {
+                libc::signal(signal, libc::SIG_DFL);
+            }
+            // Keel died before the parent-death signal was armed.
+            if libc::getppid() != keel {
+                libc::kill(0, libc::SIGKILL);
+            }
+            loop {
+                let signal = libc::sigwaitinfo(waited, std::ptr::null_mut());
+                if signal == KEEL_DIED {
+                    // Also sent when the keel thread that spawned the tool ends while keel
+                    // lives on: then the parent is still keel.
+                    if libc::getppid() != keel {
+                        libc::kill(0, libc::SIGKILL);
+                        libc::_exit(137);
+                    }
+                } else if signal == libc::SIGCHLD {
+                    let mut status = 0;
+                    if libc::waitpid(tool, &mut status, libc::WNOHANG) == tool {
+                        if libc::WIFEXITED(status) {
+                            libc::_exit(libc::WEXITSTATUS(status));
+                        }
+                        if libc::WIFSIGNALED(status) {
+                            // Die of the same signal, so that keel sees how the tool ended.
+                            let killed_by = libc::WTERMSIG(status);
+                            libc::signal(killed_by, libc::SIG_DFL);
+                            let mut only: libc::sigset_t = std::mem::zeroed();
+                            libc::sigemptyset(&mut only);
+                            libc::sigaddset(&mut only, killed_by);
+                            libc::sigprocmask(libc::SIG_UNBLOCK, &only, std::ptr::null_mut());
+                            libc::kill(libc::getpid(), killed_by);
+                            libc::_exit(128 + killed_by);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
 
 /// Kills a process group when dropped, unless disarmed: covers timeouts, cancelled runs and
 /// panics alike.

@@ -2,9 +2,10 @@
 //!
 //! The process gets a minimal environment (`PATH`, `HOME` = the workspace, `LANG`, `TERM`, and
 //! the `KEEL_*` ids of the call), not the agent's: API keys and other secrets in keel's
-//! environment stay out of reach unless `shell.inherit_env` says otherwise. It runs in its own
-//! process group with no stdin; a timeout kills the whole group (background jobs included), and
-//! so does the end of the call. Its stdout and stderr are each kept up to a cap. A command that
+//! environment stay out of reach. `shell.inherit_env` passes keel's environment on, less keel's
+//! own secrets (`keel_core::env::SECRETS`). It runs in its own process group with no stdin; a
+//! timeout kills the whole group (background jobs included), and so do the end of the call and
+//! the death of keel. Its stdout and stderr are each kept up to a cap. A command that
 //! exits non-zero is a result (with its exit code), not a tool error: the model reads it.
 //! `shell` needs approval unless `shell.approve` is false: it can do anything the user running
 //! keel can.
@@ -19,7 +20,8 @@ use keel_core::{BoxFuture, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec};
 use serde_json::{Value, json};
 use tokio::process::Command;
 
-use crate::process::{GroupKiller, read_capped};
+pub use crate::process::MINIMAL_PATH;
+use crate::process::{GroupKiller, minimal_env, own_group_dying_with_keel, read_capped, without_secrets};
 
 /// The timeout when the call sets none.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -27,8 +29,6 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(600);
 /// How much of stdout and of stderr is kept.
 pub const OUTPUT_CAP: usize = 64 * 1024;
-/// The `PATH` of the minimal environment.
-pub const MINIMAL_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// The `shell` tool.
 pub struct ShellTool {
@@ -87,14 +87,12 @@ impl Tool for ShellTool {
                 input["timeout_ms"].as_u64().map_or(DEFAULT_TIMEOUT, Duration::from_millis).min(MAX_TIMEOUT);
             let mut command = Command::new("/bin/sh");
             command.arg("-c").arg(line).current_dir(&self.dir);
-            if !self.inherit_env {
-                command
-                    .env_clear()
-                    .env("PATH", MINIMAL_PATH)
-                    .env("HOME", &self.dir)
-                    .env("LANG", "C.UTF-8")
-                    .env("TERM", "dumb");
+            if self.inherit_env {
+                without_secrets(&mut command);
+            } else {
+                minimal_env(&mut command, &self.dir, &[]);
             }
+            own_group_dying_with_keel(&mut command);
             command
                 .env(env::IDEMPOTENCY_KEY.name, &ctx.idempotency_key)
                 .env(env::RUN_ID.name, ctx.run_id.as_str())
@@ -102,9 +100,7 @@ impl Tool for ShellTool {
                 .env(env::CALL_ID.name, &ctx.call_id)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .process_group(0)
-                .kill_on_drop(true);
+                .stderr(Stdio::piped());
             let mut child = command.spawn().map_err(|e| {
                 ToolError::failed(format!("cannot start /bin/sh in {}: {e}", self.dir.display()))
             })?;

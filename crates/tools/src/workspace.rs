@@ -8,6 +8,16 @@
 //! changes nothing. Paths are also screened first, so that the model gets a clear reason: no
 //! NUL or control characters, no `..`, and an absolute path only when it lies inside the
 //! workspace (it is made relative).
+//!
+//! Only regular files are read, opened without blocking (a FIFO or a device is refused, never
+//! waited on), and every tool is bounded in memory: `read_file` reads at most `max_bytes`,
+//! `edit_file` refuses files over 10 MiB, `write_file` takes at most 10 MiB, `list_files` at
+//! most 1000 entries.
+//!
+//! What no path jail can stop: a hard link is the file itself, so a hard link placed in the
+//! workspace (by someone with access to both directories) to a file outside is read like any
+//! workspace file. Writes replace files (a temporary file, then a rename) and so never write
+//! through a hard link to the outside file.
 
 use std::io::{self, Read};
 use std::path::{Component, Path, PathBuf};
@@ -24,6 +34,8 @@ pub const DEFAULT_READ_BYTES: usize = 256 * 1024;
 pub const MAX_READ_BYTES: usize = 10 * 1024 * 1024;
 /// The largest file `write_file` and `edit_file` write.
 pub const MAX_WRITE_BYTES: usize = 10 * 1024 * 1024;
+/// The largest file `edit_file` reads (it holds the file and its edited copy in memory).
+pub const MAX_EDIT_BYTES: usize = 10 * 1024 * 1024;
 /// The most entries `list_files` returns.
 pub const MAX_LIST_ENTRIES: usize = 1000;
 /// How deep a recursive listing goes.
@@ -117,6 +129,30 @@ fn io_error(path: &Path, error: &io::Error) -> ToolError {
     ToolError::failed(format!("{shown}: {why}"))
 }
 
+/// Opens a file of the workspace to read it, never blocking in `open` or `read`: only a regular
+/// file is read. A FIFO's `open` would wait for a writer forever (holding a thread that no
+/// timeout can free, and keel's exit with it), and a device (`/dev/zero`) never ends.
+fn open_regular(dir: &Dir, path: &Path) -> Result<(cap_std::fs::File, cap_std::fs::Metadata), ToolError> {
+    use cap_std::fs::OpenOptionsExt;
+    let mut options = cap_std::fs::OpenOptions::new();
+    options.read(true);
+    // O_NONBLOCK: opening a FIFO returns at once (then it is refused below); a regular file's
+    // reads ignore the flag.
+    options.custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
+    let file = dir.open_with(path, &options).map_err(|e| io_error(path, &e))?;
+    let meta = file.metadata().map_err(|e| io_error(path, &e))?;
+    if meta.is_dir() {
+        return Err(ToolError::failed(format!("{} is a directory; use list_files", path.display())));
+    }
+    if !meta.is_file() {
+        return Err(refused(&format!(
+            "{} is not a regular file (a FIFO, a socket or a device): only regular files are read",
+            path.display()
+        )));
+    }
+    Ok((file, meta))
+}
+
 fn spec(name: &str, description: &str, schema: Value) -> ToolSpec {
     ToolSpec { name: name.into(), description: description.into(), input_schema: schema }
 }
@@ -159,14 +195,7 @@ impl Tool for ReadFile {
                 input["max_bytes"].as_u64().map_or(DEFAULT_READ_BYTES, |n| (n as usize).min(MAX_READ_BYTES));
             self.workspace
                 .blocking(move |dir| {
-                    let file = dir.open(&path).map_err(|e| io_error(&path, &e))?;
-                    let meta = file.metadata().map_err(|e| io_error(&path, &e))?;
-                    if meta.is_dir() {
-                        return Err(ToolError::failed(format!(
-                            "{} is a directory; use list_files",
-                            path.display()
-                        )));
-                    }
+                    let (file, meta) = open_regular(dir, &path)?;
                     let mut bytes = Vec::new();
                     file.take(max as u64 + 1).read_to_end(&mut bytes).map_err(|e| io_error(&path, &e))?;
                     let truncated = bytes.len() > max;
@@ -394,6 +423,29 @@ impl EditFile {
     }
 }
 
+/// The whole text of a file to edit, refused above [`MAX_EDIT_BYTES`] before it is read (a
+/// sparse file can claim any size at no disk cost) and read with that cap (it may grow).
+fn read_for_edit(dir: &Dir, path: &Path) -> Result<String, ToolError> {
+    let (file, meta) = open_regular(dir, path)?;
+    let too_large = |size: u64| {
+        ToolError::failed(format!(
+            "{} is {size} bytes; edit_file edits files up to {MAX_EDIT_BYTES} bytes (10 MiB): use write_file \
+             for the whole content, or shell",
+            path.display()
+        ))
+    };
+    if meta.len() > MAX_EDIT_BYTES as u64 {
+        return Err(too_large(meta.len()));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(MAX_EDIT_BYTES as u64 + 1).read_to_end(&mut bytes).map_err(|e| io_error(path, &e))?;
+    if bytes.len() > MAX_EDIT_BYTES {
+        return Err(too_large(bytes.len() as u64));
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| ToolError::failed(format!("{} is not a text file (it is not UTF-8)", path.display())))
+}
+
 impl Tool for EditFile {
     fn spec(&self) -> &ToolSpec {
         &self.spec
@@ -407,12 +459,7 @@ impl Tool for EditFile {
             let all = input["replace_all"].as_bool().unwrap_or(false);
             self.workspace
                 .blocking(move |dir| {
-                    let text = dir.read_to_string(&path).map_err(|e| match e.kind() {
-                        io::ErrorKind::InvalidData => {
-                            ToolError::failed(format!("{} is not a text file (it is not UTF-8)", path.display()))
-                        }
-                        _ => io_error(&path, &e),
-                    })?;
+                    let text = read_for_edit(dir, &path)?;
                     let count = text.matches(old.as_str()).count();
                     if count == 0 {
                         return Err(ToolError::failed(format!(

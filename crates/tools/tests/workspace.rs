@@ -252,3 +252,79 @@ async fn a_directory_flipping_to_a_symlink_while_writes_race_never_lets_one_out(
         .collect();
     assert!(escaped.is_empty(), "files escaped the workspace: {escaped:?} ({inside} writes landed inside)");
 }
+
+/// Runs a file tool call with a deadline: a call that blocks is a failure, not a hung test.
+async fn call_within(tool: &dyn Tool, input: Value) -> Result<Value, ToolError> {
+    tokio::time::timeout(std::time::Duration::from_secs(5), call(tool, input))
+        .await
+        .expect("the file tool blocked instead of answering")
+}
+
+#[tokio::test]
+async fn a_fifo_or_a_device_is_refused_at_once_and_never_waited_on() {
+    let f = fixture();
+    assert!(std::process::Command::new("mkfifo").arg(f.ws.join("pipe")).status().unwrap().success());
+    let read = call_within(&ReadFile::new(f.workspace.clone()), json!({"path": "pipe"})).await.unwrap_err();
+    assert_eq!(read.code, ErrorCode::ToolRefused, "{}", read.message);
+    assert!(read.message.contains("pipe is not a regular file"), "{}", read.message);
+    let edit = call_within(
+        &EditFile::new(f.workspace.clone()),
+        json!({"path": "pipe", "old_text": "a", "new_text": "b"}),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(edit.code, ErrorCode::ToolRefused, "{}", edit.message);
+    // A listing shows it for what it is, without opening it.
+    let listed = call_within(&ListFiles::new(f.workspace.clone()), json!({})).await.unwrap();
+    assert!(listed["entries"].as_array().unwrap().contains(&json!({"path": "pipe", "type": "other"})), "{listed}");
+    // A Unix socket too.
+    let _socket = std::os::unix::net::UnixListener::bind(f.ws.join("sock")).unwrap();
+    let read = call_within(&ReadFile::new(f.workspace.clone()), json!({"path": "sock"})).await.unwrap_err();
+    assert!(read.message.contains("not a regular file") || read.message.contains("sock:"), "{}", read.message);
+}
+
+#[tokio::test]
+async fn edit_file_refuses_a_huge_file_without_reading_it() {
+    let f = fixture();
+    // 600 MB that take no disk: a sparse file.
+    let huge = std::fs::File::create(f.ws.join("huge.log")).unwrap();
+    huge.set_len(600 * 1024 * 1024).unwrap();
+    let started = std::time::Instant::now();
+    let error = call_within(
+        &EditFile::new(f.workspace.clone()),
+        json!({"path": "huge.log", "old_text": "x", "new_text": "y"}),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        error.message,
+        "huge.log is 629145600 bytes; edit_file edits files up to 10485760 bytes (10 MiB): use write_file for \
+         the whole content, or shell"
+    );
+    // Refused from its size: reading 600 MB of zeros would take far longer than this.
+    assert!(started.elapsed() < std::time::Duration::from_secs(2), "{:?}", started.elapsed());
+    // read_file reads only what it returns.
+    let read = call_within(&ReadFile::new(f.workspace.clone()), json!({"path": "huge.log", "max_bytes": 16}))
+        .await
+        .unwrap();
+    assert_eq!(read["size"], 629_145_600);
+    assert_eq!(read["content"].as_str().unwrap().len(), 16);
+}
+
+#[tokio::test]
+async fn a_hard_link_is_read_as_the_file_it_is_but_never_written_through() {
+    // docs/tools.md says so: no path jail can tell a hard link from the file.
+    let f = fixture();
+    std::fs::hard_link(f.outside.join("secret.txt"), f.ws.join("linked.txt")).unwrap();
+    let read = call(&ReadFile::new(f.workspace.clone()), json!({"path": "linked.txt"})).await.unwrap();
+    assert_eq!(read["content"], SECRET);
+    call(&WriteFile::new(f.workspace.clone()), json!({"path": "linked.txt", "content": "replaced"})).await.unwrap();
+    call(
+        &EditFile::new(f.workspace.clone()),
+        json!({"path": "linked.txt", "old_text": "replaced", "new_text": "edited"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(std::fs::read_to_string(f.ws.join("linked.txt")).unwrap(), "edited");
+    assert_eq!(std::fs::read_to_string(f.outside.join("secret.txt")).unwrap(), SECRET, "written through the link");
+}

@@ -14,8 +14,7 @@ use super::run::follow;
 use super::{ApprovalsCommand, StoreArgs, exit};
 
 pub(crate) fn approvals(command: ApprovalsCommand) -> std::io::Result<u8> {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async {
+    super::run_async(async {
         match command {
             ApprovalsCommand::List { session, json, store } => list(session.as_deref(), json, &store).await,
             ApprovalsCommand::Approve { id, note, target } => {
@@ -28,7 +27,7 @@ pub(crate) fn approvals(command: ApprovalsCommand) -> std::io::Result<u8> {
                 decide(&id, Decision::Answer(answer), &target).await
             }
         }
-    })
+    })?
 }
 
 /// Where a decision goes, and whether to continue the run here.

@@ -23,8 +23,7 @@ pub(crate) fn cancel(args: &CancelArgs) -> std::io::Result<u8> {
             return Ok(2);
         }
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async {
+    super::run_async(async {
         let by = keel::who("keel cancel");
         if let Some(path) = &args.agent {
             let agent = match super::run::load_agent(path, None, &args.store.store)? {
@@ -32,11 +31,16 @@ pub(crate) fn cancel(args: &CancelArgs) -> std::io::Result<u8> {
                 Err(code) => return Ok(code),
             };
             return Ok(match agent.engine().cancel(&session, &by).await {
-                Ok(true) => {
+                Ok(keel_runtime::Cancellation::Cancelled) => {
                     eprintln!("cancelled the run of session {session}");
                     exit::OK
                 }
-                Ok(false) => nothing_to_cancel(&session),
+                Ok(keel_runtime::Cancellation::AlreadyCancelling { by }) => {
+                    let by = by.map_or(String::new(), |by| format!(" (asked by {by})"));
+                    eprintln!("the run of session {session} was being cancelled already{by}; it has ended");
+                    exit::OK
+                }
+                Ok(keel_runtime::Cancellation::NoRun) => nothing_to_cancel(&session),
                 Err(failure) => {
                     eprintln!("error[{}]: {}", failure.code, failure.message);
                     exit::RUN_FAILED
@@ -91,7 +95,7 @@ pub(crate) fn cancel(args: &CancelArgs) -> std::io::Result<u8> {
             keel_core::clock::relative(run.lease_expires_ms, now)
         );
         Ok(exit::OK)
-    })
+    })?
 }
 
 fn nothing_to_cancel(session: &SessionId) -> u8 {

@@ -188,6 +188,32 @@ pub(crate) enum SessionsCommand {
     },
 }
 
+/// Keeps keel's memory and environment (its API token, JWT secret and provider keys) from the
+/// tools it runs, which run as the same user: a non-dumpable process's `/proc/<pid>/environ`,
+/// `mem` and friends belong to root, and it cannot be ptraced by its user's other processes.
+/// Tools get a minimal environment of their own; this closes the way around it (`cat
+/// /proc/$PPID/environ` from `shell`). The cost: no core dumps, and attaching a debugger to a
+/// running keel needs root.
+fn hide_from_tools() {
+    #[cfg(target_os = "linux")]
+    if let Err(error) = nix::sys::prctl::set_dumpable(false) {
+        tracing::warn!(%error, "could not make keel non-dumpable: its tools may read its environment");
+    }
+}
+
+/// How long a command waits, once its work is done, for blocking work still going (a file
+/// operation a tool's call gave up on) before it exits anyway.
+pub(crate) const EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Runs `work` to its end on a new runtime, then stops the runtime within [`EXIT_GRACE`]: a
+/// blocking task left behind never holds up the exit (dropping a runtime would wait for it).
+pub(crate) fn run_async<T>(work: impl std::future::Future<Output = T>) -> std::io::Result<T> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let outcome = runtime.block_on(work);
+    runtime.shutdown_timeout(EXIT_GRACE);
+    Ok(outcome)
+}
+
 fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     humantime::parse_duration(text).map_err(|e| format!("{e} (write durations like `30d`, `12h`, `90m`)"))
 }
@@ -270,6 +296,7 @@ pub(crate) struct CheckArgs {
 pub(crate) fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(if matches!(cli.command, Command::Serve(_)) { "info" } else { "warn" });
+    hide_from_tools();
     let code = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Chat(args) => chat::chat(args),

@@ -17,8 +17,7 @@ pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
         Ok(agent) => agent,
         Err(code) => return Ok(code),
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(drive(&agent, &args))
+    super::run_async(drive(&agent, &args))?
 }
 
 /// Loads an agent with its store, printing the spec's diagnostics; `Err(exit code)` when it

@@ -1,6 +1,7 @@
 //! `keel serve`: the HTTP API (DESIGN.md §5) for an agent, until SIGINT or SIGTERM.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use keel_core::env;
 
@@ -33,37 +34,49 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
         issuer: var(env::JWT_ISSUER.name),
         audience: var(env::JWT_AUDIENCE.name),
     });
-    let rate_limit_per_minute = match var(env::RATE_LIMIT.name).map(|v| v.trim().parse::<u32>()) {
-        None => None,
-        Some(Ok(n)) => Some(n),
-        Some(Err(_)) => {
-            eprintln!("error: KEEL_RATE_LIMIT must be a number of requests per minute, like 120");
+    let settings = match read_settings(&var) {
+        Ok(settings) => settings,
+        Err(message) => {
+            eprintln!("error: {message}");
             return Ok(exit::INVALID_AGENT);
         }
     };
+    let api_token = var(env::API_TOKEN.name);
+    let has_auth = api_token.is_some() || jwt.is_some();
     let mut options = keel_server::ServerOptions {
-        api_token: var(env::API_TOKEN.name),
+        api_token,
         jwt,
-        rate_limit_per_minute,
+        rate_limit_per_minute: settings.rate_limit_per_minute,
+        allowed_hosts: settings.allowed_hosts,
+        cors_origins: settings.cors_origins,
+        first_request_timeout: settings.first_request_timeout,
+        idle_timeout: settings.idle_timeout,
+        // Many clients behind one proxy share an address: with auth, no cap unless asked.
+        max_connections_per_client: match settings.max_connections_per_client {
+            Some(0) => None,
+            Some(n) => Some(n),
+            None if has_auth => None,
+            None => Some(keel_server::DEFAULT_CONNECTIONS_PER_CLIENT),
+        },
         ..keel_server::ServerOptions::default()
     };
-    let address: SocketAddr = match format!("{}:{}", args.host, args.port).parse() {
-        Ok(address) => address,
-        Err(_) => match (args.host.as_str(), args.port) {
-            ("localhost", port) => SocketAddr::from(([127, 0, 0, 1], port)),
-            (host, _) => {
-                eprintln!("error: --host {host:?} is not an IP address (use 127.0.0.1, 0.0.0.0, ::1 ...)");
-                return Ok(2);
-            }
-        },
+    // `::1` and `[::1]` alike: an IP address, then the port.
+    let host = args.host.trim();
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let address = match (bare.parse::<std::net::IpAddr>(), bare) {
+        (Ok(ip), _) => SocketAddr::new(ip, args.port),
+        (Err(_), "localhost") => SocketAddr::from(([127, 0, 0, 1], args.port)),
+        (Err(_), _) => {
+            eprintln!("error: --host {host:?} is not an IP address (use 127.0.0.1, 0.0.0.0, ::1 ...)");
+            return Ok(2);
+        }
     };
     if let Err(message) = keel_server::check_bind(&address, &options) {
         eprintln!("error: {message}");
         return Ok(exit::INVALID_AGENT);
     }
     raise_open_file_limit();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async {
+    super::run_async(async {
         if let Some(jwt) = options.jwt.as_mut()
             && let Some(url) = &jwt.jwks_url
         {
@@ -103,6 +116,62 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
         server.serve(listener, shutdown_signal()).await?;
         eprintln!("keel serve: stopped");
         Ok(exit::OK)
+    })?
+}
+
+/// The server settings read from the environment.
+struct Settings {
+    rate_limit_per_minute: Option<u32>,
+    allowed_hosts: Vec<String>,
+    cors_origins: Vec<String>,
+    first_request_timeout: Duration,
+    idle_timeout: Duration,
+    max_connections_per_client: Option<usize>,
+}
+
+fn read_settings(var: &dyn Fn(&str) -> Option<String>) -> Result<Settings, String> {
+    let number = |name: &str, what: &str| -> Result<Option<u64>, String> {
+        var(name).map(|v| v.trim().parse::<u64>().map_err(|_| format!("{name} must be {what}"))).transpose()
+    };
+    let duration = |name: &str, default: Duration| -> Result<Duration, String> {
+        match var(name) {
+            None => Ok(default),
+            Some(text) => match humantime::parse_duration(text.trim()) {
+                Ok(duration) if !duration.is_zero() => Ok(duration),
+                _ => Err(format!("{name} must be a duration like `10s` or `2m`, not {text:?}")),
+            },
+        }
+    };
+    let list = |name: &str| -> Vec<String> {
+        var(name)
+            .map(|v| v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect())
+            .unwrap_or_default()
+    };
+    let cors_origins = list(env::CORS_ORIGINS.name);
+    let is_origin = |origin: &str| {
+        origin.trim_end_matches('/').split_once("://").is_some_and(|(scheme, host)| {
+            matches!(scheme, "http" | "https") && !host.is_empty() && !host.contains(['/', ' ', '?', '#'])
+        })
+    };
+    if let Some(bad) = cors_origins.iter().find(|origin| !is_origin(origin)) {
+        return Err(format!(
+            "KEEL_CORS_ORIGINS lists {bad:?}, which is not an origin: write `https://app.example.com` (a scheme, a \
+             host and an optional port; no path)"
+        ));
+    }
+    let defaults = keel_server::ServerOptions::default();
+    Ok(Settings {
+        rate_limit_per_minute: number(env::RATE_LIMIT.name, "a number of requests per minute, like 120")?
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+        allowed_hosts: list(env::ALLOWED_HOSTS.name),
+        cors_origins,
+        first_request_timeout: duration(env::FIRST_REQUEST_TIMEOUT.name, defaults.first_request_timeout)?,
+        idle_timeout: duration(env::IDLE_TIMEOUT.name, defaults.idle_timeout)?,
+        max_connections_per_client: number(
+            env::MAX_CONNECTIONS_PER_CLIENT.name,
+            "a number of connections, like 512 (0: no limit)",
+        )?
+        .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
     })
 }
 

@@ -36,8 +36,7 @@ fn store_failed(error: &StoreError) -> Stop {
 }
 
 pub(crate) fn sessions(command: SessionsCommand) -> std::io::Result<u8> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let outcome = runtime.block_on(async {
+    let outcome = super::run_async(async {
         match command {
             SessionsCommand::List(store) => list(&store).await,
             SessionsCommand::Show { id, json, store } => show(&id, json, &store).await,
@@ -46,7 +45,7 @@ pub(crate) fn sessions(command: SessionsCommand) -> std::io::Result<u8> {
                 prune(older_than, compact, dry_run, &store).await
             }
         }
-    });
+    })?;
     match outcome {
         Ok(code) | Err(Stop::Exit(code)) => Ok(code),
         Err(Stop::Io(error)) => Err(error),

@@ -243,7 +243,7 @@ async fn a_body_that_ends_early_is_a_400_and_the_server_stays_up() {
     let address = server.base.trim_start_matches("http://").to_owned();
     let mut socket = tokio::net::TcpStream::connect(&address).await.unwrap();
     socket
-        .write_all(b"POST /chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"sessionId\":")
+        .write_all(b"POST /chat HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"sessionId\":")
         .await
         .unwrap();
     socket.shutdown().await.unwrap();
