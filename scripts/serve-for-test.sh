@@ -1,19 +1,31 @@
-# Sourced by the test scripts: `start_keel_serve AGENT TOKEN` builds keel, starts `keel serve`
-# on AGENT with bearer TOKEN, a fresh SQLite store and a free port, sets `address` to its URL,
-# and stops it (and removes its files) when the calling script exits.
+# Sourced by the test scripts: `start_keel_serve AGENT TOKEN [NAME=VALUE...]` builds keel,
+# starts `keel serve` on AGENT with bearer TOKEN (none when empty) and the given environment, a
+# fresh SQLite store and a free port, and sets `address` to its URL. Every server started so is
+# stopped (and its files removed) when the calling script exits.
+serve_pids=()
+serve_dirs=()
+stop_keel_servers() {
+  for pid in "${serve_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${serve_pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  for dir in "${serve_dirs[@]}"; do rm -rf "$dir"; done
+}
+trap stop_keel_servers EXIT
+
 start_keel_serve() {
   local agent="$1" token="$2"
+  shift 2
   cargo build --quiet -p keel
-  serve_work=$(mktemp -d)
-  KEEL_API_TOKEN="$token" KEEL_LOG=error target/debug/keel serve "$agent" \
-    --store "sqlite:$serve_work/keel.db" --port 0 2> "$serve_work/serve.log" &
-  serve_pid=$!
-  trap 'kill $serve_pid 2>/dev/null; wait $serve_pid 2>/dev/null; rm -rf "$serve_work"' EXIT
+  local work
+  work=$(mktemp -d)
+  serve_dirs+=("$work")
+  env KEEL_API_TOKEN="$token" KEEL_LOG=error "$@" target/debug/keel serve "$agent" \
+    --store "sqlite:$work/keel.db" --port 0 2> "$work/serve.log" &
+  serve_pids+=($!)
   address=""
   for _ in $(seq 100); do
-    address=$(grep -o 'http://[0-9.:]*' "$serve_work/serve.log" || true)
+    address=$(grep -o 'http://[0-9.:]*' "$work/serve.log" || true)
     [ -n "$address" ] && break
     sleep 0.1
   done
-  [ -n "$address" ] || { cat "$serve_work/serve.log"; exit 1; }
+  [ -n "$address" ] || { cat "$work/serve.log"; exit 1; }
 }

@@ -179,7 +179,11 @@ struct Activity {
 
 impl Activity {
     fn new() -> Activity {
-        Activity { in_flight: AtomicUsize::new(0), seen: AtomicUsize::new(0), last: Mutex::new(Instant::now()) }
+        Activity {
+            in_flight: AtomicUsize::new(0),
+            seen: AtomicUsize::new(0),
+            last: Mutex::new(Instant::now()),
+        }
     }
 
     fn touch(&self) {
@@ -266,7 +270,16 @@ fn client_key(ip: IpAddr) -> IpAddr {
             Some(v4) => IpAddr::V4(v4),
             None => {
                 let segments = v6.segments();
-                IpAddr::V6(std::net::Ipv6Addr::new(segments[0], segments[1], segments[2], segments[3], 0, 0, 0, 0))
+                IpAddr::V6(std::net::Ipv6Addr::new(
+                    segments[0],
+                    segments[1],
+                    segments[2],
+                    segments[3],
+                    0,
+                    0,
+                    0,
+                    0,
+                ))
             }
         },
     }

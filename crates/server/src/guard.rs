@@ -57,19 +57,18 @@ impl BrowserPolicy {
     /// Whether `origin` is listed in `KEEL_CORS_ORIGINS`.
     pub(crate) fn lists_origin(&self, origin: &str) -> bool {
         let origin = normalize_origin(origin);
-        self.origins.iter().any(|allowed| *allowed == origin)
+        self.origins.contains(&origin)
     }
 
     fn check(&self, request: &Request) -> Result<(), ApiError> {
         // HTTP/2 (and absolute-form HTTP/1.1) name the host in the URI; HTTP/1.1 in `Host`.
-        let authority = request
-            .uri()
-            .authority()
-            .map(|authority| authority.as_str().to_ascii_lowercase())
-            .or_else(|| {
-                let host = request.headers().get(header::HOST)?.to_str().ok()?;
-                Some(host.trim().to_ascii_lowercase())
-            });
+        let authority =
+            request.uri().authority().map(|authority| authority.as_str().to_ascii_lowercase()).or_else(
+                || {
+                    let host = request.headers().get(header::HOST)?.to_str().ok()?;
+                    Some(host.trim().to_ascii_lowercase())
+                },
+            );
         if let (Some(allowed), Some(authority)) = (&self.hosts, &authority) {
             let host = strip_port(authority);
             if !is_loopback_name(host) && !allowed.iter().any(|name| name == host) {
@@ -181,12 +180,15 @@ mod tests {
     #[test]
     fn without_auth_only_loopback_names_and_listed_hosts_pass() {
         let policy = BrowserPolicy::new(false, &["keel.internal".into()], &[]);
-        for host in ["127.0.0.1:3000", "localhost:3000", "LOCALHOST", "app.localhost:8080", "[::1]:3000", "127.9.9.9"]
+        for host in
+            ["127.0.0.1:3000", "localhost:3000", "LOCALHOST", "app.localhost:8080", "[::1]:3000", "127.9.9.9"]
         {
             assert_eq!(code(&policy, host, None), None, "{host}");
         }
         assert_eq!(code(&policy, "keel.internal:3000", None), None);
-        for host in ["rebind.evil.example:3000", "evil.example", "localhost.evil.example", "10.0.0.1:3000", "[::2]"] {
+        for host in
+            ["rebind.evil.example:3000", "evil.example", "localhost.evil.example", "10.0.0.1:3000", "[::2]"]
+        {
             assert_eq!(code(&policy, host, None), Some(ErrorCode::HostNotAllowed), "{host}");
         }
         let any = BrowserPolicy::new(true, &[], &[]);
@@ -199,7 +201,11 @@ mod tests {
         assert_eq!(code(&policy, "127.0.0.1:3000", Some("http://127.0.0.1:3000")), None);
         assert_eq!(code(&policy, "127.0.0.1:3000", Some("https://App.Example.com")), None);
         for origin in ["https://evil.example", "http://127.0.0.1:4000", "null", "http://localhost:3000"] {
-            assert_eq!(code(&policy, "127.0.0.1:3000", Some(origin)), Some(ErrorCode::OriginNotAllowed), "{origin}");
+            assert_eq!(
+                code(&policy, "127.0.0.1:3000", Some(origin)),
+                Some(ErrorCode::OriginNotAllowed),
+                "{origin}"
+            );
         }
     }
 }

@@ -15,8 +15,8 @@
 //! ```
 
 mod auth;
-mod error;
 mod connections;
+mod error;
 mod feed;
 mod guard;
 mod metrics;

@@ -45,10 +45,13 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
         // body it can only send after one, which keel answers for allowed origins only.
         let content_type = request.headers().get(axum::http::header::CONTENT_TYPE);
         if !is_json(content_type) {
-            let given = content_type.and_then(|v| v.to_str().ok()).map_or("none".to_owned(), |v| format!("{v:?}"));
+            let given =
+                content_type.and_then(|v| v.to_str().ok()).map_or("none".to_owned(), |v| format!("{v:?}"));
             return Err(ApiError::new(
                 ErrorCode::UnsupportedMediaType,
-                format!("send the body as JSON with `Content-Type: application/json` (the request's is {given})"),
+                format!(
+                    "send the body as JSON with `Content-Type: application/json` (the request's is {given})"
+                ),
             ));
         }
         let too_large = || {

@@ -136,10 +136,16 @@ fn pass_through(node: &tree::Node, d: &mut Decoder<'_>) -> Option<Vec<String>> {
             && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
         if !valid {
             d.error(pos, format!("`env` lists {name:?}, which is not an environment variable name")).hint =
-                Some("names are letters, digits and `_`, not starting with a digit: `env = [\"MY_API_KEY\"]`".into());
+                Some(
+                    "names are letters, digits and `_`, not starting with a digit: `env = [\"MY_API_KEY\"]`"
+                        .into(),
+                );
         } else if keel_core::env::is_secret(&name) || name.starts_with("KEEL_") {
-            d.error(pos, format!("`env` lists {name}, one of keel's own settings: keel never passes it to a tool")).hint =
-                Some("give the tool its own variable (say `MY_TOOL_API_KEY`) and name that".into());
+            d.error(
+                pos,
+                format!("`env` lists {name}, one of keel's own settings: keel never passes it to a tool"),
+            )
+            .hint = Some("give the tool its own variable (say `MY_TOOL_API_KEY`) and name that".into());
         } else {
             names.push(name);
         }

@@ -255,6 +255,42 @@ fn bad_command_tools() {
 }
 
 #[test]
+fn a_command_tool_names_the_variables_it_gets_and_never_keels_secrets() {
+    let dir = tree(&[
+        ("a/agent.yaml", "model: mock\n"),
+        (
+            "a/tools/fetch.toml",
+            "description = \"x\"\ncommand = [\"true\"]\nenv = [\"MY_API_KEY\", \"_PROXY\"]\n",
+        ),
+    ]);
+    let spec = load(&dir.path().join("a"), &OPTIONS).spec.unwrap();
+    let def = &spec.command_tools[0].def;
+    assert_eq!(def.env, ["MY_API_KEY", "_PROXY"]);
+    assert!(Path::new(&def.command[0]).is_absolute(), "a program on PATH is resolved: {:?}", def.command);
+    check(
+        &[
+            ("a/agent.yaml", "model: mock\n"),
+            (
+                "a/tools/leaky.toml",
+                "description = \"x\"\ncommand = [\"true\"]\nenv = [\"OPENAI_API_KEY\", \"KEEL_STORE\", \"1BAD\", \"OK_ONE\"]\n",
+            ),
+        ],
+        "a",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `env` lists OPENAI_API_KEY, one of keel's own settings: keel never passes it to a tool
+              --> a/tools/leaky.toml:3:8
+              hint: give the tool its own variable (say `MY_TOOL_API_KEY`) and name that
+            error[KEEL_SPEC_INVALID]: `env` lists KEEL_STORE, one of keel's own settings: keel never passes it to a tool
+              --> a/tools/leaky.toml:3:26
+              hint: give the tool its own variable (say `MY_TOOL_API_KEY`) and name that
+            error[KEEL_SPEC_INVALID]: `env` lists "1BAD", which is not an environment variable name
+              --> a/tools/leaky.toml:3:40
+              hint: names are letters, digits and `_`, not starting with a digit: `env = ["MY_API_KEY"]`
+        "#]],
+    );
+}
+
+#[test]
 fn skills_problems() {
     check(
         &[

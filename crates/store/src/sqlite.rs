@@ -337,7 +337,9 @@ fn open_writer(path: &Path) -> Result<Connection, StoreError> {
     })?;
     connection.busy_timeout(Duration::from_secs(5)).map_err(map_error)?;
     connection.set_prepared_statement_cache_capacity(64);
-    // The first statement that reads the file tells a non-database from a database.
+    // The first statement that reads the file tells a non-database from a database; another
+    // application's database is refused before anything (even the journal mode) changes in it.
+    refuse_foreign(&connection, path)?;
     let mode: String = connection
         .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
         .map_err(|e| with_path(map_error(e), path))?;
@@ -352,6 +354,30 @@ fn open_writer(path: &Path) -> Result<Connection, StoreError> {
         .map_err(map_error)?;
     migrate(&connection, path)?;
     Ok(connection)
+}
+
+/// Refuses a database that keel did not create: no keel schema version, yet tables (another
+/// application's file, given to `--store` by mistake). keel would add its tables to it.
+fn refuse_foreign(connection: &Connection, path: &Path) -> Result<(), StoreError> {
+    // One statement, one snapshot: another process may be migrating this new file right now,
+    // and its tables and version appear together.
+    let (version, tables): (i64, Option<String>) = connection
+        .query_row(
+            "SELECT (SELECT user_version FROM pragma_user_version), \
+                    (SELECT group_concat(name, ', ') FROM \
+                        (SELECT name FROM sqlite_schema WHERE type = 'table' ORDER BY name LIMIT 4))",
+            [],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .map_err(|e| with_path(map_error(e), path))?;
+    match tables {
+        Some(tables) if version == 0 => Err(StoreError::Corrupt(format!(
+            "{} is another application's database (it has the tables {tables}, and no keel schema); keel \
+             keeps its state in a file of its own and changed nothing in this one: give --store a new path",
+            path.display(),
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn user_version(connection: &Connection) -> Result<i64, StoreError> {
@@ -1052,5 +1078,45 @@ mod tests {
         let version: i64 =
             Connection::open(&newer).unwrap().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
         assert_eq!(version, SCHEMA_VERSION + 1);
+    }
+
+    #[test]
+    fn another_applications_database_is_refused_and_left_as_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        let foreign = dir.path().join("app.db");
+        let app = Connection::open(&foreign).unwrap();
+        app.execute_batch("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT); INSERT INTO customers (name) VALUES ('Ada');")
+            .unwrap();
+        drop(app);
+        let before = std::fs::read(&foreign).unwrap();
+        let error = SqliteStore::open(&foreign).err().unwrap();
+        assert_eq!(error.code(), keel_core::ErrorCode::StoreCorrupt, "{error}");
+        assert!(
+            error.to_string().contains("another application's database (it has the tables customers"),
+            "{error}"
+        );
+        assert_eq!(std::fs::read(&foreign).unwrap(), before, "the file was changed");
+        assert!(!dir.path().join("app.db-wal").exists());
+    }
+
+    #[tokio::test]
+    async fn a_value_of_the_wrong_type_is_corrupt_not_a_store_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel.db");
+        let session = SessionId::new("s").unwrap();
+        {
+            let store = SqliteStore::open(&path).unwrap();
+            let record = crate::conformance::run_record("r", &session, 0);
+            crate::conformance::create_run(&store, &record).await.unwrap();
+            let hello = [Arc::new(Message::user("hello"))];
+            crate::conformance::append_messages(&store, &session, &record.run_id, 0, &hello).await.unwrap();
+        }
+        let tamper = Connection::open(&path).unwrap();
+        let changed = tamper.execute("UPDATE messages SET body = x'00ff00ff'", []).unwrap();
+        assert_eq!(changed, 1);
+        drop(tamper);
+        let store = SqliteStore::open(&path).unwrap();
+        let error = store.load_messages(&session).await.unwrap_err();
+        assert_eq!(error.code(), keel_core::ErrorCode::StoreCorrupt, "{error}");
     }
 }

@@ -276,11 +276,18 @@ async fn a_fifo_or_a_device_is_refused_at_once_and_never_waited_on() {
     assert_eq!(edit.code, ErrorCode::ToolRefused, "{}", edit.message);
     // A listing shows it for what it is, without opening it.
     let listed = call_within(&ListFiles::new(f.workspace.clone()), json!({})).await.unwrap();
-    assert!(listed["entries"].as_array().unwrap().contains(&json!({"path": "pipe", "type": "other"})), "{listed}");
+    assert!(
+        listed["entries"].as_array().unwrap().contains(&json!({"path": "pipe", "type": "other"})),
+        "{listed}"
+    );
     // A Unix socket too.
     let _socket = std::os::unix::net::UnixListener::bind(f.ws.join("sock")).unwrap();
     let read = call_within(&ReadFile::new(f.workspace.clone()), json!({"path": "sock"})).await.unwrap_err();
-    assert!(read.message.contains("not a regular file") || read.message.contains("sock:"), "{}", read.message);
+    assert!(
+        read.message.contains("not a regular file") || read.message.contains("sock:"),
+        "{}",
+        read.message
+    );
 }
 
 #[tokio::test]
@@ -318,7 +325,9 @@ async fn a_hard_link_is_read_as_the_file_it_is_but_never_written_through() {
     std::fs::hard_link(f.outside.join("secret.txt"), f.ws.join("linked.txt")).unwrap();
     let read = call(&ReadFile::new(f.workspace.clone()), json!({"path": "linked.txt"})).await.unwrap();
     assert_eq!(read["content"], SECRET);
-    call(&WriteFile::new(f.workspace.clone()), json!({"path": "linked.txt", "content": "replaced"})).await.unwrap();
+    call(&WriteFile::new(f.workspace.clone()), json!({"path": "linked.txt", "content": "replaced"}))
+        .await
+        .unwrap();
     call(
         &EditFile::new(f.workspace.clone()),
         json!({"path": "linked.txt", "old_text": "replaced", "new_text": "edited"}),
@@ -326,5 +335,9 @@ async fn a_hard_link_is_read_as_the_file_it_is_but_never_written_through() {
     .await
     .unwrap();
     assert_eq!(std::fs::read_to_string(f.ws.join("linked.txt")).unwrap(), "edited");
-    assert_eq!(std::fs::read_to_string(f.outside.join("secret.txt")).unwrap(), SECRET, "written through the link");
+    assert_eq!(
+        std::fs::read_to_string(f.outside.join("secret.txt")).unwrap(),
+        SECRET,
+        "written through the link"
+    );
 }

@@ -8,6 +8,7 @@ mod check;
 mod input;
 mod render;
 mod run;
+mod secrets;
 mod serve;
 mod sessions;
 
@@ -193,7 +194,8 @@ pub(crate) enum SessionsCommand {
 /// `mem` and friends belong to root, and it cannot be ptraced by its user's other processes.
 /// Tools get a minimal environment of their own; this closes the way around it (`cat
 /// /proc/$PPID/environ` from `shell`). The cost: no core dumps, and attaching a debugger to a
-/// running keel needs root.
+/// running keel needs root. (A tool running as root reads any process's files; for that case
+/// [`secrets::scrub_environment_block`] has already blanked the secrets' original copies.)
 fn hide_from_tools() {
     #[cfg(target_os = "linux")]
     if let Err(error) = nix::sys::prctl::set_dumpable(false) {
@@ -294,6 +296,9 @@ pub(crate) struct CheckArgs {
 
 /// Parses the command line, runs the command, and returns its exit code.
 pub(crate) fn main() -> ExitCode {
+    // First, while keel has one thread: the environment may be changed safely only then.
+    #[cfg(target_os = "linux")]
+    secrets::scrub_environment_block();
     let cli = Cli::parse();
     init_logging(if matches!(cli.command, Command::Serve(_)) { "info" } else { "warn" });
     hide_from_tools();

@@ -7,6 +7,7 @@ mod durability;
 mod model;
 mod one_run;
 mod providers;
+mod security;
 mod serve;
 mod snapshots;
 mod support;

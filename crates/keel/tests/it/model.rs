@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use keel::{RunState, SessionId, Store};
 
-use crate::support::agent_dir;
+use crate::support::{KEEL_PID, agent_dir};
 
 const SESSIONS: [&str; 2] = ["m1", "m2"];
 const MAX_LIVE: usize = 3;
@@ -47,8 +47,8 @@ const PATTERNS: &[&str] = &[
 /// Logs each execution's start and end with its idempotency key and its keel process.
 fn tool(name: &str, seconds: &str) -> String {
     format!(
-        "description = \"{name}\"\ncommand = [\"sh\", \"-c\", \"echo start $KEEL_IDEMPOTENCY_KEY $PPID >> calls.log; \
-         sleep {seconds}; echo done $KEEL_IDEMPOTENCY_KEY $PPID >> calls.log; echo {name} ok\"]\n"
+        "description = \"{name}\"\ncommand = [\"sh\", \"-c\", \"{KEEL_PID}; echo start $KEEL_IDEMPOTENCY_KEY $keel >> calls.log; \
+         sleep {seconds}; echo done $KEEL_IDEMPOTENCY_KEY $keel >> calls.log; echo {name} ok\"]\n"
     )
 }
 

@@ -19,11 +19,17 @@ pub(crate) struct Served {
 
 impl Served {
     pub(crate) fn start(agent: &Path, store: &str, env: &[(&str, &str)]) -> Served {
+        Served::start_with_args(agent, &["--store", store], env)
+    }
+
+    /// `keel serve <agent> --port 0 <args>`.
+    pub(crate) fn start_with_args(agent: &Path, args: &[&str], env: &[(&str, &str)]) -> Served {
         let mut command = Command::new(assert_cmd::cargo::cargo_bin("keel"));
         command
             .arg("serve")
             .arg(agent)
-            .args(["--port", "0", "--store", store])
+            .args(["--port", "0"])
+            .args(args)
             .current_dir(agent)
             .env_remove("KEEL_API_TOKEN")
             .env_remove("KEEL_STORE")
@@ -122,7 +128,7 @@ pub(crate) fn client() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
 }
 
-async fn error_of(response: reqwest::Response) -> (u16, String) {
+pub(crate) async fn error_of(response: reqwest::Response) -> (u16, String) {
     let status = response.status().as_u16();
     let text = response.text().await.unwrap();
     let body: Value =
@@ -185,9 +191,16 @@ async fn bad_requests_get_json_errors_with_codes_and_never_a_500() {
     let http = client();
     let chat = server.url("/chat");
     let cases: Vec<(&str, reqwest::RequestBuilder, u16, &str)> = vec![
-        ("not JSON", http.post(&chat).body("{nope"), 400, "KEEL_REQUEST_INVALID"),
-        ("invalid UTF-8", http.post(&chat).body(vec![b'{', 0xff, 0xfe, b'}']), 400, "KEEL_REQUEST_INVALID"),
-        ("no body", http.post(&chat), 400, "KEEL_REQUEST_INVALID"),
+        ("not declared JSON", http.post(&chat).body(r#"{"sessionId": "s", "input": "hi"}"#), 415, "KEEL_UNSUPPORTED_MEDIA_TYPE"),
+        ("declared as text", http.post(&chat).header("content-type", "text/plain").body("{}"), 415, "KEEL_UNSUPPORTED_MEDIA_TYPE"),
+        ("not JSON", http.post(&chat).header("content-type", "application/json").body("{nope"), 400, "KEEL_REQUEST_INVALID"),
+        (
+            "invalid UTF-8",
+            http.post(&chat).header("content-type", "application/json; charset=utf-8").body(vec![b'{', 0xff, 0xfe, b'}']),
+            400,
+            "KEEL_REQUEST_INVALID",
+        ),
+        ("no body", http.post(&chat).header("content-type", "application/json"), 400, "KEEL_REQUEST_INVALID"),
         ("an array", http.post(&chat).json(&json!([1])), 400, "KEEL_REQUEST_INVALID"),
         ("no session", http.post(&chat).json(&json!({"input": "hi"})), 400, "KEEL_REQUEST_INVALID"),
         ("no input", http.post(&chat).json(&json!({"sessionId": "s"})), 400, "KEEL_REQUEST_INVALID"),
@@ -213,7 +226,7 @@ async fn bad_requests_get_json_errors_with_codes_and_never_a_500() {
             400,
             "KEEL_SESSION_ID_INVALID",
         ),
-        ("over 1 MB", http.post(&chat).body(format!("{{\"sessionId\":\"s\",\"input\":\"{}\"}}", "a".repeat(1_100_000))), 413, "KEEL_BODY_TOO_LARGE"),
+        ("over 1 MB", http.post(&chat).header("content-type", "application/json").body(format!("{{\"sessionId\":\"s\",\"input\":\"{}\"}}", "a".repeat(1_100_000))), 413, "KEEL_BODY_TOO_LARGE"),
         ("unknown session", http.get(server.url("/chat/nobody")), 404, "KEEL_SESSION_NOT_FOUND"),
         ("bad id in path", http.get(server.url("/chat/a%20b")), 400, "KEEL_SESSION_ID_INVALID"),
         ("bad Last-Event-ID", http.get(server.url("/chat/s/events")).header("last-event-id", "x"), 400, "KEEL_REQUEST_INVALID"),
@@ -255,7 +268,7 @@ async fn a_body_that_ends_early_is_a_400_and_the_server_stays_up() {
 }
 
 /// Three turns, each after a pause: a run that lasts long enough to watch.
-const SLOW_AGENT: &str = "model: mock
+pub(crate) const SLOW_AGENT: &str = "model: mock
 tools: [day-name]
 mock:
   script:
@@ -657,7 +670,7 @@ async fn the_openapi_document_describes_exactly_the_routes_the_server_has() {
     }
 }
 
-fn jwt(
+pub(crate) fn jwt(
     algorithm: jsonwebtoken::Algorithm,
     kid: Option<&str>,
     key: &jsonwebtoken::EncodingKey,
@@ -668,7 +681,7 @@ fn jwt(
     jsonwebtoken::encode(&header, &claims, key).unwrap()
 }
 
-fn in_an_hour() -> u64 {
+pub(crate) fn in_an_hour() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 3600
 }
 

@@ -15,6 +15,10 @@ pub fn agent_dir(files: &[(&str, &str)]) -> tempfile::TempDir {
     dir
 }
 
+/// Shell that sets `$keel` to the pid of the keel running a command tool (the tool's parent is
+/// keel's supervisor of its process group; keel is that one's parent).
+pub const KEEL_PID: &str = "read -r _ _ _ keel _ < /proc/$PPID/stat";
+
 /// The `keel` binary, with logs quiet.
 pub fn keel() -> Command {
     let mut command = Command::cargo_bin("keel").unwrap();

@@ -7,7 +7,7 @@ use std::time::Duration;
 use keel_testkit::{Reply, WireServer};
 use serde_json::Value;
 
-use crate::support::{agent_dir, keel};
+use crate::support::{KEEL_PID, agent_dir, keel};
 
 /// Runs `keel run DIR INPUT --json` off the async runtime; the events and the exit code.
 async fn run_json(dir: &Path, input: &str) -> (Vec<Value>, Option<i32>) {
@@ -190,11 +190,14 @@ mock:
         ("agent.yaml", &spec("shell: { approve: false, inherit_env: true }")),
         ("work/.keep", ""),
     ]);
-    let (events, _) = run_json_with(dir.path(), "go", &secret).await;
-    let output = &of_type(&events, "tool.done")[0]["output"];
+    let (events, _) =
+        run_json_with(dir.path(), "go", &[secret[0], ("KEEL_API_TOKEN", "keel-token"), ("MY_SETTING", "on")])
+            .await;
+    let stdout = of_type(&events, "tool.done")[0]["output"]["stdout"].as_str().unwrap().to_owned();
+    assert!(stdout.contains("MY_SETTING=on"), "inherit_env passes keel's environment: {stdout}");
     assert!(
-        output["stdout"].as_str().unwrap().contains("sk-keel-test-secret"),
-        "inherit_env passes keel's environment"
+        !stdout.contains("sk-keel-test-secret") && !stdout.contains("keel-token"),
+        "inherit_env passed keel's own secrets: {stdout}"
     );
 
     let dir = agent_dir(&[("agent.yaml", &spec("")), ("work/.keep", "")]);
@@ -332,7 +335,9 @@ mock:
 async fn a_crash_mid_script_resumes_without_rerunning_the_steps_that_finished() {
     let append = "description = \"Counts its runs\"\ncommand = [\"sh\", \"-c\", \"echo run >> count.txt; echo '{\\\"n\\\": 7}'\"]\n[input_schema]\ntype = \"object\"\n";
     // Kills keel (its parent) the first time, like a crash in the middle of the script.
-    let crash = "description = \"Crashes once\"\ncommand = [\"sh\", \"-c\", \"if [ ! -f crashed ]; then touch crashed; kill -9 $PPID; sleep 5; fi; cat\"]\n[input_schema]\ntype = \"object\"\n";
+    let crash = &format!(
+        "description = \"Crashes once\"\ncommand = [\"sh\", \"-c\", \"if [ ! -f crashed ]; then touch crashed; {KEEL_PID}; kill -9 $keel; sleep 5; fi; cat\"]\n[input_schema]\ntype = \"object\"\n"
+    );
     let spec = "model: mock
 tools: [compose]
 mock:
@@ -383,7 +388,9 @@ mock:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subagent_answers_as_a_tool_and_a_crash_resumes_its_run_instead_of_starting_another() {
     let append = "description = \"Counts its runs\"\ncommand = [\"sh\", \"-c\", \"echo run >> count.txt; echo counted\"]\n[input_schema]\ntype = \"object\"\n";
-    let crash = "description = \"Crashes once\"\ncommand = [\"sh\", \"-c\", \"if [ ! -f crashed ]; then touch crashed; kill -9 $PPID; sleep 5; fi; echo fine\"]\n[input_schema]\ntype = \"object\"\n";
+    let crash = &format!(
+        "description = \"Crashes once\"\ncommand = [\"sh\", \"-c\", \"if [ ! -f crashed ]; then touch crashed; {KEEL_PID}; kill -9 $keel; sleep 5; fi; echo fine\"]\n[input_schema]\ntype = \"object\"\n"
+    );
     let parent = "model: mock
 mock:
   script:
