@@ -21,6 +21,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
+use crate::metrics::Metrics;
+
 /// How many requests (event streams, mostly) one HTTP/2 connection may carry at once.
 const MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
 
@@ -44,11 +46,13 @@ pub(crate) async fn accept_loop(
     closing: CancellationToken,
     grace: Duration,
     limits: Limits,
+    metrics: Arc<Metrics>,
 ) -> std::io::Result<()> {
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    // The timer arms hyper's header-read timeout (30 s): a client that sends its request
-    // headers a byte at a time cannot hold a connection forever.
-    builder.http1().timer(TokioTimer::new());
+    // hyper's header-read timeout runs from the moment an HTTP/1.1 connection waits for a
+    // request's head, idle keep-alive included: the idle timeout, so that a client sending its
+    // headers a byte at a time is cut off like an idle one.
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.idle);
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -73,12 +77,10 @@ pub(crate) async fn accept_loop(
             () = &mut shutdown => break,
         };
         let Some(slot) = clients.admit(peer.ip(), limits.per_client) else {
-            // Dropping the stream closes it: no request was read, so no response is owed.
-            tracing::warn!(
-                client = %peer.ip(),
-                limit = limits.per_client.unwrap_or_default(),
-                "refused a connection: the client holds as many as it may"
-            );
+            // Dropping the stream closes it: no request was read, so no response is owed. Not
+            // logged one by one (a flood would flood the log): counted.
+            metrics.connection_cut("client_cap");
+            tracing::debug!(client = %peer.ip(), "refused a connection: the client holds as many as it may");
             continue;
         };
         // Events are small writes that must go out at once: without TCP_NODELAY, Nagle's
@@ -89,8 +91,12 @@ pub(crate) async fn accept_loop(
         let builder = builder.clone();
         let app = app.clone();
         let closing = closing.clone();
+        let metrics = Arc::clone(&metrics);
         tracker.spawn(async move {
-            serve_connection(builder, stream, peer, app, closing, limits).await;
+            let _open = metrics.connection_opened();
+            if let Some(reason) = serve_connection(builder, stream, peer, app, closing, limits).await {
+                metrics.connection_cut(reason);
+            }
             drop(slot);
         });
     }
@@ -103,7 +109,8 @@ pub(crate) async fn accept_loop(
     Ok(())
 }
 
-/// Drives one connection until it ends, is idle too long, or the server shuts down.
+/// Drives one connection until it ends, is idle too long, or the server shuts down. Returns why
+/// the server cut it, if it did.
 async fn serve_connection(
     builder: hyper_util::server::conn::auto::Builder<TokioExecutor>,
     stream: tokio::net::TcpStream,
@@ -111,7 +118,7 @@ async fn serve_connection(
     app: Router,
     closing: CancellationToken,
     limits: Limits,
-) {
+) -> Option<&'static str> {
     let activity = Arc::new(Activity::new());
     let service = {
         let activity = Arc::clone(&activity);
@@ -136,15 +143,22 @@ async fn serve_connection(
     // Set once the connection was told to close because it is idle: if it has not closed by
     // then, it is dropped.
     let mut drop_at: Option<Instant> = None;
+    let mut cut: Option<&'static str> = None;
     let mut shutting_down = false;
     loop {
         let deadline = drop_at.unwrap_or_else(|| activity.idle_deadline(&limits));
         tokio::select! {
             result = connection.as_mut() => {
                 if let Err(error) = result {
-                    tracing::debug!(%error, client = %peer, "connection ended with an error");
+                    // hyper's own header-read timeout (set to the idle timeout) cut it.
+                    let timed_out = error.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_timeout);
+                    if timed_out {
+                        cut = cut.or(Some(activity.idle_reason()));
+                    } else {
+                        tracing::debug!(%error, client = %peer, "connection ended with an error");
+                    }
                 }
-                return;
+                return cut;
             }
             () = closing.cancelled(), if !shutting_down => {
                 // Server shutdown: requests in flight finish (their streams end on `closing`);
@@ -154,10 +168,11 @@ async fn serve_connection(
             }
             () = tokio::time::sleep_until(deadline) => {
                 if drop_at.is_some() {
-                    return;
+                    return cut;
                 }
                 if activity.is_idle_past(&limits) {
                     tracing::debug!(client = %peer, "closing an idle connection");
+                    cut = Some(activity.idle_reason());
                     if !shutting_down {
                         connection.as_mut().graceful_shutdown();
                     }
@@ -206,6 +221,11 @@ impl Activity {
             return Instant::now() + limits.idle;
         }
         last + limit
+    }
+
+    /// Why an idle connection is cut: before its first request, or between requests.
+    fn idle_reason(&self) -> &'static str {
+        if self.seen.load(Ordering::Acquire) == 0 { "first_request_timeout" } else { "idle" }
     }
 
     fn is_idle_past(&self, limits: &Limits) -> bool {

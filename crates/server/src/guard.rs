@@ -139,10 +139,9 @@ pub(crate) async fn guard(State(state): State<Arc<AppState>>, request: Request, 
 pub(crate) fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
     use axum::http::{HeaderName, HeaderValue, Method};
     use tower_http::cors::{AllowOrigin, CorsLayer};
-    let origins: Vec<HeaderValue> = origins
-        .iter()
-        .filter_map(|origin| HeaderValue::from_str(origin.trim().trim_end_matches('/')).ok())
-        .collect();
+    // As browsers send them (and as the guard compares them): lower case, no trailing slash.
+    let origins: Vec<HeaderValue> =
+        origins.iter().filter_map(|origin| HeaderValue::from_str(&normalize_origin(origin)).ok()).collect();
     if origins.is_empty() {
         return None;
     }

@@ -232,6 +232,7 @@ impl Server {
             closing.clone(),
             self.options.shutdown_grace,
             limits,
+            Arc::clone(&self.state.metrics),
         )
         .await;
         // Whether the server stopped on the signal or failed, runs end at a step boundary.

@@ -30,6 +30,8 @@ pub(crate) struct Metrics {
     request_seconds: HistogramFamily,
     open_streams: Gauge,
     runs_in_flight: Gauge,
+    open_connections: Gauge,
+    connections_cut: Family<Labels, Counter>,
 }
 
 fn latency_buckets() -> Histogram {
@@ -83,6 +85,14 @@ impl Metrics {
         registry.register("open_streams", "SSE streams open now", open_streams.clone());
         let runs_in_flight = Gauge::default();
         registry.register("runs_in_flight", "Runs this server is forwarding now", runs_in_flight.clone());
+        let open_connections = Gauge::default();
+        registry.register("open_connections", "Client connections open now", open_connections.clone());
+        let connections_cut = Family::<Labels, Counter>::default();
+        registry.register(
+            "connections_cut",
+            "Connections the server closed or refused, by reason (client_cap, first_request_timeout, idle)",
+            connections_cut.clone(),
+        );
         Metrics {
             registry,
             runs,
@@ -95,7 +105,20 @@ impl Metrics {
             request_seconds,
             open_streams,
             runs_in_flight,
+            open_connections,
+            connections_cut,
         }
+    }
+
+    /// Counts an open connection until the guard drops.
+    pub(crate) fn connection_opened(&self) -> StreamGuard {
+        self.open_connections.inc();
+        StreamGuard(self.open_connections.clone())
+    }
+
+    /// A connection closed or refused by the server, and why.
+    pub(crate) fn connection_cut(&self, reason: &'static str) {
+        self.connections_cut.get_or_create(&vec![("reason", reason.to_owned())]).inc();
     }
 
     /// Counts what an event says happened.
@@ -156,7 +179,7 @@ impl Metrics {
     }
 }
 
-/// Decrements the open-streams gauge when a stream ends.
+/// Decrements a gauge (open streams, open connections) when dropped.
 pub(crate) struct StreamGuard(Gauge);
 
 impl Drop for StreamGuard {

@@ -254,6 +254,15 @@ async fn silent_and_idle_connections_are_closed_and_one_client_holds_only_so_man
         assert!(n > 0, "the quiet event stream was closed: {}", String::from_utf8_lossy(&seen));
         seen.extend_from_slice(&answer[..n]);
     }
+    // What the server cut, and why, is counted.
+    let metrics = client().get(server.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    for line in [
+        r#"keel_connections_cut_total{reason="client_cap"} 1"#,
+        r#"keel_connections_cut_total{reason="first_request_timeout"} 8"#,
+        r#"keel_connections_cut_total{reason="idle"} "#,
+    ] {
+        assert!(metrics.contains(line), "no `{line}` in:\n{metrics}");
+    }
 }
 
 #[tokio::test]
