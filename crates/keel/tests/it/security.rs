@@ -4,6 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use reqwest::header;
@@ -480,4 +481,65 @@ command = ["sh", "-c", "(sleep 2; echo background > background-done) & echo $$ >
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err(),
         "the tool's process {pid} outlived keel"
     );
+}
+
+#[test]
+fn a_tool_of_keels_own_user_cannot_open_keels_environment_at_all() {
+    // Run as root, the test runs keel as `nobody` (root reads every process's files, which is
+    // why the secrets are also blanked); run as anyone else, as that user.
+    let as_root = effective_uid() == 0;
+    if as_root && !Path::new("/usr/bin/setpriv").exists() {
+        return;
+    }
+    let dir = agent_dir(&[
+        (
+            "agent.yaml",
+            "model: mock
+tools: [shell]
+shell: { approve: false }
+workspace: { path: ./work, mode: writable, approve_writes: false }
+mock:
+  script:
+    - tool_calls: [{ name: shell, input: { command: 'read -r _ _ _ keel _ < /proc/$PPID/stat; cat /proc/$keel/environ; cat /proc/$PPID/environ; cat /proc/$keel/mem' } }]
+    - text: done
+",
+        ),
+        ("work/.keep", ""),
+    ]);
+    use std::os::unix::fs::PermissionsExt;
+    for path in [dir.path(), &dir.path().join("work")] {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let keel_binary = assert_cmd::cargo::cargo_bin("keel");
+    let mut command = if as_root {
+        let mut command = std::process::Command::new("/usr/bin/setpriv");
+        command.args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(&keel_binary);
+        command
+    } else {
+        std::process::Command::new(&keel_binary)
+    };
+    let output = command
+        .current_dir(dir.path())
+        .env_remove("KEEL_STORE")
+        .env("KEEL_LOG", "error")
+        .env("KEEL_API_TOKEN", "keel-api-token-value")
+        .args(["run", ".", "go", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let done: Value = stdout
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|e| e["type"] == "tool.done")
+        .unwrap();
+    let stderr = done["output"]["stderr"].as_str().unwrap();
+    assert_eq!(stderr.matches("Permission denied").count(), 3, "keel's /proc files were readable: {done}");
+    assert!(!done.to_string().contains("keel-api-token-value"), "{done}");
+}
+
+/// This process's effective user id (`id -u`).
+fn effective_uid() -> u32 {
+    let output = std::process::Command::new("id").arg("-u").output().unwrap();
+    String::from_utf8_lossy(&output.stdout).trim().parse().unwrap()
 }
