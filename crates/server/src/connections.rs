@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -188,8 +188,10 @@ struct Activity {
     in_flight: AtomicUsize,
     /// Requests seen so far (0: the first request's deadline applies).
     seen: AtomicUsize,
-    /// When a request last started or ended.
-    last: Mutex<Instant>,
+    /// When the connection opened.
+    opened: Instant,
+    /// When a request last started or ended, in milliseconds after `opened`.
+    last_ms: AtomicU64,
 }
 
 impl Activity {
@@ -197,12 +199,14 @@ impl Activity {
         Activity {
             in_flight: AtomicUsize::new(0),
             seen: AtomicUsize::new(0),
-            last: Mutex::new(Instant::now()),
+            opened: Instant::now(),
+            last_ms: AtomicU64::new(0),
         }
     }
 
     fn touch(&self) {
-        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        let since = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(since, Ordering::Release);
     }
 
     fn begin(self: &Arc<Activity>) -> InFlight {
@@ -215,7 +219,7 @@ impl Activity {
     /// When the connection would be idle too long, if nothing happens until then. With a
     /// request in flight it is checked again an idle period later.
     fn idle_deadline(&self, limits: &Limits) -> Instant {
-        let last = *self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let last = self.opened + Duration::from_millis(self.last_ms.load(Ordering::Acquire));
         let limit = if self.seen.load(Ordering::Acquire) == 0 { limits.first_request } else { limits.idle };
         if self.in_flight.load(Ordering::Acquire) > 0 {
             return Instant::now() + limits.idle;

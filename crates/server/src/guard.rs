@@ -62,16 +62,14 @@ impl BrowserPolicy {
 
     fn check(&self, request: &Request) -> Result<(), ApiError> {
         // HTTP/2 (and absolute-form HTTP/1.1) name the host in the URI; HTTP/1.1 in `Host`.
-        let authority =
-            request.uri().authority().map(|authority| authority.as_str().to_ascii_lowercase()).or_else(
-                || {
-                    let host = request.headers().get(header::HOST)?.to_str().ok()?;
-                    Some(host.trim().to_ascii_lowercase())
-                },
-            );
-        if let (Some(allowed), Some(authority)) = (&self.hosts, &authority) {
+        // Compared without copying: this runs on every request.
+        let authority = match request.uri().authority() {
+            Some(authority) => Some(authority.as_str()),
+            None => request.headers().get(header::HOST).and_then(|host| host.to_str().ok()).map(str::trim),
+        };
+        if let (Some(allowed), Some(authority)) = (&self.hosts, authority) {
             let host = strip_port(authority);
-            if !is_loopback_name(host) && !allowed.iter().any(|name| name == host) {
+            if !is_loopback_name(host) && !allowed.iter().any(|name| name.eq_ignore_ascii_case(host)) {
                 return Err(ApiError::new(
                     ErrorCode::HostNotAllowed,
                     format!(
@@ -84,8 +82,9 @@ impl BrowserPolicy {
         }
         if let Some(origin) = request.headers().get(header::ORIGIN) {
             let origin = origin.to_str().unwrap_or("(not text)");
-            let same_origin = authority.as_deref().is_some_and(|authority| {
-                normalize_origin(origin).split_once("://").is_some_and(|(_, host)| host == authority)
+            let same_origin = authority.is_some_and(|authority| {
+                let origin = origin.trim().trim_end_matches('/');
+                origin.split_once("://").is_some_and(|(_, host)| host.eq_ignore_ascii_case(authority))
             });
             if !same_origin && !self.lists_origin(origin) {
                 return Err(ApiError::new(
@@ -113,7 +112,11 @@ fn strip_port(authority: &str) -> &str {
 /// through DNS), or a loopback IP address.
 fn is_loopback_name(host: &str) -> bool {
     let host = host.trim_end_matches('.');
-    if host == "localhost" || host.ends_with(".localhost") {
+    const LOCALHOST: &str = "localhost";
+    let under_localhost = host.len() > LOCALHOST.len()
+        && host.is_char_boundary(host.len() - LOCALHOST.len() - 1)
+        && host[host.len() - LOCALHOST.len() - 1..].eq_ignore_ascii_case(".localhost");
+    if host.eq_ignore_ascii_case(LOCALHOST) || under_localhost {
         return true;
     }
     let ip = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
