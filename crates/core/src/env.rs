@@ -80,6 +80,12 @@ env_vars! {
         "what is logged to stderr, as a tracing filter (`debug`, `keel_runtime=debug,warn`...)";
     /// The log format.
     LOG_FORMAT = "KEEL_LOG_FORMAT", Cli, "text", "`json` logs one JSON object per line, for log collectors";
+    /// The PostgreSQL pool size.
+    STORE_POOL = "KEEL_STORE_POOL", Runtime, "8",
+        "connections (and worker threads) a `postgres://` store opens";
+    /// The PostgreSQL statement timeout.
+    STORE_STATEMENT_TIMEOUT = "KEEL_STORE_STATEMENT_TIMEOUT", Runtime, "`30s`",
+        "how long one statement of a `postgres://` store may run before PostgreSQL cancels it";
     /// The run lease.
     RUN_LEASE = "KEEL_RUN_LEASE", Runtime, "`30s`",
         "how long a run's lease lasts without a heartbeat: how soon a process on another machine may take \
@@ -130,6 +136,9 @@ env_vars! {
     FAULT = "KEEL_FAULT", Testing, "unset",
         "`<point>:<step>` aborts the process at that step boundary, for crash tests; only in debug builds or \
          builds with the `fault-injection` feature";
+    /// The PostgreSQL server the tests use.
+    TEST_POSTGRES = "KEEL_TEST_POSTGRES", Testing, "`postgres://postgres@127.0.0.1:5432/postgres`",
+        "the PostgreSQL server tests create (and drop) their own databases on";
     /// Model test iterations.
     MODEL_ITERATIONS = "KEEL_MODEL_ITERATIONS", Testing, "3",
         "iterations of the model-based concurrency test (`tests/it/model.rs`)";

@@ -118,8 +118,9 @@ pub trait Tx {
     fn set_schedule_last_fire(&mut self, name: &str, tick_ms: u64) -> Result<(), StoreError>;
 }
 
-/// Work done inside a transaction.
-pub type Work<T> = Box<dyn FnOnce(&mut dyn Tx) -> Result<T, StoreError> + Send>;
+/// Work done inside a transaction. `FnMut`: a backend whose transactions can fail for reasons
+/// that do not depend on their content (PostgreSQL's serialization failures) runs it again.
+pub type Work<T> = Box<dyn FnMut(&mut dyn Tx) -> Result<T, StoreError> + Send>;
 
 /// Where data lives: runs [`Work`] as one transaction.
 pub trait Backend: Send + Sync + 'static {

@@ -8,6 +8,7 @@
 //! - [`MemoryStore`]: everything in process memory; nothing survives the process. The default
 //!   for `keel run`.
 //! - [`SqliteStore`]: an embedded SQLite file (WAL); survives restarts.
+//! - [`PostgresStore`]: a PostgreSQL database, shared by any number of instances.
 //!
 //! [`open`] picks one from a `--store` value. Every backend must pass [`conformance`], the same
 //! tests for all, one or more per rule.
@@ -15,19 +16,26 @@
 pub mod backend;
 pub mod conformance;
 mod memory;
+pub mod postgres;
 mod rules;
 mod sqlite;
 
 pub use backend::{Backend, Ruled, RunControl, Tx, Work};
 pub use memory::{Memory, MemoryStore};
+pub use postgres::{Postgres, PostgresOptions, PostgresStore};
 pub use sqlite::{Sqlite, SqliteStore};
 
 use std::sync::Arc;
 
 use keel_core::{Store, StoreError};
 
-/// Opens the store a `--store` / `KEEL_STORE` value names: `memory`, or `sqlite:<path>`.
+/// Opens the store a `--store` / `KEEL_STORE` value names: `memory`, `sqlite:<path>`, or
+/// `postgres://...` (pool size and statement timeout from `KEEL_STORE_POOL` and
+/// `KEEL_STORE_STATEMENT_TIMEOUT`).
 pub fn open(spec: &str) -> Result<Arc<dyn Store>, StoreError> {
+    if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
+        return Ok(Arc::new(PostgresStore::connect(spec, postgres_options()?)?));
+    }
     if spec == "memory" {
         return Ok(Arc::new(MemoryStore::new()));
     }
@@ -40,6 +48,29 @@ pub fn open(spec: &str) -> Result<Arc<dyn Store>, StoreError> {
         return Ok(Arc::new(SqliteStore::open(std::path::Path::new(path))?));
     }
     Err(StoreError::Unavailable(format!(
-        "unknown store {spec:?}: use `memory` or `sqlite:<path>` (PostgreSQL comes in a later version)"
+        "unknown store {spec:?}: use `memory`, `sqlite:<path>` or `postgres://user@host:port/database`"
     )))
+}
+
+/// [`PostgresOptions`] from the environment.
+fn postgres_options() -> Result<PostgresOptions, StoreError> {
+    use keel_core::env;
+    let mut options = PostgresOptions::default();
+    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    if let Some(text) = var(env::STORE_POOL.name) {
+        options.pool_size = text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+            StoreError::Unavailable(format!(
+                "KEEL_STORE_POOL must be a number of connections, like 8, not {text:?}"
+            ))
+        })?;
+    }
+    if let Some(text) = var(env::STORE_STATEMENT_TIMEOUT.name) {
+        options.statement_timeout =
+            humantime::parse_duration(text.trim()).ok().filter(|d| !d.is_zero()).ok_or_else(|| {
+                StoreError::Unavailable(format!(
+                    "KEEL_STORE_STATEMENT_TIMEOUT must be a duration like `30s`, not {text:?}"
+                ))
+            })?;
+    }
+    Ok(options)
 }

@@ -315,7 +315,7 @@ impl Memory {
 }
 
 impl Backend for Memory {
-    fn write<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
+    fn write<T: Send + 'static>(&self, mut work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
         let result = work(&mut *self.lock());
         Box::pin(std::future::ready(result))
     }

@@ -403,7 +403,7 @@ fn claim_schedule_tick(tx: &mut dyn Tx, name: &str, tick_ms: u64) -> Result<bool
 impl<B: Backend> Ruled<B> {
     fn write<T: Send + 'static>(
         &self,
-        work: impl FnOnce(&mut dyn Tx, u64) -> Result<T, StoreError> + Send + 'static,
+        mut work: impl FnMut(&mut dyn Tx, u64) -> Result<T, StoreError> + Send + 'static,
     ) -> BoxFuture<'static, Result<T, StoreError>> {
         let clock = Arc::clone(&self.clock);
         // The time is read inside the transaction: a write that waited for its turn decides
@@ -417,7 +417,7 @@ impl<B: Backend> Ruled<B> {
 
     fn read<T: Send + 'static>(
         &self,
-        work: impl FnOnce(&mut dyn Tx) -> Result<T, StoreError> + Send + 'static,
+        work: impl FnMut(&mut dyn Tx) -> Result<T, StoreError> + Send + 'static,
     ) -> BoxFuture<'static, Result<T, StoreError>> {
         match self.backend.read_here(work) {
             Ok(result) => Box::pin(std::future::ready(result)),
@@ -558,7 +558,7 @@ impl<B: Backend> Store for Ruled<B> {
         by: &'a str,
     ) -> BoxFuture<'a, Result<PendingInput, StoreError>> {
         let (id, decision, by) = (id.to_owned(), decision.clone(), by.to_owned());
-        self.write(move |tx, now| decide(tx, &id, decision, &by, now))
+        self.write(move |tx, now| decide(tx, &id, decision.clone(), &by, now))
     }
 
     fn compact_journals(&self) -> BoxFuture<'_, Result<u64, StoreError>> {

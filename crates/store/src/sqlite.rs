@@ -156,7 +156,7 @@ struct TypedJob<T> {
 
 impl<T: Send + 'static> Job for TypedJob<T> {
     fn run(&mut self, connection: &Connection) -> Result<(), StoreError> {
-        let Some(work) = self.work.take() else { return Ok(()) };
+        let Some(mut work) = self.work.take() else { return Ok(()) };
         let result = work(&mut SqliteTx { c: connection });
         let outcome = result.as_ref().map(drop).map_err(Clone::clone);
         self.result = Some(result);
@@ -461,7 +461,7 @@ impl Backend for Sqlite {
         })
     }
 
-    fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
+    fn read<T: Send + 'static>(&self, mut work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
         // On the caller's thread: WAL lets reads run beside the writer.
         let result = work(&mut SqliteTx { c: &self.lock() });
         Box::pin(std::future::ready(result))
