@@ -4,6 +4,7 @@ mod api;
 mod approvals;
 mod cli;
 mod durability;
+mod instances;
 mod model;
 mod one_run;
 mod providers;

@@ -1,0 +1,185 @@
+//! Several `keel serve` instances on one PostgreSQL database (each test creates and drops its
+//! own): one run per session across instances, a decision or a cancellation posted to any
+//! instance, and a run whose instance was killed finished by another without repeating a step.
+
+use std::time::{Duration, Instant};
+
+use keel_testkit::postgres::ScratchDatabase;
+use serde_json::{Value, json};
+
+use crate::serve::{Served, client, error_of, read_sse};
+use crate::support::agent_dir;
+
+const APPROVAL_AGENT: &str = "model: mock
+tools: [day-name]
+approvals: { tools: [day-name] }
+mock:
+  script:
+    - tool_calls: [{ name: day-name, input: {} }]
+    - text: 'Today is {{last_tool_output}}.'
+";
+
+const SLOW_AGENT: &str = "model: mock
+mock:
+  script:
+    - { delay_ms: 4000, text: 'Finally.' }
+";
+
+/// Three instances of one agent on one database.
+fn instances(agent: &std::path::Path, database: &ScratchDatabase) -> Vec<Served> {
+    (0..3).map(|_| Served::start(agent, &database.url, &[])).collect()
+}
+
+/// Polls `GET /chat/<session>` on `server` until `done` says so (or 30 s pass).
+async fn transcript_when(server: &Served, session: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let response = client().get(server.url(&format!("/chat/{session}"))).send().await.unwrap();
+        let transcript: Value = response.json().await.unwrap();
+        if done(&transcript) || Instant::now() > deadline {
+            return transcript;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_session_across_instances_runs_one_turn_at_a_time() {
+    let database = ScratchDatabase::create("sessions");
+    let dir = agent_dir(&[("agent.yaml", SLOW_AGENT)]);
+    let servers = instances(dir.path(), &database);
+    let http = client();
+    let starts = servers.iter().map(|server| {
+        let request = http.post(server.url("/chat")).json(&json!({"sessionId": "shared", "input": "go"}));
+        async move { request.send().await.unwrap() }
+    });
+    let responses = futures::future::join_all(starts).await;
+    let mut streams = Vec::new();
+    let mut busy = 0;
+    for response in responses {
+        if response.status() == 200 {
+            streams.push(response);
+        } else {
+            assert_eq!(error_of(response).await, (409, "KEEL_SESSION_BUSY".to_owned()));
+            busy += 1;
+        }
+    }
+    assert_eq!((streams.len(), busy), (1, 2), "one instance runs the turn, the others refuse");
+    let events = read_sse(streams.pop().unwrap()).await;
+    assert!(events.iter().any(|e| e.event.is_none() && e.kind() == "run.done"), "{events:?}");
+    // Every instance sees the one turn.
+    for server in &servers {
+        let transcript =
+            transcript_when(server, "shared", |t| t["messages"].as_array().is_some_and(|m| m.len() == 2))
+                .await;
+        assert_eq!(transcript["messages"][1]["content"][0]["text"], "Finally.", "{transcript}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_or_a_cancellation_reaches_the_run_from_any_instance() {
+    let database = ScratchDatabase::create("decide");
+    let dir = agent_dir(&[("agent.yaml", APPROVAL_AGENT)]);
+    let servers = instances(dir.path(), &database);
+    let http = client();
+    // Paused on instance 0, decided on instance 1: instance 1 continues it.
+    let paused = read_sse(
+        http.post(servers[0].url("/chat"))
+            .json(&json!({"sessionId": "ask", "input": "day?"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let requested =
+        paused.iter().find(|m| m.event.is_none() && m.kind() == "approval.requested").unwrap().json();
+    let approval = requested["approvalId"].as_str().unwrap().to_owned();
+    let continued = read_sse(
+        http.post(servers[1].url(&format!("/chat/ask/approvals/{approval}")))
+            .json(&json!({"approved": true}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let done = continued.iter().find(|m| m.event.is_none() && m.kind() == "run.done").unwrap().json();
+    assert!(done["text"].as_str().unwrap().starts_with("Today is "), "{done}");
+    // A second decision, on instance 2, is refused: it was decided already.
+    let again = http
+        .post(servers[2].url(&format!("/chat/ask/approvals/{approval}")))
+        .json(&json!({"approved": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(again).await, (404, "KEEL_NOT_PENDING".to_owned()));
+
+    // Another pause, on instance 0, cancelled from instance 2.
+    read_sse(
+        http.post(servers[0].url("/chat"))
+            .json(&json!({"sessionId": "stop", "input": "day?"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let cancelled = http.delete(servers[2].url("/chat/stop/run")).send().await.unwrap();
+    assert_eq!(cancelled.status(), 200);
+    assert_eq!(cancelled.json::<Value>().await.unwrap()["cancelled"], true);
+    let transcript =
+        transcript_when(&servers[1], "stop", |t| t["pending"].as_array().is_some_and(Vec::is_empty)).await;
+    assert_eq!(transcript["pending"], json!([]), "{transcript}");
+    // The session takes a new turn on any instance.
+    let next =
+        http.post(servers[1].url("/chat")).json(&json!({"sessionId": "stop", "input": "again"})).send().await;
+    assert_eq!(next.unwrap().status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_instance_was_killed_is_finished_by_another_without_repeating_a_step() {
+    let database = ScratchDatabase::create("killed");
+    let dir = agent_dir(&[
+        (
+            "agent.yaml",
+            "model: mock
+tools: [count]
+mock:
+  script:
+    - tool_calls: [{ name: count, input: {} }]
+    - { delay_ms: 3000, text: 'Counted {{last_tool_output}}.' }
+",
+        ),
+        (
+            "tools/count.toml",
+            "description = \"Counts\"\ncommand = [\"sh\", \"-c\", \"echo once >> counted.txt; echo one\"]\n",
+        ),
+    ]);
+    let mut servers = instances(dir.path(), &database);
+    let http = client();
+    let stream = http
+        .post(servers[0].url("/chat"))
+        .json(&json!({"sessionId": "k", "input": "count"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    // The tool step is committed, and the instance is in its second model call: kill it.
+    let counted = dir.path().join("counted.txt");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !counted.exists() {
+        assert!(Instant::now() < deadline, "the tool never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut killed = servers.remove(0);
+    killed.child.kill().unwrap();
+    killed.child.wait().unwrap();
+    drop(stream);
+    // Another instance takes it over (its periodic recovery: the dead process is provably gone
+    // on this machine) and finishes it from the journal.
+    let transcript =
+        transcript_when(&servers[1], "k", |t| t["messages"].as_array().is_some_and(|m| m.len() == 4)).await;
+    let messages = transcript["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 4, "{transcript:#}");
+    assert_eq!(messages[3]["content"][0]["text"], "Counted one.");
+    assert_eq!(std::fs::read_to_string(&counted).unwrap(), "once\n", "the committed tool step ran again");
+}
