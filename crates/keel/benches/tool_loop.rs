@@ -170,6 +170,74 @@ fn durable(runtime: &tokio::runtime::Runtime, runs: usize) -> Durable {
     runtime.block_on(task).expect("the benchmark task panicked")
 }
 
+struct PostgresFigures {
+    sequential_per_second: f64,
+    concurrent_per_second: f64,
+    bytes_per_run: f64,
+    round_trips_per_run: f64,
+}
+
+/// Runs against a fresh PostgreSQL database (`KEEL_TEST_POSTGRES`'s server), sequentially and
+/// 1000 at a time, with `instances` stores on it sharing the concurrent runs (as `keel serve`
+/// instances would).
+fn durable_postgres(runtime: &tokio::runtime::Runtime, runs: usize, instances: usize) -> PostgresFigures {
+    let database = keel_testkit::postgres::ScratchDatabase::create("bench");
+    let url = database.url.clone();
+    let task = runtime.spawn(async move {
+        let stores: Vec<Arc<keel::PostgresStore>> = (0..instances)
+            .map(|_| {
+                Arc::new(
+                    keel::PostgresStore::connect(&url, keel_store::PostgresOptions::default())
+                        .expect("the database opens"),
+                )
+            })
+            .collect();
+        let agents: Vec<Agent> = stores.iter().map(|store| agent_with(store.clone())).collect();
+        for i in 0..200 {
+            one_run(&agents[0], &format!("w{i}")).await;
+        }
+        let start = Instant::now();
+        for i in 0..runs / 5 {
+            one_run(&agents[0], &format!("s{i}")).await;
+        }
+        let sequential_per_second = (runs / 5) as f64 / start.elapsed().as_secs_f64();
+        let trips_before: u64 = stores.iter().map(|s| s.backend().round_trips()).sum();
+        let start = Instant::now();
+        let mut done = 0;
+        for round in 0..runs.div_ceil(1000) {
+            let handles: Vec<_> = (0..1000)
+                .map(|i| {
+                    agents[i % instances].run(&format!("c{round}-{i}"), "What is 2 + 3?").expect("starts")
+                })
+                .collect();
+            for handle in handles {
+                assert_eq!(handle.result().await.expect("runs").text, "5");
+                done += 1;
+            }
+        }
+        let concurrent_per_second = done as f64 / start.elapsed().as_secs_f64();
+        let trips: u64 = stores.iter().map(|s| s.backend().round_trips()).sum::<u64>() - trips_before;
+        (sequential_per_second, concurrent_per_second, trips as f64 / done as f64, 200 + runs / 5 + done)
+    });
+    let (sequential_per_second, concurrent_per_second, round_trips_per_run, total_runs) =
+        runtime.block_on(task).expect("the benchmark task panicked");
+    let mut client = postgres::Client::connect(&database.url, postgres::NoTls).expect("connects");
+    let bytes: i64 = client
+        .query_one(
+            "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0)::BIGINT FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'keel' AND c.relkind = 'r'",
+            &[],
+        )
+        .expect("sizes")
+        .get(0);
+    PostgresFigures {
+        sequential_per_second,
+        concurrent_per_second,
+        bytes_per_run: bytes as f64 / total_runs as f64,
+        round_trips_per_run,
+    }
+}
+
 fn rss_hwm_kib() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
@@ -211,6 +279,16 @@ fn main() {
         let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let durable = durable(&current, 3_000);
         println!("{:.0} runs/s", durable.sequential_per_second);
+        return;
+    }
+    if std::env::args().any(|a| a == "--postgres") {
+        // Only the PostgreSQL figures: one store, then three on the same database.
+        let multi = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+        let runs = if quick { 2_000 } else { 10_000 };
+        for instances in [1, 3] {
+            let figures = durable_postgres(&multi, runs, instances);
+            print_postgres(runs, instances, &figures);
+        }
         return;
     }
     if std::env::args().any(|a| a == "--profile") {
@@ -267,5 +345,20 @@ fn main() {
     println!(
         "sqlite bytes stored per run: {:.0}; {:.0} once finished runs' journals are compacted (database size / runs)",
         sqlite.bytes_per_run, sqlite.compacted_bytes_per_run
+    );
+    for instances in [1, 3] {
+        let figures = durable_postgres(&multi, durable_runs, instances);
+        print_postgres(durable_runs, instances, &figures);
+    }
+}
+
+fn print_postgres(runs: usize, instances: usize, figures: &PostgresFigures) {
+    println!(
+        "postgres store ({instances} instance{} on one database, multi-thread runtime), {runs} runs: {:.0} runs/s sequential, {:.0} runs/s 1000 at a time; {:.1} round trips and {:.0} bytes stored per run",
+        if instances == 1 { "" } else { "s" },
+        figures.sequential_per_second,
+        figures.concurrent_per_second,
+        figures.round_trips_per_run,
+        figures.bytes_per_run,
     );
 }

@@ -61,6 +61,6 @@ pub use keel_core::{
 pub use keel_providers::MockProvider;
 pub use keel_runtime::{RunHandle, RunResult, record_decision, who};
 pub use keel_spec::{AgentSpec, Diagnostic, Severity};
-pub use keel_store::{MemoryStore, SqliteStore};
+pub use keel_store::{MemoryStore, PostgresStore, SqliteStore};
 pub use keel_tools::{AskQuestion, CommandTool, function_tool, function_tool_with_context};
 pub use subagent::SubagentTool;
