@@ -74,7 +74,7 @@ macro_rules! env_vars {
 env_vars! {
     /// The store.
     STORE = "KEEL_STORE", Cli, "`memory` for `keel run`/`chat`, `sqlite:.keel/keel.db` otherwise",
-        "where sessions, runs and journals live: `memory` or `sqlite:<path>` (same as `--store`)";
+        "where sessions, runs and journals live: `memory`, `sqlite:<path>` or `postgres://user@host:port/database` (same as `--store`)";
     /// The log filter.
     LOG = "KEEL_LOG", Cli, "`warn` (`info` for `keel serve`)",
         "what is logged to stderr, as a tracing filter (`debug`, `keel_runtime=debug,warn`...)";
