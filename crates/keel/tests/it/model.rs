@@ -89,6 +89,8 @@ struct Ended {
 
 struct World {
     dir: PathBuf,
+    /// The `--store` of every process.
+    store_spec: String,
     store: Arc<dyn Store>,
     rng: fastrand::Rng,
     live: Vec<Live>,
@@ -101,10 +103,11 @@ struct World {
 }
 
 impl World {
-    fn new(dir: &Path, seed: u64) -> World {
-        let store: Arc<dyn Store> = Arc::new(keel::SqliteStore::open(&dir.join("keel.db")).unwrap());
+    fn new(dir: &Path, seed: u64, store_spec: String) -> World {
+        let store = keel_store::open(&store_spec).unwrap();
         World {
             dir: dir.to_owned(),
+            store_spec,
             store,
             rng: fastrand::Rng::with_seed(seed),
             live: Vec::new(),
@@ -127,7 +130,7 @@ impl World {
     }
 
     fn keel(&self, args: &[&str]) -> Command {
-        let mut command = crate::support::keel_on_store(&self.dir, args);
+        let mut command = crate::support::keel_with_store(&self.dir, args, &self.store_spec);
         command.stdout(Stdio::null()).stderr(Stdio::null());
         command
     }
@@ -389,6 +392,22 @@ fn iterations() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_interleavings_across_processes_keep_every_session_whole() {
+    explore(Backing::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_interleavings_across_processes_on_postgres_keep_every_session_whole() {
+    explore(Backing::Postgres).await;
+}
+
+/// The store the processes share.
+#[derive(Clone, Copy)]
+enum Backing {
+    Sqlite,
+    Postgres,
+}
+
+async fn explore(backing: Backing) {
     let first_seed = std::env::var(keel_core::env::MODEL_SEED.name)
         .ok()
         .and_then(|s| s.parse().ok())
@@ -399,7 +418,13 @@ async fn random_interleavings_across_processes_keep_every_session_whole() {
         let seed = first_seed.wrapping_add(iteration);
         let concurrency = ["reject", "queue", "replace"][(seed % 3) as usize];
         let dir = model_agent(concurrency);
-        let mut world = World::new(dir.path(), seed);
+        let database = matches!(backing, Backing::Postgres)
+            .then(|| keel_testkit::postgres::ScratchDatabase::create("model"));
+        let spec = match &database {
+            Some(database) => database.url.clone(),
+            None => format!("sqlite:{}", dir.path().join("keel.db").display()),
+        };
+        let mut world = World::new(dir.path(), seed, spec);
         world.log.push(format!("concurrency: {concurrency}"));
         for _ in 0..14 {
             world.step().await;

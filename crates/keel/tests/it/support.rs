@@ -29,6 +29,11 @@ pub fn keel() -> Command {
 /// `keel <args> --store sqlite:<dir>/keel.db`, run in `dir`: logs quiet, stdin closed, no
 /// fault injected, no store or lease from the environment.
 pub fn keel_on_store(dir: &Path, args: &[&str]) -> std::process::Command {
+    keel_with_store(dir, args, &format!("sqlite:{}", dir.join("keel.db").display()))
+}
+
+/// [`keel_on_store`] with another store (`postgres://...`).
+pub fn keel_with_store(dir: &Path, args: &[&str], store: &str) -> std::process::Command {
     let mut command = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"));
     command
         .current_dir(dir)
@@ -38,7 +43,7 @@ pub fn keel_on_store(dir: &Path, args: &[&str]) -> std::process::Command {
         .env("KEEL_LOG", "error")
         .args(args)
         .arg("--store")
-        .arg(format!("sqlite:{}", dir.join("keel.db").display()))
+        .arg(store)
         .stdin(std::process::Stdio::null());
     command
 }
