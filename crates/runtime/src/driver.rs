@@ -201,6 +201,34 @@ fn store_failure(error: StoreError) -> RunFailure {
     }
 }
 
+/// How long a step's commit waits out a store it cannot reach (a database restarting, a network
+/// cut) before the run fails. It is tried again meanwhile, with backoff; the run's lease may
+/// lapse in that time, and then its fence makes the late commit fail rather than write over a
+/// process that took the run over.
+const STORE_OUTAGE_PATIENCE: Duration = Duration::from_secs(60);
+
+/// Commits a step, trying again while the store is unreachable (up to
+/// [`STORE_OUTAGE_PATIENCE`], or until the process stops).
+async fn commit_through_outages(
+    shared: &Shared,
+    commit: StepCommit<'_>,
+) -> Result<keel_core::Committed, StoreError> {
+    let deadline = tokio::time::Instant::now() + STORE_OUTAGE_PATIENCE;
+    let mut wait = Duration::from_millis(100);
+    loop {
+        match shared.store.commit_step(commit).await {
+            Err(error @ (StoreError::Unavailable(_) | StoreError::Locked(_)))
+                if tokio::time::Instant::now() + wait < deadline && !shared.stopping.is_cancelled() =>
+            {
+                tracing::warn!(run = %commit.run, %error, retry_in = ?wait, "the store is unreachable: the run waits for it");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
 /// How often a new input checks again on a run of its session that another process drives,
 /// when `concurrency` says to wait for it (`queue`) or to cancel it (`replace`).
 const SETTLE_POLL: Duration = Duration::from_millis(100);
@@ -635,7 +663,7 @@ impl Driver<'_> {
         if let Some(step) = step {
             crate::fault::point("before_commit", step);
         }
-        let committed = self.shared.store.commit_step(commit).await.map_err(store_failure)?;
+        let committed = commit_through_outages(&self.shared, commit).await.map_err(store_failure)?;
         if let Some(step) = step {
             crate::fault::point("after_commit", step);
         }
@@ -689,7 +717,7 @@ impl Driver<'_> {
             expires_at_ms: now.saturating_add(timeout),
         };
         let commit = StepCommit { pending: std::slice::from_ref(&asked), ..self.bare_commit() };
-        if self.shared.store.commit_step(commit).await.map_err(store_failure)?.cancel_requested {
+        if commit_through_outages(&self.shared, commit).await.map_err(store_failure)?.cancel_requested {
             self.cancel.cancel();
         }
         self.emit(match &asked.kind {
@@ -716,7 +744,7 @@ impl Driver<'_> {
         // The run was stored with its input, before its first model call: no new run here.
         let commit =
             StepCommit { state: Some(RunState::AwaitingInput), pending: waiting, ..self.bare_commit() };
-        let committed = store.commit_step(commit).await.map_err(store_failure)?;
+        let committed = commit_through_outages(&self.shared, commit).await.map_err(store_failure)?;
         crate::fault::point("after_commit", &step);
         if committed.cancel_requested {
             // Cancelled by another process meanwhile: the run ends instead of waiting.

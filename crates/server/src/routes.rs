@@ -196,8 +196,26 @@ fn parse_part(index: usize, item: &Value) -> Result<Part, ApiError> {
     }
 }
 
-pub(crate) async fn health() -> &'static str {
-    "ok"
+/// `GET /health`: `ok` while the store answers; `503` with the store's error while it does
+/// not (a load balancer then sends traffic to instances that can run turns).
+pub(crate) async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let probe = SessionId::new("keel-health").expect("a valid session id");
+    let store = state.engine.store();
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(3), store.session_summary(&probe)).await;
+    match answer {
+        Ok(Ok(_)) => "ok".into_response(),
+        Ok(Err(error)) => {
+            let mut response = ApiError::from(error).into_response();
+            *response.status_mut() = axum::http::StatusCode::SERVICE_UNAVAILABLE;
+            response
+        }
+        Err(_) => {
+            let mut response =
+                ApiError::new(ErrorCode::StoreLocked, "the store did not answer within 3 s").into_response();
+            *response.status_mut() = axum::http::StatusCode::SERVICE_UNAVAILABLE;
+            response
+        }
+    }
 }
 
 /// `POST /chat`: one turn, streamed as SSE; or, with the legacy `{ "message" }` body, its result

@@ -332,7 +332,11 @@ fn connect_error(error: &postgres::Error, shown: &str) -> StoreError {
         Some(_) => "",
         None => "is PostgreSQL running there, and reachable?",
     };
-    let detail = error.as_db_error().map_or_else(|| error.to_string(), |db| db.message().to_owned());
+    let detail = match (error.as_db_error(), std::error::Error::source(error)) {
+        (Some(db), _) => db.message().to_owned(),
+        (None, Some(source)) => format!("{error}: {source}"),
+        (None, None) => error.to_string(),
+    };
     let detail = if detail.is_empty() { format!("{error:?}") } else { detail };
     StoreError::Unavailable(format!(
         "cannot connect to {shown}: {detail}{}",

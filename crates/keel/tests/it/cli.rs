@@ -461,10 +461,22 @@ fn bad_database_files_get_coded_errors_and_are_left_alone() {
                 .and(predicate::str::contains("upgrade keel")),
         );
     keel()
-        .args(["sessions", "list", "--store", "postgres://x"])
+        .args(["sessions", "list", "--store", "mysql://x"])
         .assert()
         .code(1)
         .stderr(predicate::str::contains("unknown store"));
+    // A PostgreSQL server that is not there: named, without the password, with what to check.
+    keel()
+        .args(["sessions", "list", "--store", "postgres://keel:pa55word@keel-no-such-host.invalid/keel"])
+        .assert()
+        .code(1)
+        .stderr(
+            predicate::str::contains("error[KEEL_STORE]")
+                .and(predicate::str::contains(
+                    "cannot connect to postgres://keel@keel-no-such-host.invalid:5432/keel",
+                ))
+                .and(predicate::str::contains("pa55word").not()),
+        );
 }
 
 #[test]

@@ -183,3 +183,102 @@ mock:
     assert_eq!(messages[3]["content"][0]["text"], "Counted one.");
     assert_eq!(std::fs::read_to_string(&counted).unwrap(), "once\n", "the committed tool step ran again");
 }
+
+/// A TCP proxy in front of PostgreSQL that the test can cut: while cut, it drops every open
+/// connection and every new one, as a database restart or a network cut would.
+struct CuttableProxy {
+    port: u16,
+    cut: tokio::sync::watch::Sender<bool>,
+}
+
+impl CuttableProxy {
+    async fn start(upstream: u16) -> CuttableProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (cut, watch) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else { return };
+                if *watch.borrow() {
+                    continue;
+                }
+                let mut watch = watch.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = watch.wait_for(|cut| *cut) => {}
+                    }
+                });
+            }
+        });
+        CuttableProxy { port, cut }
+    }
+
+    fn set_cut(&self, cut: bool) {
+        self.cut.send_replace(cut);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_waits_out_a_database_outage_and_finishes_with_nothing_lost() {
+    let database = ScratchDatabase::create("outage");
+    let upstream: u16 = {
+        let after_host = database.url.rsplit_once('@').unwrap().1;
+        after_host.split(['/', ':']).nth(1).unwrap().parse().unwrap()
+    };
+    let proxy = CuttableProxy::start(upstream).await;
+    let through_proxy = database.url.replacen(&format!(":{upstream}/"), &format!(":{}/", proxy.port), 1);
+    let dir = agent_dir(&[
+        (
+            "agent.yaml",
+            "model: mock
+tools: [count]
+mock:
+  script:
+    - tool_calls: [{ name: count, input: {} }]
+    - { delay_ms: 1500, text: 'Counted {{last_tool_output}}.' }
+",
+        ),
+        (
+            "tools/count.toml",
+            "description = \"Counts\"\ncommand = [\"sh\", \"-c\", \"echo once >> counted.txt; echo one\"]\n",
+        ),
+    ]);
+    let server = Served::start(dir.path(), &through_proxy, &[]);
+    let http = client();
+    assert_eq!(http.get(server.url("/health")).send().await.unwrap().status(), 200);
+    let stream = http
+        .post(server.url("/chat"))
+        .json(&json!({"sessionId": "o", "input": "count"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    let counted = dir.path().join("counted.txt");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !counted.exists() {
+        assert!(Instant::now() < deadline, "the tool never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The database goes away while the model answers; the answer's commit waits for it.
+    proxy.set_cut(true);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let health = http.get(server.url("/health")).send().await.unwrap();
+    assert_eq!(health.status(), 503, "the store is down");
+    let body: Value = health.json().await.unwrap();
+    assert!(!body["error"]["message"].as_str().unwrap().contains(":postgres@"), "{body}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    proxy.set_cut(false);
+    let events = read_sse(stream).await;
+    let done = events.iter().find(|e| e.event.is_none() && e.kind() == "run.done");
+    assert!(done.is_some(), "the run did not finish: {events:?}");
+    assert_eq!(done.unwrap().json()["text"], "Counted one.");
+    let transcript =
+        transcript_when(&server, "o", |t| t["messages"].as_array().is_some_and(|m| m.len() == 4)).await;
+    assert_eq!(transcript["messages"].as_array().unwrap().len(), 4, "{transcript}");
+    assert_eq!(std::fs::read_to_string(&counted).unwrap(), "once\n");
+    assert_eq!(http.get(server.url("/health")).send().await.unwrap().status(), 200);
+}
