@@ -187,8 +187,11 @@ fn durable_postgres(runtime: &tokio::runtime::Runtime, runs: usize, instances: u
         let stores: Vec<Arc<keel::PostgresStore>> = (0..instances)
             .map(|_| {
                 Arc::new(
-                    keel::PostgresStore::connect(&url, keel_store::PostgresOptions::default())
-                        .expect("the database opens"),
+                    keel::PostgresStore::connect(
+                        &url,
+                        keel_store::postgres_options().expect("KEEL_STORE_POOL"),
+                    )
+                    .expect("the database opens"),
                 )
             })
             .collect();

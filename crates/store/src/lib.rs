@@ -52,8 +52,8 @@ pub fn open(spec: &str) -> Result<Arc<dyn Store>, StoreError> {
     )))
 }
 
-/// [`PostgresOptions`] from the environment.
-fn postgres_options() -> Result<PostgresOptions, StoreError> {
+/// [`PostgresOptions`] from the environment (`KEEL_STORE_POOL`, `KEEL_STORE_STATEMENT_TIMEOUT`).
+pub fn postgres_options() -> Result<PostgresOptions, StoreError> {
     use keel_core::env;
     let mut options = PostgresOptions::default();
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
