@@ -1115,6 +1115,22 @@ mod tests {
         }
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hostile_text_comes_back_exactly() {
+        let database = ScratchDatabase::create("text");
+        let store = store(&database);
+        let session = SessionId::new("quotes").unwrap();
+        let record = crate::conformance::run_record("lit", &session, 0);
+        crate::conformance::create_run(&store, &record).await.unwrap();
+        let hostile = "it's '); DROP TABLE runs; -- \\' \\\\ \" $$ $tag$ \u{2028} ünïcödé 😀 \n\t end";
+        let message = Arc::new(Message::user(hostile));
+        crate::conformance::append_messages(&store, &session, &record.run_id, 0, &[message.clone()])
+            .await
+            .unwrap();
+        assert_eq!(store.load_messages(&session).await.unwrap(), [message]);
+        assert!(store.load_run(&record.run_id).await.unwrap().is_some(), "the runs table is still there");
+    }
+
     #[test]
     fn a_newer_schema_is_refused_and_left_as_it_was() {
         let database = ScratchDatabase::create("newer");
