@@ -189,7 +189,7 @@ fn durable_postgres(runtime: &tokio::runtime::Runtime, runs: usize, instances: u
                 Arc::new(
                     keel::PostgresStore::connect(
                         &url,
-                        keel_store::postgres_options().expect("KEEL_STORE_POOL"),
+                        keel_store::postgres_options().expect("the pool settings"),
                     )
                     .expect("the database opens"),
                 )

@@ -1124,9 +1124,15 @@ mod tests {
         crate::conformance::create_run(&store, &record).await.unwrap();
         let hostile = "it's '); DROP TABLE runs; -- \\' \\\\ \" $$ $tag$ \u{2028} ünïcödé 😀 \n\t end";
         let message = Arc::new(Message::user(hostile));
-        crate::conformance::append_messages(&store, &session, &record.run_id, 0, &[message.clone()])
-            .await
-            .unwrap();
+        crate::conformance::append_messages(
+            &store,
+            &session,
+            &record.run_id,
+            0,
+            std::slice::from_ref(&message),
+        )
+        .await
+        .unwrap();
         assert_eq!(store.load_messages(&session).await.unwrap(), [message]);
         assert!(store.load_run(&record.run_id).await.unwrap().is_some(), "the runs table is still there");
     }
