@@ -124,7 +124,7 @@ const MIGRATIONS: &[&str] = &[
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
-/// How many times a write whose transaction PostgreSQL could not serialize is run.
+/// How many times a transaction PostgreSQL aborted as a deadlock (or could not serialize) is run.
 pub const MAX_ATTEMPTS: u32 = 12;
 
 /// The advisory lock migrations take (an arbitrary constant: "keel" in ASCII).
@@ -452,7 +452,7 @@ impl Worker {
         }
     }
 
-    /// Runs `work` in one transaction, again while it loses serialization races.
+    /// Runs `work` in one transaction, again while PostgreSQL aborts it as a deadlock.
     fn run<T>(&mut self, work: &mut Work<T>, write: bool) -> Result<T, StoreError> {
         let mut attempt = 0;
         loop {
@@ -526,7 +526,7 @@ struct PgTx<'a, 'c> {
     tx: &'a mut postgres::Transaction<'c>,
     statements: &'a mut HashMap<String, Statement>,
     shown: &'a str,
-    /// Set when a statement lost a serialization race: the whole transaction runs again.
+    /// Set when PostgreSQL aborted the transaction as a deadlock: it runs again whole.
     retry: &'a mut bool,
     round_trips: &'a AtomicU64,
     /// A write transaction (which locks what it touches).
