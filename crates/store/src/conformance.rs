@@ -169,7 +169,13 @@ pub async fn runs_round_trip(store: &dyn Store) {
     let record = run_record("rt", &session, 3);
     create_run(store, &record).await.unwrap();
     assert_eq!(store.load_run(&record.run_id).await.unwrap().as_ref(), Some(&record));
-    assert!(create_run(store, &record).await.is_err(), "a run was created twice");
+    // Its creation made again (the first answer lost) changes nothing; another run of that id
+    // is refused.
+    create_run(store, &record).await.unwrap();
+    assert_eq!(store.load_run(&record.run_id).await.unwrap().as_ref(), Some(&record));
+    let other = RunRecord { history_len: 9, ..record.clone() };
+    let error = create_run(store, &other).await.unwrap_err();
+    assert!(matches!(error, StoreError::Conflict(_)), "a run was created twice: {error:?}");
     set_run_state(store, &session, &record.run_id, RunState::Done).await.unwrap();
     let loaded = store.load_run(&record.run_id).await.unwrap().unwrap();
     assert_eq!(loaded.state, RunState::Done);

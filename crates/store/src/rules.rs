@@ -163,13 +163,22 @@ fn commit_step(tx: &mut dyn Tx, commit: &StepCommit<'_>, now_ms: u64) -> Result<
         fence,
     } = *commit;
     // Checks: nothing is written unless all pass.
+    // A new run's commit made again after its answer was lost (a connection cut after COMMIT)
+    // finds the run as it created it: it is then checked and applied as a commit of that run,
+    // which repeats nothing. Any other run of that id is a conflict.
+    let new_run = match new_run {
+        Some(record) if tx.control(run)?.is_some() => {
+            if tx.run(run)?.as_ref() != Some(record) {
+                return Err(StoreError::Conflict(format!("run {run} already exists")));
+            }
+            None
+        }
+        other => other,
+    };
     let mut control = match new_run {
         Some(record) => {
             if &record.run_id != run || &record.session_id != session {
                 return Err(StoreError::Conflict(format!("run {run} is not the run its commit creates")));
-            }
-            if tx.control(run)?.is_some() {
-                return Err(StoreError::Conflict(format!("run {run} already exists")));
             }
             if let Some((other, control)) = tx.open_runs(Some(session))?.into_iter().next() {
                 return Err(StoreError::Busy(open_run(other, control).busy_message(now_ms)));
