@@ -384,7 +384,8 @@ impl Engine {
         Ok(expired)
     }
 
-    /// Keeps recovering interrupted runs in the background: now, then every `every`. For
+    /// Keeps recovering interrupted runs in the background: now, then about every `every` (up
+    /// to a fifth less, at random, so that instances do not scan a shared store in step). For
     /// long-lived processes (a server): a run whose process died is taken over at once when
     /// that process is provably gone, else once its lease expires; a paused run once a human
     /// decided it. Each re-driven run's handle goes to `on_run` (a server forwards its events to
@@ -397,10 +398,18 @@ impl Engine {
     ) -> tokio::task::JoinHandle<()> {
         let engine = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // Each pass waits `every` less up to a fifth, drawn anew: instances started together
+            // (a deployment) drift apart instead of scanning the shared store in step.
+            let random = std::collections::hash_map::RandomState::new();
+            let mut pass: u64 = 0;
             loop {
-                tick.tick().await;
+                if pass > 0 {
+                    let fifth = u64::try_from(every.as_millis() / 5).unwrap_or(u64::MAX).max(1);
+                    let jitter =
+                        Duration::from_millis(std::hash::BuildHasher::hash_one(&random, pass) % fifth);
+                    tokio::time::sleep(every.saturating_sub(jitter)).await;
+                }
+                pass += 1;
                 match engine.recover(None).await {
                     Ok(handles) => {
                         for handle in handles {
