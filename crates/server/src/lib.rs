@@ -2,8 +2,10 @@
 //!
 //! The server drives the same [`Engine`] as the CLI and the Rust API; it never reimplements the
 //! run loop. What it adds is HTTP: request parsing and limits (`routes`), errors as JSON with
-//! stable codes (`error`), bearer-token auth (`auth`), and live session events over SSE with
-//! `Last-Event-ID` resumption (`feed`). It is the only crate that knows HTTP status codes.
+//! stable codes (`error`), bearer-token and JWT auth (`auth`), what a web page may not make a
+//! browser do (`guard`: Host, Origin, CORS), connection deadlines and caps (`connections`), and
+//! live session events over SSE with `Last-Event-ID` resumption (`feed`). It is the only crate
+//! that knows HTTP status codes.
 //!
 //! ```no_run
 //! # async fn example(engine: keel_runtime::Engine) -> Result<(), Box<dyn std::error::Error>> {
