@@ -42,6 +42,13 @@ impl RunState {
         }
     }
 
+    /// The state a persisted name ([`RunState::as_str`]) stands for.
+    pub fn parse(name: &str) -> Option<RunState> {
+        [RunState::Running, RunState::AwaitingInput, RunState::Done, RunState::Failed, RunState::Cancelled]
+            .into_iter()
+            .find(|state| state.as_str() == name)
+    }
+
     /// Whether the run is over.
     pub fn is_terminal(self) -> bool {
         matches!(self, RunState::Done | RunState::Failed | RunState::Cancelled)

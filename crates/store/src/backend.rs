@@ -170,3 +170,18 @@ impl<B: Backend> Ruled<B> {
         &self.backend
     }
 }
+
+/// Stored data that does not decode: `KEEL_STORE_CORRUPT`.
+pub(crate) fn corrupt(error: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(error.to_string())
+}
+
+/// A stored run id.
+pub(crate) fn stored_run_id(id: &str) -> Result<RunId, StoreError> {
+    RunId::parse(id).ok_or_else(|| corrupt(format!("bad run id {id:?}")))
+}
+
+/// A stored run state.
+pub(crate) fn stored_state(name: &str) -> Result<RunState, StoreError> {
+    RunState::parse(name).ok_or_else(|| corrupt(format!("unknown run state {name:?}")))
+}

@@ -41,14 +41,14 @@ use keel_core::persist::{
     decode_message, decode_pending_kind, decode_record, encode_message, encode_pending_kind, encode_record,
 };
 use keel_core::{
-    BoxFuture, Clock, DecidedInput, Message, PendingInput, RunId, RunRecord, RunState, SessionId,
-    SessionSummary, StepName, StoreError, Usage,
+    BoxFuture, Clock, DecidedInput, Message, PendingInput, RunId, RunRecord, SessionId, SessionSummary,
+    StepName, StoreError, Usage,
 };
 use postgres::error::SqlState;
 use postgres::types::{FromSql, ToSql};
 use postgres::{Client, IsolationLevel, NoTls, Row, Statement};
 
-use crate::backend::{Backend, Ruled, RunControl, Tx, Work};
+use crate::backend::{Backend, Ruled, RunControl, Tx, Work, corrupt, stored_run_id, stored_state};
 
 /// The schema, one migration per version (index 0 makes version 1).
 const MIGRATIONS: &[&str] = &[
@@ -373,10 +373,6 @@ fn map_error(error: &postgres::Error, shown: &str) -> StoreError {
     }
 }
 
-fn corrupt(error: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(error.to_string())
-}
-
 /// Creates or brings forward the `keel` schema, once across processes (an advisory lock).
 fn migrate(client: &mut Client, shown: &str) -> Result<(), StoreError> {
     let fail = |error: postgres::Error| map_error(&error, shown);
@@ -636,23 +632,8 @@ fn signed(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-fn run_id(id: &str) -> Result<RunId, StoreError> {
-    RunId::parse(id).ok_or_else(|| corrupt(format!("bad run id {id:?}")))
-}
-
 fn session_id(id: String) -> Result<SessionId, StoreError> {
     SessionId::from_store(id).map_err(corrupt)
-}
-
-fn parse_state(name: &str) -> Result<RunState, StoreError> {
-    Ok(match name {
-        "running" => RunState::Running,
-        "awaiting_input" => RunState::AwaitingInput,
-        "done" => RunState::Done,
-        "failed" => RunState::Failed,
-        "cancelled" => RunState::Cancelled,
-        other => return Err(corrupt(format!("unknown run state {other:?}"))),
-    })
 }
 
 /// The columns of a [`RunControl`], for [`control_row`].
@@ -662,7 +643,7 @@ const CONTROL_COLUMNS: &str =
 fn control_row(row: &Row, at: usize) -> Result<RunControl, StoreError> {
     Ok(RunControl {
         session: session_id(get(row, at)?)?,
-        state: parse_state(get(row, at + 1)?)?,
+        state: stored_state(get(row, at + 1)?)?,
         owner: get::<Option<String>>(row, at + 2)?.map(Arc::from),
         lease_expires_ms: get::<Option<i64>>(row, at + 3)?.unwrap_or(0).max(0) as u64,
         epoch: count(row, at + 4)?,
@@ -690,7 +671,7 @@ const PENDING_COLUMNS: &str = "id, run_id, session_id, call_id, body, created_at
 fn pending_row(row: &Row) -> Result<PendingInput, StoreError> {
     Ok(PendingInput {
         id: get(row, 0)?,
-        run_id: run_id(get(row, 1)?)?,
+        run_id: stored_run_id(get(row, 1)?)?,
         session_id: session_id(get(row, 2)?)?,
         call_id: get(row, 3)?,
         kind: decode_pending_kind(get(row, 4)?).map_err(corrupt)?,
@@ -712,7 +693,7 @@ impl Tx for PgTx<'_, '_> {
             "SELECT run_id FROM messages WHERE session_id = $1 AND position = $2",
             &[&session.as_str(), &signed(position)],
         )?;
-        row.map(|row| run_id(get(&row, 0)?)).transpose()
+        row.map(|row| stored_run_id(get(&row, 0)?)).transpose()
     }
 
     fn append_messages(
@@ -857,7 +838,7 @@ impl Tx for PgTx<'_, '_> {
             input: decode_message(get(&row, 1)?).map_err(corrupt)?,
             history_len: count(&row, 2)?,
             call_base: count(&row, 3)?,
-            state: parse_state(get(&row, 4)?)?,
+            state: stored_state(get(&row, 4)?)?,
         }))
     }
 
@@ -894,7 +875,7 @@ impl Tx for PgTx<'_, '_> {
                AND cancel_requested_by IS NOT NULL ORDER BY id",
             &[&owner],
         )?;
-        rows.iter().map(|row| run_id(get(row, 0)?)).collect()
+        rows.iter().map(|row| stored_run_id(get(row, 0)?)).collect()
     }
 
     fn open_runs(&mut self, session: Option<&SessionId>) -> Result<Vec<(RunId, RunControl)>, StoreError> {
@@ -916,7 +897,7 @@ impl Tx for PgTx<'_, '_> {
                 &[],
             )?,
         };
-        rows.iter().map(|row| Ok((run_id(get(row, 0)?)?, control_row(row, 1)?))).collect()
+        rows.iter().map(|row| Ok((stored_run_id(get(row, 0)?)?, control_row(row, 1)?))).collect()
     }
 
     fn has_step(&mut self, run: &RunId, step: &StepName) -> Result<bool, StoreError> {
@@ -1014,7 +995,7 @@ impl Tx for PgTx<'_, '_> {
         let Some(row) = row else { return Ok(None) };
         Ok(Some(DecidedInput {
             id: id.to_owned(),
-            run_id: run_id(get(&row, 0)?)?,
+            run_id: stored_run_id(get(&row, 0)?)?,
             session_id: session_id(get(&row, 1)?)?,
             outcome: get(&row, 2)?,
             by: get(&row, 3)?,
@@ -1107,7 +1088,7 @@ mod tests {
             assert_eq!(open.len(), 1);
             instances[1]
                 .commit_step(keel_core::StepCommit {
-                    state: Some(RunState::Done),
+                    state: Some(keel_core::RunState::Done),
                     ..keel_core::StepCommit::new(&session, &open[0].run_id)
                 })
                 .await

@@ -34,12 +34,12 @@ use keel_core::persist::{
     decode_message, decode_pending_kind, decode_record, encode_message, encode_pending_kind, encode_record,
 };
 use keel_core::{
-    BoxFuture, Clock, DecidedInput, Message, PendingInput, RunId, RunRecord, RunState, SessionId,
-    SessionSummary, StepName, StoreError, Usage,
+    BoxFuture, Clock, DecidedInput, Message, PendingInput, RunId, RunRecord, SessionId, SessionSummary,
+    StepName, StoreError, Usage,
 };
 use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
 
-use crate::backend::{Backend, Ruled, RunControl, Tx, Work};
+use crate::backend::{Backend, Ruled, RunControl, Tx, Work, corrupt, stored_run_id, stored_state};
 
 /// The schema, one migration per version (index 0 makes version 1).
 const MIGRATIONS: &[&str] = &[
@@ -233,25 +233,6 @@ fn map_error(error: rusqlite::Error) -> StoreError {
             _ => StoreError::Unavailable(message),
         },
     }
-}
-
-fn parse_state(name: &str) -> Result<RunState, StoreError> {
-    Ok(match name {
-        "running" => RunState::Running,
-        "awaiting_input" => RunState::AwaitingInput,
-        "done" => RunState::Done,
-        "failed" => RunState::Failed,
-        "cancelled" => RunState::Cancelled,
-        other => return Err(StoreError::Corrupt(format!("unknown run state {other:?}"))),
-    })
-}
-
-fn corrupt(error: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(error.to_string())
-}
-
-fn run_id(id: &str) -> Result<RunId, StoreError> {
-    RunId::parse(id).ok_or_else(|| corrupt(format!("bad run id {id:?}")))
 }
 
 /// How long opening waits out other processes opening (and migrating) the same file.
@@ -502,7 +483,7 @@ fn control_row(row: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Result<Ru
     Ok((|| {
         Ok(RunControl {
             session: SessionId::from_store(session).map_err(corrupt)?,
-            state: parse_state(&state)?,
+            state: stored_state(&state)?,
             owner: owner.map(Arc::from),
             lease_expires_ms: expires.unwrap_or(0).max(0) as u64,
             epoch: epoch.max(0) as u64,
@@ -530,7 +511,7 @@ impl Tx for SqliteTx<'_> {
                 s.query_row(params![session.as_str(), position as i64], |row| row.get(0)).optional()
             })
             .map_err(map_error)?;
-        writer.map(|w| run_id(&w)).transpose()
+        writer.map(|w| stored_run_id(&w)).transpose()
     }
 
     fn append_messages(
@@ -692,7 +673,7 @@ impl Tx for SqliteTx<'_> {
             input: decode_message(&input).map_err(corrupt)?,
             history_len: history_len.max(0) as u64,
             call_base: call_base.max(0) as u64,
-            state: parse_state(&state)?,
+            state: stored_state(&state)?,
         }))
     }
 
@@ -732,7 +713,7 @@ impl Tx for SqliteTx<'_> {
             )
             .map_err(map_error)?;
         let rows = statement.query_map([owner], |row| row.get::<_, String>(0)).map_err(map_error)?;
-        rows.map(|id| run_id(&id.map_err(map_error)?)).collect()
+        rows.map(|id| stored_run_id(&id.map_err(map_error)?)).collect()
     }
 
     fn open_runs(&mut self, session: Option<&SessionId>) -> Result<Vec<(RunId, RunControl)>, StoreError> {
@@ -751,7 +732,7 @@ impl Tx for SqliteTx<'_> {
         .map_err(map_error)?;
         rows.map(|row| {
             let (id, control) = row.map_err(map_error)?;
-            Ok((run_id(&id)?, control?))
+            Ok((stored_run_id(&id)?, control?))
         })
         .collect()
     }
@@ -867,7 +848,7 @@ impl Tx for SqliteTx<'_> {
         let Some((run, session, outcome, by, at)) = row else { return Ok(None) };
         Ok(Some(DecidedInput {
             id: id.to_owned(),
-            run_id: run_id(&run)?,
+            run_id: stored_run_id(&run)?,
             session_id: SessionId::from_store(session).map_err(corrupt)?,
             outcome,
             by,
@@ -955,7 +936,7 @@ fn pending_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Result<PendingI
     Ok((|| {
         Ok(PendingInput {
             id,
-            run_id: run_id(&run)?,
+            run_id: stored_run_id(&run)?,
             session_id: SessionId::from_store(session).map_err(corrupt)?,
             call_id,
             kind: decode_pending_kind(&body).map_err(corrupt)?,
