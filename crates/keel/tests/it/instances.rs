@@ -7,23 +7,47 @@ use std::time::{Duration, Instant};
 use keel_testkit::postgres::ScratchDatabase;
 use serde_json::{Value, json};
 
-use crate::serve::{Served, client, error_of, read_sse};
+use crate::serve::{APPROVAL_AGENT, Served, client, error_of, read_sse};
 use crate::support::agent_dir;
-
-const APPROVAL_AGENT: &str = "model: mock
-tools: [day-name]
-approvals: { tools: [day-name] }
-mock:
-  script:
-    - tool_calls: [{ name: day-name, input: {} }]
-    - text: 'Today is {{last_tool_output}}.'
-";
 
 const SLOW_AGENT: &str = "model: mock
 mock:
   script:
     - { delay_ms: 4000, text: 'Finally.' }
 ";
+
+/// An agent whose tool appends a line to `counted.txt`, then answers after `delay_ms`.
+fn counting_agent(delay_ms: u64) -> tempfile::TempDir {
+    agent_dir(&[
+        (
+            "agent.yaml",
+            &format!(
+                "model: mock
+tools: [count]
+mock:
+  script:
+    - tool_calls: [{{ name: count, input: {{}} }}]
+    - {{ delay_ms: {delay_ms}, text: 'Counted {{{{last_tool_output}}}}.' }}
+"
+            ),
+        ),
+        (
+            "tools/count.toml",
+            "description = \"Counts\"\ncommand = [\"sh\", \"-c\", \"echo once >> counted.txt; echo one\"]\n",
+        ),
+    ])
+}
+
+/// Waits until the counting agent's tool has run (its line is written), and returns its file.
+async fn tool_ran(dir: &std::path::Path) -> std::path::PathBuf {
+    let counted = dir.join("counted.txt");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !counted.exists() {
+        assert!(Instant::now() < deadline, "the tool never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    counted
+}
 
 /// Three instances of one agent on one database.
 fn instances(agent: &std::path::Path, database: &ScratchDatabase) -> Vec<Served> {
@@ -137,22 +161,7 @@ async fn a_decision_or_a_cancellation_reaches_the_run_from_any_instance() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_whose_instance_was_killed_is_finished_by_another_without_repeating_a_step() {
     let database = ScratchDatabase::create("killed");
-    let dir = agent_dir(&[
-        (
-            "agent.yaml",
-            "model: mock
-tools: [count]
-mock:
-  script:
-    - tool_calls: [{ name: count, input: {} }]
-    - { delay_ms: 3000, text: 'Counted {{last_tool_output}}.' }
-",
-        ),
-        (
-            "tools/count.toml",
-            "description = \"Counts\"\ncommand = [\"sh\", \"-c\", \"echo once >> counted.txt; echo one\"]\n",
-        ),
-    ]);
+    let dir = counting_agent(3000);
     let mut servers = instances(dir.path(), &database);
     let http = client();
     let stream = http
@@ -163,12 +172,7 @@ mock:
         .unwrap();
     assert_eq!(stream.status(), 200);
     // The tool step is committed, and the instance is in its second model call: kill it.
-    let counted = dir.path().join("counted.txt");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !counted.exists() {
-        assert!(Instant::now() < deadline, "the tool never ran");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let counted = tool_ran(dir.path()).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut killed = servers.remove(0);
     killed.child.kill().unwrap();
@@ -231,22 +235,7 @@ async fn a_run_waits_out_a_database_outage_and_finishes_with_nothing_lost() {
     };
     let proxy = CuttableProxy::start(upstream).await;
     let through_proxy = database.url.replacen(&format!(":{upstream}/"), &format!(":{}/", proxy.port), 1);
-    let dir = agent_dir(&[
-        (
-            "agent.yaml",
-            "model: mock
-tools: [count]
-mock:
-  script:
-    - tool_calls: [{ name: count, input: {} }]
-    - { delay_ms: 1500, text: 'Counted {{last_tool_output}}.' }
-",
-        ),
-        (
-            "tools/count.toml",
-            "description = \"Counts\"\ncommand = [\"sh\", \"-c\", \"echo once >> counted.txt; echo one\"]\n",
-        ),
-    ]);
+    let dir = counting_agent(1500);
     let server = Served::start(dir.path(), &through_proxy, &[]);
     let http = client();
     assert_eq!(http.get(server.url("/health")).send().await.unwrap().status(), 200);
@@ -257,12 +246,7 @@ mock:
         .await
         .unwrap();
     assert_eq!(stream.status(), 200);
-    let counted = dir.path().join("counted.txt");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !counted.exists() {
-        assert!(Instant::now() < deadline, "the tool never ran");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let counted = tool_ran(dir.path()).await;
     // The database goes away while the model answers; the answer's commit waits for it.
     proxy.set_cut(true);
     tokio::time::sleep(Duration::from_millis(500)).await;

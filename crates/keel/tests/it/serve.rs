@@ -351,7 +351,7 @@ async fn observers_see_every_event_once_and_a_reconnect_resumes_without_gaps() {
     assert_eq!(b_all, run_events, "the reconnect has no gap and no duplicate");
 }
 
-const APPROVAL_AGENT: &str = "model: mock
+pub(crate) const APPROVAL_AGENT: &str = "model: mock
 tools: [day-name]
 approvals: { tools: [day-name] }
 mock:
