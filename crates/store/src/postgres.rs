@@ -358,7 +358,7 @@ fn map_error(error: &postgres::Error, shown: &str) -> StoreError {
     let message = error.as_db_error().map_or_else(|| error.to_string(), |db| db.message().to_owned());
     if is_retryable(error) {
         StoreError::Locked(format!(
-            "{shown}: {message} (the write lost a race with another one too many times)"
+            "{shown}: {message} (PostgreSQL aborted the transaction as a deadlock, again and again)"
         ))
     } else if *code == SqlState::UNIQUE_VIOLATION {
         StoreError::Conflict(message)

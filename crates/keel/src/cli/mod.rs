@@ -223,7 +223,8 @@ fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
 /// Which store a command reads.
 #[derive(clap::Args)]
 pub(crate) struct StoreArgs {
-    /// The store: `sqlite:<path>` (or `memory`, which is always empty here).
+    /// The store: `sqlite:<path>` or `postgres://user@host/database` (or `memory`, which is always
+    /// empty here).
     #[arg(long, env = keel_core::env::STORE.name, default_value = "sqlite:.keel/keel.db")]
     pub(crate) store: String,
 }
@@ -239,8 +240,9 @@ pub(crate) struct RunArgs {
     /// The session (conversation) id: 1-128 characters of A-Z, a-z, 0-9, `_`, `-`.
     #[arg(long, default_value = "default")]
     pub(crate) session: String,
-    /// Where sessions and journals live: `memory` (gone when the command ends) or `sqlite:<path>`
-    /// (a conversation continues across runs of the command with the same --session).
+    /// Where sessions and journals live: `memory` (gone when the command ends), `sqlite:<path>` or
+    /// `postgres://user@host/database` (a conversation continues across runs of the command with
+    /// the same --session).
     #[arg(long, env = keel_core::env::STORE.name, default_value = "memory")]
     pub(crate) store: String,
     /// Use this model instead of the spec's (`mock`, `openai/gpt-4o-mini`, ...).
@@ -260,7 +262,7 @@ pub(crate) struct ChatArgs {
     /// give an earlier session's id to go on with it.
     #[arg(long)]
     pub(crate) session: Option<String>,
-    /// Where sessions and journals live: `memory` or `sqlite:<path>`.
+    /// Where sessions and journals live: `memory`, `sqlite:<path>` or `postgres://user@host/database`.
     #[arg(long, env = keel_core::env::STORE.name, default_value = "memory")]
     pub(crate) store: String,
     /// Use this model instead of the spec's (`mock`, `openai/gpt-4o-mini`, ...).
@@ -279,7 +281,7 @@ pub(crate) struct ServeArgs {
     /// The port (0 picks a free one).
     #[arg(long, env = "PORT", default_value_t = 3000)]
     pub(crate) port: u16,
-    /// Where sessions and journals live (`sqlite:<path>` or `memory`).
+    /// Where sessions and journals live (`sqlite:<path>`, `postgres://user@host/database` or `memory`).
     #[arg(long, env = keel_core::env::STORE.name, default_value = "sqlite:.keel/keel.db")]
     pub(crate) store: String,
     /// Use this model instead of the spec's.
