@@ -123,6 +123,10 @@ env_vars! {
         "512 without auth; no limit with auth",
         "how many connections one client address (an IPv6 client: its /64) may hold; beyond, new ones are \
          closed at once. `0`: no limit";
+    /// How long the shared event log keeps events.
+    EVENT_RETENTION = "KEEL_EVENT_RETENTION", Server, "`1h`",
+        "with a store many instances share (PostgreSQL): how long a session's events stay in the database \
+         for observers that reconnect with `Last-Event-ID` (older ones are pruned every minute)";
     /// A tool call's idempotency key.
     IDEMPOTENCY_KEY = "KEEL_IDEMPOTENCY_KEY", Tool, "",
         "`<run_id>:<step>`, the same on every attempt of the call: dedupe side effects with it";

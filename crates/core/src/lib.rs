@@ -18,6 +18,7 @@ pub mod clock;
 pub mod env;
 pub mod error;
 pub mod event;
+pub mod event_log;
 pub mod human;
 pub mod ids;
 pub mod journal;
@@ -37,6 +38,7 @@ pub use agent::{
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{ErrorCode, RunFailure};
 pub use event::{Event, StopReason, Usage};
+pub use event_log::{EventLog, LogWake, LoggedEvent, NewEvent};
 pub use human::{Decision, PendingInput, PendingKind};
 pub use ids::{RunId, SessionId, StepName};
 pub use message::{Message, Part, Role};

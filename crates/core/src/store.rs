@@ -537,4 +537,10 @@ pub trait Store: Send + Sync {
 
     /// Deletes a session with its messages, runs and journals. Returns whether it existed.
     fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// The log where the processes sharing this store publish their runs' events, when other
+    /// processes can share it (`None`: this process sees every run of the store itself).
+    fn event_log(&self) -> Option<Arc<dyn crate::EventLog>> {
+        None
+    }
 }

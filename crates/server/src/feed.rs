@@ -1,25 +1,47 @@
 //! Live session events: each session's recent events with their SSE ids, broadcast to every
 //! observer.
 //!
-//! Every event a run of this process emits is published to its session's [`Feed`] with an id
-//! from one process-wide counter (seeded with the clock, so ids keep growing across restarts).
-//! A subscriber reads the feed's recent events after its `Last-Event-ID`, then waits for new
-//! ones: one cursor over one ordered ring, so no gap and no duplicate. The ring is bounded; a
-//! subscriber that falls behind its end is cut (it reconnects with `Last-Event-ID`) instead of
-//! slowing the run or the other subscribers down.
+//! A subscriber reads its session's [`Feed`]: the recent events after its `Last-Event-ID`, then
+//! new ones as they come: one cursor over one ordered ring, so no gap and no duplicate. The ring
+//! is bounded; a subscriber that falls behind its end is cut (it reconnects with
+//! `Last-Event-ID`) instead of slowing the run or the other subscribers down.
+//!
+//! Where the events come from depends on the store:
+//!
+//! - **This process owns the store** (memory, SQLite): every run of a session runs here, so the
+//!   events of this process's runs are the session's events. They are published to the feed at
+//!   once, with ids from one process-wide counter (seeded with the clock, so ids keep growing
+//!   across restarts).
+//! - **Processes share the store** (PostgreSQL, [`keel_core::EventLog`]): a session's runs may
+//!   execute on any instance, so the session's events are its log in the database. This
+//!   process's runs append their events to it (one writer task, which batches what queued while
+//!   its last append was in flight), and a feed holds what it read of the log, by the log's
+//!   numbers: the writer delivers what it appended, and a notification that another instance
+//!   appended makes the feed read the rest. A subscriber's `Last-Event-ID` is then a number in
+//!   the session's log, valid on every instance.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use foldhash::HashMap;
+use foldhash::{HashMap, HashSet};
 use futures::StreamExt;
 use keel_core::wire::event_to_json;
-use keel_core::{Event, RunFailure, RunId, SessionId};
+use keel_core::{Event, EventLog, LogWake, LoggedEvent, NewEvent, RunFailure, RunId, SessionId, StoreError};
 use keel_runtime::{RunHandle, RunResult};
 
 use crate::metrics::Metrics;
+
+/// How many events an append to the shared log carries at most.
+const APPEND_BATCH: usize = 4096;
+
+/// How many events a feed reads from the shared log per query.
+const READ_BATCH: usize = 1024;
+
+/// How many events of this process's runs may wait for the shared log (while the database is
+/// unreachable, say) before the runs wait for it.
+const OUTBOX: usize = 65_536;
 
 /// How many recent events a session keeps for reconnecting subscribers: a few turns' worth.
 /// Kept small because every active session holds them (the memory of a busy server).
@@ -49,23 +71,177 @@ pub(crate) struct Feeds {
     sessions: Mutex<HashMap<SessionId, Arc<Feed>>>,
     next_id: AtomicU64,
     metrics: Arc<Metrics>,
+    /// The shared log, when processes share the store.
+    shared: Option<Shared>,
+}
+
+/// A shared log and what this process runs to use it.
+struct Shared {
+    log: Arc<dyn EventLog>,
+    /// Events of this process's runs, to the writer task.
+    outbox: tokio::sync::mpsc::Sender<Outgoing>,
+    /// The writer's end, until the writer starts (on first use, inside the runtime).
+    outbox_reader: Mutex<Option<tokio::sync::mpsc::Receiver<Outgoing>>>,
+    /// Sessions other instances appended to, since the wake-up task last looked.
+    woken: Mutex<Woken>,
+    wake: Arc<tokio::sync::Notify>,
+    /// How long the log keeps events (for reconnecting subscribers).
+    retention: Duration,
+}
+
+#[derive(Default)]
+struct Woken {
+    sessions: HashSet<SessionId>,
+    all: bool,
+}
+
+impl Drop for Feeds {
+    fn drop(&mut self) {
+        // The wake-up task sees the feeds gone and ends.
+        if let Some(shared) = &self.shared {
+            shared.wake.notify_one();
+        }
+    }
+}
+
+/// An event of this process's runs on its way to the shared log.
+struct Outgoing {
+    feed: Arc<Feed>,
+    event: NewEvent,
 }
 
 impl Feeds {
-    pub(crate) fn new(metrics: Arc<Metrics>) -> Feeds {
+    /// Feeds of a store this process owns (`log: None`), or of one shared through `log`, which
+    /// keeps events for `retention`.
+    pub(crate) fn new(metrics: Arc<Metrics>, log: Option<Arc<dyn EventLog>>, retention: Duration) -> Feeds {
         // Seeded with the clock (microseconds): a client's Last-Event-ID from before a restart is
         // older than every id this process hands out.
         let start = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
-        Feeds { sessions: Mutex::default(), next_id: AtomicU64::new(start), metrics }
+        let shared = log.map(|log| {
+            let (outbox, reader) = tokio::sync::mpsc::channel(OUTBOX);
+            Shared {
+                log,
+                outbox,
+                outbox_reader: Mutex::new(Some(reader)),
+                woken: Mutex::default(),
+                wake: Arc::new(tokio::sync::Notify::new()),
+                retention,
+            }
+        });
+        Feeds { sessions: Mutex::default(), next_id: AtomicU64::new(start), metrics, shared }
     }
 
     /// The session's feed, created on first use.
-    pub(crate) fn feed(&self, session: &SessionId) -> Arc<Feed> {
+    fn feed(&self, session: &SessionId) -> Arc<Feed> {
         let mut sessions = lock(&self.sessions);
-        let feed = sessions.entry(session.clone()).or_insert_with(|| Arc::new(Feed::new()));
+        let feed = sessions.entry(session.clone()).or_insert_with(|| Arc::new(Feed::new(session.clone())));
         Arc::clone(feed)
+    }
+
+    /// A subscriber to the session's events after `after` (the client's `Last-Event-ID`), or,
+    /// with `None`, from now on. With a shared log, the feed first reads what it lacks of it.
+    pub(crate) async fn subscribe(
+        self: &Arc<Self>,
+        session: &SessionId,
+        after: Option<u64>,
+    ) -> Result<Subscriber, StoreError> {
+        let feed = self.feed(session);
+        if let Some(shared) = &self.shared {
+            self.start_shared();
+            sync(shared.log.as_ref(), &feed).await?;
+        }
+        Ok(feed.subscribe(after))
+    }
+
+    /// Starts, once, the tasks that use the shared log: the writer, the wake-ups from other
+    /// instances, and the pruning of old events.
+    fn start_shared(self: &Arc<Self>) {
+        let Some(shared) = &self.shared else { return };
+        let Some(reader) = lock(&shared.outbox_reader).take() else { return };
+        tokio::spawn(write_out(Arc::clone(&shared.log), reader));
+
+        // The tasks hold the feeds weakly: they end with them (`Drop` wakes this one).
+        let (feeds, wake) = (Arc::downgrade(self), Arc::clone(&shared.wake));
+        tokio::spawn(async move {
+            loop {
+                let notified = wake.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let Some(this) = feeds.upgrade() else { return };
+                let woken = this.shared.as_ref().map(|shared| std::mem::take(&mut *lock(&shared.woken)));
+                if let Some(woken) = woken.filter(|w| w.all || !w.sessions.is_empty()) {
+                    this.read_woken(woken).await;
+                    continue;
+                }
+                drop(this);
+                notified.await;
+            }
+        });
+
+        let feeds = Arc::downgrade(self);
+        let on_wake = move |wake: LogWake<'_>| {
+            let Some(this) = feeds.upgrade() else { return };
+            let Some(shared) = &this.shared else { return };
+            {
+                let mut woken = lock(&shared.woken);
+                match wake {
+                    LogWake::All => woken.all = true,
+                    // Only sessions someone follows here are read.
+                    LogWake::Session(session) => {
+                        if lock(&this.sessions).contains_key(session) {
+                            woken.sessions.insert(session.clone());
+                        }
+                    }
+                }
+            }
+            shared.wake.notify_one();
+        };
+        if let Err(error) = shared.log.watch(Box::new(on_wake)) {
+            tracing::error!(%error, "cannot follow other instances' events: observers here see this instance's runs only");
+        }
+
+        let (feeds, retention) = (Arc::downgrade(self), shared.retention);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(60));
+            loop {
+                tick.tick().await;
+                let Some(log) =
+                    feeds.upgrade().and_then(|this| this.shared.as_ref().map(|s| Arc::clone(&s.log)))
+                else {
+                    return;
+                };
+                let older_than = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+                if let Err(error) = log.prune(older_than).await {
+                    tracing::debug!(%error, "could not prune old events; trying again in a minute");
+                }
+            }
+        });
+    }
+
+    /// Reads into the followed feeds what other instances appended to their sessions' logs.
+    async fn read_woken(&self, woken: Woken) {
+        let Some(shared) = &self.shared else { return };
+        let feeds: Vec<Arc<Feed>> = {
+            let sessions = lock(&self.sessions);
+            if woken.all {
+                sessions.values().cloned().collect()
+            } else {
+                woken.sessions.iter().filter_map(|s| sessions.get(s).cloned()).collect()
+            }
+        };
+        futures::stream::iter(feeds)
+            .for_each_concurrent(8, |feed| async move {
+                // A feed no one has read yet is read in full when someone does.
+                if !*feed.synced.lock().await {
+                    return;
+                }
+                if let Err(error) = sync(shared.log.as_ref(), &feed).await {
+                    tracing::debug!(%error, session = %feed.session, "could not read the session's events; the next wake-up tries again");
+                }
+            })
+            .await;
     }
 
     /// Drops the feeds nobody watches, with no run publishing, unused for `idle`: a server's
@@ -114,7 +290,7 @@ impl Feeds {
 
     /// Publishes the events, counts them, and ends the run's stream.
     async fn pump(
-        &self,
+        self: &Arc<Self>,
         feed: Arc<Feed>,
         mut handle: RunHandle,
         first: Option<Event>,
@@ -124,13 +300,13 @@ impl Feeds {
         self.metrics.run_started();
         if let Some(event) = first {
             self.metrics.event(&event);
-            feed.publish(&self.next_id, &run, Item::Event(event_json(&event)));
+            self.publish(&feed, &run, Some(event_json(&event))).await;
         }
         while let Some(event) = handle.next().await {
             self.metrics.event(&event);
-            feed.publish(&self.next_id, &run, Item::Event(event_json(&event)));
+            self.publish(&feed, &run, Some(event_json(&event))).await;
         }
-        feed.publish(&self.next_id, &run, Item::RunEnded);
+        self.publish(&feed, &run, None).await;
         lock(&feed.state).runs -= 1;
         let result = handle.result().await;
         let outcome = match &result {
@@ -139,6 +315,107 @@ impl Feeds {
         };
         self.metrics.run_ended(outcome, started.elapsed());
         result
+    }
+
+    /// Publishes one event of this process's run (`None`: the end of its stream): to the feed
+    /// at once, or through the shared log.
+    async fn publish(self: &Arc<Self>, feed: &Arc<Feed>, run: &RunId, body: Option<Arc<str>>) {
+        let Some(shared) = &self.shared else {
+            feed.publish_next(&self.next_id, run, body);
+            return;
+        };
+        self.start_shared();
+        let event = NewEvent { session: feed.session.clone(), run: run.clone(), body };
+        // Waits only when the log has been unreachable for a long stretch of events.
+        if shared.outbox.send(Outgoing { feed: Arc::clone(feed), event }).await.is_err() {
+            tracing::error!(session = %feed.session, "the event writer stopped; an event is not published");
+        }
+    }
+}
+
+/// The writer of this process's events to the shared log: appends what queued while its last
+/// append was in flight, in order, again after a failure until it is stored (events wait, the
+/// runs' order is kept, nothing is dropped), then delivers it to the feeds here.
+async fn write_out(log: Arc<dyn EventLog>, mut outbox: tokio::sync::mpsc::Receiver<Outgoing>) {
+    let mut queued = Vec::with_capacity(APPEND_BATCH);
+    let mut failing_since: Option<Instant> = None;
+    while outbox.recv_many(&mut queued, APPEND_BATCH).await > 0 {
+        let batch = fastrand::u64(..);
+        let events: Vec<NewEvent> = queued.iter().map(|out| out.event.clone()).collect();
+        let mut backoff = Duration::from_millis(50);
+        let seqs = loop {
+            match log.append(batch, events.clone()).await {
+                Ok(seqs) => break seqs,
+                Err(error) => {
+                    if failing_since.is_none() {
+                        tracing::warn!(%error, "cannot store events in the shared log; they wait, in order");
+                        failing_since = Some(Instant::now());
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        };
+        if let Some(since) = failing_since.take() {
+            tracing::info!(after = ?since.elapsed(), "events flow to the shared log again");
+        }
+        // Each feed's events of this batch, in order (a run's events are consecutive per feed).
+        let mut by_feed: Vec<(Arc<Feed>, Vec<LoggedEvent>)> = Vec::new();
+        for (index, out) in queued.drain(..).enumerate() {
+            let logged = seqs.as_ref().map(|seqs| LoggedEvent {
+                seq: seqs[index],
+                run: out.event.run,
+                body: out.event.body,
+            });
+            match by_feed.iter_mut().find(|(feed, _)| Arc::ptr_eq(feed, &out.feed)) {
+                Some((_, events)) => events.extend(logged),
+                None => by_feed.push((out.feed, logged.into_iter().collect())),
+            }
+        }
+        for (feed, events) in by_feed {
+            deliver(log.as_ref(), &feed, events).await;
+        }
+    }
+}
+
+/// Publishes to `feed` events this process appended (empty: appended by an earlier attempt, so
+/// their numbers are unknown); reads the log instead when they do not follow what it holds.
+async fn deliver(log: &dyn EventLog, feed: &Feed, events: Vec<LoggedEvent>) {
+    {
+        let synced = feed.synced.lock().await;
+        let follows = events.first().is_some_and(|first| first.seq == lock(&feed.state).last_id + 1);
+        if *synced && follows {
+            for event in events {
+                feed.publish_logged(event);
+            }
+            return;
+        }
+    }
+    if let Err(error) = sync(log, feed).await {
+        tracing::debug!(%error, session = %feed.session, "could not read the session's events; the next wake-up tries again");
+    }
+}
+
+/// Reads into `feed` what it lacks of its session's log: the recent events on first use, then
+/// what came after its last one.
+async fn sync(log: &dyn EventLog, feed: &Feed) -> Result<(), StoreError> {
+    let mut synced = feed.synced.lock().await;
+    if !*synced {
+        let (head, events) = log.read_recent(&feed.session, RECENT_EVENTS).await?;
+        feed.start_at(head, events);
+        *synced = true;
+        return Ok(());
+    }
+    loop {
+        let last = lock(&feed.state).last_id;
+        let events = log.read_after(&feed.session, last, READ_BATCH).await?;
+        let more = events.len() == READ_BATCH;
+        for event in events {
+            feed.publish_logged(event);
+        }
+        if !more {
+            return Ok(());
+        }
     }
 }
 
@@ -151,14 +428,20 @@ fn event_json(event: &Event) -> Arc<str> {
 /// the ring fell too far behind and is cut. No per-subscriber or per-session channel is
 /// allocated, so an idle stream or a quiet session costs almost nothing.
 pub(crate) struct Feed {
+    session: SessionId,
     state: Mutex<FeedState>,
     published: tokio::sync::Notify,
+    /// With a shared log: held while the feed reads from it or is delivered to (so that what it
+    /// publishes stays in the log's order); `true` once it has read the log a first time.
+    synced: tokio::sync::Mutex<bool>,
 }
 
 struct FeedState {
     recent: VecDeque<Arc<Entry>>,
     /// The id of the newest entry evicted from `recent` (0: none).
     evicted_up_to: u64,
+    /// The id of the newest entry published.
+    last_id: u64,
     /// Runs publishing to this feed now.
     runs: usize,
     /// Subscribers reading it now.
@@ -167,45 +450,73 @@ struct FeedState {
 }
 
 impl Feed {
-    fn new() -> Feed {
+    fn new(session: SessionId) -> Feed {
         Feed {
+            session,
             state: Mutex::new(FeedState {
                 recent: VecDeque::new(),
                 evicted_up_to: 0,
+                last_id: 0,
                 runs: 0,
                 subscribers: 0,
                 last_used: Instant::now(),
             }),
             published: tokio::sync::Notify::new(),
+            synced: tokio::sync::Mutex::new(false),
         }
     }
 
-    fn publish(&self, ids: &AtomicU64, run: &RunId, item: Item) {
+    /// Publishes with the next id of this process's counter.
+    fn publish_next(&self, ids: &AtomicU64, run: &RunId, body: Option<Arc<str>>) {
         {
             let mut state = lock(&self.state);
             // The id is taken under the lock, so the order of ids is the order of publication.
-            let entry = Arc::new(Entry { id: ids.fetch_add(1, Ordering::Relaxed), run: run.clone(), item });
-            if state.recent.len() == RECENT_EVENTS
-                && let Some(evicted) = state.recent.pop_front()
-            {
-                state.evicted_up_to = evicted.id;
+            let id = ids.fetch_add(1, Ordering::Relaxed);
+            state.push(Entry { id, run: run.clone(), item: Item::from(body) });
+        }
+        self.published.notify_waiters();
+    }
+
+    /// Publishes an event of the shared log, unless the feed has it already.
+    fn publish_logged(&self, event: LoggedEvent) {
+        {
+            let mut state = lock(&self.state);
+            if event.seq <= state.last_id {
+                return;
             }
-            state.recent.push_back(entry);
-            state.last_used = Instant::now();
+            state.push(Entry { id: event.seq, run: event.run, item: Item::from(event.body) });
+        }
+        self.published.notify_waiters();
+    }
+
+    /// Starts the feed from the shared log: its last number and its recent events.
+    fn start_at(&self, head: u64, events: Vec<LoggedEvent>) {
+        {
+            let mut state = lock(&self.state);
+            // What is older than the recent events is gone, for this feed.
+            let oldest = events.first().map_or(head, |event| event.seq - 1);
+            state.evicted_up_to = state.evicted_up_to.max(oldest);
+            state.last_id = state.last_id.max(state.evicted_up_to);
+            for event in events {
+                if event.seq > state.last_id {
+                    state.push(Entry { id: event.seq, run: event.run, item: Item::from(event.body) });
+                }
+            }
+            state.last_id = state.last_id.max(head);
         }
         self.published.notify_waiters();
     }
 
     /// Subscribes after `after` (the client's `Last-Event-ID`: the recent entries after it come
     /// first), or, with `None`, from now on.
-    pub(crate) fn subscribe(self: &Arc<Self>, after: Option<u64>) -> Subscriber {
+    fn subscribe(self: &Arc<Self>, after: Option<u64>) -> Subscriber {
         let mut state = lock(&self.state);
         state.last_used = Instant::now();
         state.subscribers += 1;
         let cursor = match after {
             // Entries older than the ring are gone: start with the oldest kept.
             Some(after) => after.max(state.evicted_up_to),
-            None => state.recent.back().map_or(state.evicted_up_to, |e| e.id),
+            None => state.last_id,
         };
         Subscriber { feed: Arc::clone(self), cursor }
     }
@@ -219,6 +530,25 @@ impl Feed {
         // Entries are in id order; the wanted one is usually at the end.
         let index = state.recent.partition_point(|e| e.id <= cursor);
         Ok(state.recent.get(index).cloned())
+    }
+}
+
+impl FeedState {
+    fn push(&mut self, entry: Entry) {
+        if self.recent.len() == RECENT_EVENTS
+            && let Some(evicted) = self.recent.pop_front()
+        {
+            self.evicted_up_to = evicted.id;
+        }
+        self.last_id = entry.id;
+        self.recent.push_back(Arc::new(entry));
+        self.last_used = Instant::now();
+    }
+}
+
+impl From<Option<Arc<str>>> for Item {
+    fn from(body: Option<Arc<str>>) -> Item {
+        body.map_or(Item::RunEnded, Item::Event)
     }
 }
 
@@ -268,14 +598,14 @@ mod tests {
     fn publish(feed: &Feed, ids: &AtomicU64, count: usize) {
         let run = RunId::from_suffix("r");
         for _ in 0..count {
-            feed.publish(ids, &run, Item::Event("{}".into()));
+            feed.publish_next(ids, &run, Some("{}".into()));
         }
     }
 
     #[tokio::test]
     async fn subscribers_resume_after_their_last_id_and_a_slow_one_is_cut() {
         let ids = AtomicU64::new(1);
-        let feed = Arc::new(Feed::new());
+        let feed = Arc::new(Feed::new(SessionId::new("s").unwrap()));
         publish(&feed, &ids, 3);
         // From the start (Last-Event-ID 1): ids 2 and 3, then what comes live.
         let mut resumed = feed.subscribe(Some(1));

@@ -68,6 +68,9 @@ pub struct ServerOptions {
     /// How many connections one client address may hold at once (an IPv6 client: its /64);
     /// `None`: no limit. Beyond it, new connections are closed at once.
     pub max_connections_per_client: Option<usize>,
+    /// How long the shared event log of a store that many instances share (PostgreSQL) keeps
+    /// events, for observers that reconnect with `Last-Event-ID`.
+    pub event_retention: Duration,
 }
 
 impl Default for ServerOptions {
@@ -84,6 +87,7 @@ impl Default for ServerOptions {
             first_request_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
             max_connections_per_client: Some(DEFAULT_CONNECTIONS_PER_CLIENT),
+            event_retention: Duration::from_secs(3600),
         }
     }
 }
@@ -130,9 +134,11 @@ impl Server {
         let metrics = Arc::new(metrics::Metrics::new());
         let api_token = options.api_token.clone().filter(|t| !t.is_empty());
         let has_auth = api_token.is_some() || options.jwt.is_some();
+        let feeds =
+            feed::Feeds::new(Arc::clone(&metrics), engine.store().event_log(), options.event_retention);
         let state = AppState {
             engine,
-            feeds: Arc::new(feed::Feeds::new(Arc::clone(&metrics))),
+            feeds: Arc::new(feeds),
             closing: CancellationToken::new(),
             metrics,
             request_timeout: options.request_timeout,

@@ -237,9 +237,8 @@ pub(crate) async fn chat(
     let session = identity.session(session);
     let input =
         parse_input(input.ok_or_else(|| ApiError::invalid("missing `input` (a string or content parts)"))?)?;
-    let feed = state.feeds.feed(&session);
     // Subscribe before the run starts: its first event is not missed.
-    let subscriber = feed.subscribe(None);
+    let subscriber = state.feeds.subscribe(&session, None).await?;
     let mut handle = state.engine.start(session.clone(), input)?;
     // A refusal (a busy session, here or in another process) is an error status, before any
     // byte of a stream.
@@ -335,7 +334,7 @@ pub(crate) async fn events(
             })?)
         }
     };
-    let subscriber = state.feeds.feed(&session).subscribe(after);
+    let subscriber = state.feeds.subscribe(&session, after).await?;
     Ok(sse(subscription(&state, subscriber, None)))
 }
 
@@ -384,8 +383,7 @@ pub(crate) async fn decide(
         return Err(keel_core::StoreError::not_pending(&id).into());
     };
     check_decision(&pending, &decision)?;
-    let feed = state.feeds.feed(&session);
-    let subscriber = feed.subscribe(None);
+    let subscriber = state.feeds.subscribe(&session, None).await?;
     let by = identity.describe();
     if state.engine.is_running(&session) {
         // The run is still busy with its other calls here: it applies the decision itself.

@@ -143,6 +143,11 @@ pub trait Backend: Send + Sync + 'static {
         Err(work)
     }
 
+    /// The event log of a backend that many processes share (see [`keel_core::EventLog`]).
+    fn event_log(&self) -> Option<Arc<dyn keel_core::EventLog>> {
+        None
+    }
+
     /// [`Backend::write_here`] for reads: a backend whose reads do not wait on another thread
     /// runs them here. Gives `work` back when it cannot (the default).
     fn read_here<T, F: FnOnce(&mut dyn Tx) -> Result<T, StoreError>>(

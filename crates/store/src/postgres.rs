@@ -50,6 +50,8 @@ use postgres::{Client, IsolationLevel, NoTls, Row, Statement};
 
 use crate::backend::{Backend, Ruled, RunControl, Tx, Work, corrupt, stored_run_id, stored_state};
 
+mod events;
+
 /// The schema, one migration per version (index 0 makes version 1).
 const MIGRATIONS: &[&str] = &[
     // Version 1: what SQLite's seven versions built, at once.
@@ -119,6 +121,25 @@ const MIGRATIONS: &[&str] = &[
         at BIGINT NOT NULL
     );
     CREATE INDEX decided_by_session ON decided_inputs (session_id);"#,
+    // Version 2: the shared event log (`events.rs`). `event_heads` numbers each session's
+    // events and orders its appenders; `event_batches` makes an append idempotent.
+    r#"CREATE TABLE event_heads (
+        session_id TEXT COLLATE "C" PRIMARY KEY,
+        last_seq BIGINT NOT NULL
+    );
+    CREATE TABLE events (
+        session_id TEXT COLLATE "C" NOT NULL,
+        seq BIGINT NOT NULL,
+        run_id TEXT COLLATE "C" NOT NULL,
+        body TEXT,
+        at TIMESTAMPTZ NOT NULL DEFAULT now(),
+        PRIMARY KEY (session_id, seq)
+    );
+    CREATE INDEX events_at ON events USING brin (at);
+    CREATE TABLE event_batches (
+        id BIGINT PRIMARY KEY,
+        at TIMESTAMPTZ NOT NULL DEFAULT now()
+    );"#,
 ];
 
 /// The schema version this build writes.
@@ -156,6 +177,7 @@ pub struct Postgres {
     jobs: std::sync::mpsc::Sender<Box<dyn Job>>,
     shown: Arc<str>,
     setup: Arc<Setup>,
+    events: Arc<events::PgEventLog>,
 }
 
 /// A store in a PostgreSQL database. See the module docs.
@@ -259,7 +281,8 @@ impl Postgres {
                 })?;
             }
         }
-        Ok(Postgres { jobs, shown, setup })
+        let events = Arc::new(events::PgEventLog::new(jobs.clone(), Arc::clone(&setup)));
+        Ok(Postgres { jobs, shown, setup, events })
     }
 
     fn submit<T: Send + 'static>(
@@ -290,6 +313,10 @@ impl Postgres {
 impl Backend for Postgres {
     fn write<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
         self.submit(work, true)
+    }
+
+    fn event_log(&self) -> Option<Arc<dyn keel_core::EventLog>> {
+        Some(Arc::clone(&self.events) as Arc<dyn keel_core::EventLog>)
     }
 
     fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
@@ -423,6 +450,58 @@ impl<T: Send + 'static> Job for TypedJob<T> {
     }
 }
 
+/// Work on a worker's connection itself, outside the store's transactions (the event log).
+type RawWork<T> = Box<dyn FnOnce(&mut Connection<'_>) -> Result<T, StoreError> + Send>;
+
+/// A worker's connection as raw work sees it.
+struct Connection<'w> {
+    client: &'w mut Client,
+    statements: &'w mut HashMap<String, Statement>,
+    setup: &'w Setup,
+}
+
+impl Connection<'_> {
+    /// `sql`, prepared once per connection.
+    fn statement(&mut self, sql: &str) -> Result<Statement, StoreError> {
+        if let Some(statement) = self.statements.get(sql) {
+            return Ok(statement.clone());
+        }
+        self.setup.round_trips.fetch_add(1, Ordering::Relaxed);
+        let statement = self.client.prepare(sql).map_err(|error| self.fail(&error))?;
+        self.statements.insert(sql.to_owned(), statement.clone());
+        Ok(statement)
+    }
+
+    fn fail(&self, error: &postgres::Error) -> StoreError {
+        map_error(error, &self.setup.shown)
+    }
+}
+
+struct RawJob<T> {
+    work: RawWork<T>,
+    reply: tokio::sync::oneshot::Sender<Result<T, StoreError>>,
+}
+
+impl<T: Send + 'static> Job for RawJob<T> {
+    fn run(self: Box<Self>, worker: &mut Worker) {
+        let result = worker.run_raw(self.work);
+        let _ = self.reply.send(result);
+    }
+}
+
+/// Hands raw `work` to the next free worker of `jobs`.
+fn submit_raw<T: Send + 'static>(
+    jobs: &std::sync::mpsc::Sender<Box<dyn Job>>,
+    work: RawWork<T>,
+) -> BoxFuture<'static, Result<T, StoreError>> {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let stopped = || StoreError::Unavailable("the PostgreSQL workers stopped".into());
+    if jobs.send(Box::new(RawJob { work, reply })).is_err() {
+        return Box::pin(std::future::ready(Err(stopped())));
+    }
+    Box::pin(async move { answer.await.unwrap_or_else(|_| Err(stopped())) })
+}
+
 /// A worker thread's connection.
 struct Worker {
     setup: Arc<Setup>,
@@ -446,6 +525,20 @@ impl Worker {
                 Err(_) => return,
             }
         }
+    }
+
+    /// Runs raw `work` on this worker's connection (opened first if needed).
+    fn run_raw<T>(&mut self, work: RawWork<T>) -> Result<T, StoreError> {
+        if self.client.as_ref().is_none_or(Client::is_closed) {
+            self.statements.clear();
+            self.client = Some(self.setup.open()?);
+        }
+        let client = self.client.as_mut().expect("connected above");
+        let result = work(&mut Connection { client, statements: &mut self.statements, setup: &self.setup });
+        if self.client.as_ref().is_some_and(Client::is_closed) {
+            self.client = None;
+        }
+        result
     }
 
     /// Runs `work` in one transaction, again while PostgreSQL aborts it as a deadlock.
@@ -791,6 +884,9 @@ impl Tx for PgTx<'_, '_> {
         self.execute("DELETE FROM decided_inputs WHERE session_id = $1", &[&id])?;
         let runs = self.execute("DELETE FROM runs WHERE session_id = $1", &[&id])?;
         self.execute("DELETE FROM messages WHERE session_id = $1", &[&id])?;
+        // Its event log goes too; its head stays, so that a session of the same id numbers its
+        // events after the old ones and no client's `Last-Event-ID` skips them.
+        self.execute("DELETE FROM events WHERE session_id = $1", &[&id])?;
         let sessions = self.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
         Ok(runs + sessions > 0)
     }

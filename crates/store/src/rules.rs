@@ -604,4 +604,8 @@ impl<B: Backend> Store for Ruled<B> {
         let session = session.clone();
         self.write(move |tx, _| tx.delete_session(&session))
     }
+
+    fn event_log(&self) -> Option<Arc<dyn keel_core::EventLog>> {
+        self.backend.event_log()
+    }
 }

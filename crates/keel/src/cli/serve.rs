@@ -51,6 +51,7 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
         cors_origins: settings.cors_origins,
         first_request_timeout: settings.first_request_timeout,
         idle_timeout: settings.idle_timeout,
+        event_retention: settings.event_retention,
         // Many clients behind one proxy share an address: with auth, no cap unless asked.
         max_connections_per_client: match settings.max_connections_per_client {
             Some(0) => None,
@@ -127,6 +128,7 @@ struct Settings {
     first_request_timeout: Duration,
     idle_timeout: Duration,
     max_connections_per_client: Option<usize>,
+    event_retention: Duration,
 }
 
 fn read_settings(var: &dyn Fn(&str) -> Option<String>) -> Result<Settings, String> {
@@ -167,6 +169,7 @@ fn read_settings(var: &dyn Fn(&str) -> Option<String>) -> Result<Settings, Strin
         cors_origins,
         first_request_timeout: duration(env::FIRST_REQUEST_TIMEOUT.name, defaults.first_request_timeout)?,
         idle_timeout: duration(env::IDLE_TIMEOUT.name, defaults.idle_timeout)?,
+        event_retention: duration(env::EVENT_RETENTION.name, defaults.event_retention)?,
         max_connections_per_client: number(
             env::MAX_CONNECTIONS_PER_CLIENT.name,
             "a number of connections, like 512 (0: no limit)",

@@ -1,13 +1,15 @@
 //! Several `keel serve` instances on one PostgreSQL database (each test creates and drops its
 //! own): one run per session across instances, a decision or a cancellation posted to any
-//! instance, and a run whose instance was killed finished by another without repeating a step.
+//! instance, observers on one instance of runs on another, and a run whose instance was killed
+//! finished by another without repeating a step.
 
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use keel_testkit::postgres::ScratchDatabase;
 use serde_json::{Value, json};
 
-use crate::serve::{APPROVAL_AGENT, Served, client, error_of, read_sse};
+use crate::serve::{APPROVAL_AGENT, Served, Sse, client, error_of, parse_sse, read_sse};
 use crate::support::agent_dir;
 
 const SLOW_AGENT: &str = "model: mock
@@ -265,4 +267,139 @@ async fn a_run_waits_out_a_database_outage_and_finishes_with_nothing_lost() {
     assert_eq!(transcript["messages"].as_array().unwrap().len(), 4, "{transcript}");
     assert_eq!(std::fs::read_to_string(&counted).unwrap(), "once\n");
     assert_eq!(http.get(server.url("/health")).send().await.unwrap().status(), 200);
+}
+
+/// An SSE response read message by message, as it comes.
+struct LiveSse {
+    stream: futures::stream::BoxStream<'static, reqwest::Result<Vec<u8>>>,
+    buffer: String,
+    ready: std::collections::VecDeque<Sse>,
+}
+
+impl LiveSse {
+    fn new(response: reqwest::Response) -> LiveSse {
+        assert_eq!(response.status(), 200);
+        LiveSse {
+            stream: response.bytes_stream().map(|chunk| chunk.map(|b| b.to_vec())).boxed(),
+            buffer: String::new(),
+            ready: Default::default(),
+        }
+    }
+
+    /// The next message that is an event (not `event: done`), within 20 s.
+    async fn next_event(&mut self) -> Sse {
+        loop {
+            while let Some(message) = self.ready.pop_front() {
+                if message.event.is_none() {
+                    return message;
+                }
+            }
+            let chunk = tokio::time::timeout(Duration::from_secs(20), self.stream.next())
+                .await
+                .expect("no event within 20 s")
+                .expect("the stream ended")
+                .unwrap();
+            self.buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+            self.ready.extend(parse_sse(&mut self.buffer));
+        }
+    }
+
+    /// Events up to and including `run.done`.
+    async fn until_done(&mut self) -> Vec<Sse> {
+        let mut events = Vec::new();
+        loop {
+            let event = self.next_event().await;
+            let done = event.kind() == "run.done";
+            events.push(event);
+            if done {
+                return events;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observers_on_any_instance_see_a_run_on_another_live_and_resume_on_a_third() {
+    let database = ScratchDatabase::create("observe");
+    let dir = counting_agent(1500);
+    let servers = instances(dir.path(), &database);
+    let http = client();
+    // Observers on instances 1 and 2 before the run starts on instance 0.
+    let mut watcher = LiveSse::new(http.get(servers[1].url("/chat/w/events")).send().await.unwrap());
+    let mut leaver = LiveSse::new(http.get(servers[2].url("/chat/w/events")).send().await.unwrap());
+    let run = http
+        .post(servers[0].url("/chat"))
+        .json(&json!({"sessionId": "w", "input": "count"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(run.status(), 200);
+    let run_finished = tokio::spawn(async move {
+        let events = read_sse(run).await;
+        (events, Instant::now())
+    });
+
+    // Live: the tool's events reach instance 1 while the model's 1.5 s answer is still to come.
+    let mut watched = Vec::new();
+    while watched.last().is_none_or(|e: &Sse| e.kind() != "tool.done") {
+        watched.push(watcher.next_event().await);
+    }
+    let tool_seen_at = Instant::now();
+    // The leaver (on instance 2) reads two events, goes away, and comes back to instance 1 with
+    // the last id it saw.
+    let left = vec![leaver.next_event().await, leaver.next_event().await];
+    drop(leaver);
+    watched.extend(watcher.until_done().await);
+    let (run_events, finished_at) = run_finished.await.unwrap();
+    let run_events: Vec<Sse> = run_events.into_iter().filter(|e| e.event.is_none()).collect();
+    assert!(
+        finished_at.duration_since(tool_seen_at) > Duration::from_millis(1000),
+        "the observer on another instance saw the tool's events only {:?} before the run ended",
+        finished_at.duration_since(tool_seen_at)
+    );
+    assert_eq!(
+        watched, run_events,
+        "the observer on instance 1 saw the run's events, ids included, in order"
+    );
+    let kinds: Vec<String> = watched.iter().map(Sse::kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            "run.start",
+            "turn.start",
+            "usage",
+            "tool.start",
+            "tool.done",
+            "turn.start",
+            "text.delta",
+            "text.delta",
+            "usage",
+            "run.done"
+        ],
+    );
+
+    let resumed_from = left[1].id.clone().unwrap();
+    let mut back = LiveSse::new(
+        http.get(servers[1].url("/chat/w/events"))
+            .header("last-event-id", &resumed_from)
+            .send()
+            .await
+            .unwrap(),
+    );
+    let mut rejoined = left;
+    rejoined.extend(back.until_done().await);
+    assert_eq!(rejoined, run_events, "resumed on another instance without a gap or a duplicate");
+
+    // The next turn runs on instance 2: the same observers see it, numbered after the first.
+    let next = http
+        .post(servers[2].url("/chat"))
+        .json(&json!({"sessionId": "w", "input": "again"}))
+        .send()
+        .await
+        .unwrap();
+    let next_events: Vec<Sse> = read_sse(next).await.into_iter().filter(|e| e.event.is_none()).collect();
+    assert_eq!(watcher.until_done().await, next_events);
+    assert_eq!(back.until_done().await, next_events);
+    let id = |e: &Sse| e.id.as_deref().unwrap().parse::<u64>().unwrap();
+    assert!(id(&next_events[0]) > id(run_events.last().unwrap()), "ids go on across runs and instances");
 }

@@ -77,7 +77,7 @@ impl Drop for Served {
 /// One SSE message.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Sse {
-    id: Option<String>,
+    pub(crate) id: Option<String>,
     pub(crate) event: Option<String>,
     data: String,
 }
@@ -92,7 +92,7 @@ impl Sse {
 }
 
 /// Parses complete SSE messages out of `buffer`, leaving an incomplete tail.
-fn parse_sse(buffer: &mut String) -> Vec<Sse> {
+pub(crate) fn parse_sse(buffer: &mut String) -> Vec<Sse> {
     let mut messages = Vec::new();
     while let Some(end) = buffer.find("\n\n") {
         let block: String = buffer.drain(..end + 2).collect();
