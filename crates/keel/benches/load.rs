@@ -5,16 +5,24 @@
 //!   then over HTTP/1.1 (a connection each, as many as the open-file limit allows);
 //! - **turns**: short turns (`POST /chat`, the mock model echoes, a new session per turn) from C
 //!   keep-alive connections for a few seconds, with the memory and then the SQLite store: turns
-//!   per second and latency percentiles (to `event: done`);
+//!   per second and latency percentiles (to `event: done`); with `--postgres`, on a scratch
+//!   PostgreSQL database (events then go through the shared event log too);
 //! - **soak**: many turns over a fixed set of sessions (SQLite store), sampling the server's RSS
 //!   as it goes: it must stay flat once warm.
+//!
+//! - **live events** (PostgreSQL): two instances on one scratch database; each run executes on
+//!   instance A, with one observer of its session on A and one on B. Its tool prints the clock
+//!   (ns) when it finishes; the latency of each `tool.done` is its arrival at an observer minus
+//!   that stamp (it includes the tool step's commit). Runs one at a time, then 16 at a time.
+//!   Needs the local PostgreSQL (`KEEL_TEST_POSTGRES`, default `127.0.0.1:5432`).
 //!
 //! The client speaks HTTP/1.1 by hand on raw sockets, so that it costs the 2-core machine as
 //! little as possible; the server is the release binary. File-descriptor limits are raised (as
 //! root) for the 20,000 streams.
 //!
 //! `cargo bench -p keel --bench load` (the full run: 20,000 streams, 10 s of turns per store,
-//! 200,000 soak turns); `-- --quick` for a smoke run. Sizes: `KEEL_LOAD_STREAMS`,
+//! 200,000 soak turns, 2,000 live-event samples per phase); `-- --quick` for a smoke run;
+//! `-- --postgres` for PostgreSQL only (turns, then the live-event latency). Sizes: `KEEL_LOAD_STREAMS`,
 //! `KEEL_LOAD_SECONDS`, `KEEL_LOAD_CONNECTIONS`, `KEEL_LOAD_SOAK_TURNS`, `KEEL_LOAD_SOAK_SESSIONS`.
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "a benchmark reports on stdout")]
 #![allow(missing_docs)]
@@ -351,8 +359,139 @@ async fn soak(agent: &Path, store: &str, total: u64, sessions: u64, connections:
     println!("soak RSS by turns done: {}", curve.join(" "));
 }
 
+/// An agent whose runs call `stamp` (it prints the clock in ns) `calls` times, then answer.
+fn stamp_agent(dir: &Path, calls: usize) -> std::path::PathBuf {
+    let agent = dir.join("stamp-agent");
+    std::fs::create_dir_all(agent.join("tools")).unwrap();
+    let mut spec = format!(
+        "name: stamp\nmodel: mock\ntools: [stamp]\nlimits: {{max_turns: {}}}\nmock:\n  script:\n",
+        calls + 2
+    );
+    for _ in 0..calls {
+        spec.push_str("    - tool_calls: [{ name: stamp, input: {} }]\n");
+    }
+    spec.push_str("    - text: done\n");
+    std::fs::write(agent.join("agent.yaml"), spec).unwrap();
+    std::fs::write(
+        agent.join("tools/stamp.toml"),
+        "description = \"The clock\"\ncommand = [\"date\", \"+%s%N\"]\n",
+    )
+    .unwrap();
+    agent
+}
+
+/// Reads one session's event stream until `run.done`; the latency of each `tool.done` (arrival
+/// minus the stamp in its output).
+async fn observe(response: reqwest::Response) -> Vec<Duration> {
+    use futures::StreamExt;
+    let mut stream = response.bytes_stream();
+    let mut buffer = String::new();
+    let mut latencies = Vec::new();
+    while let Some(Ok(chunk)) = stream.next().await {
+        let arrived = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+        buffer.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buffer.find("\n\n") {
+            let message: String = buffer.drain(..end + 2).collect();
+            let Some(data) = message.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
+            let event: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
+            match event["type"].as_str() {
+                Some("tool.done") => {
+                    // The output is the number the tool printed (or its text, had it not parsed).
+                    let output = &event["output"];
+                    let stamp =
+                        output.as_u64().map(u128::from).or_else(|| output.as_str()?.trim().parse().ok());
+                    let stamp = stamp.expect("the stamp tool's output is a clock reading");
+                    latencies.push(Duration::from_nanos(
+                        u64::try_from(arrived.as_nanos().saturating_sub(stamp)).unwrap_or(u64::MAX),
+                    ));
+                }
+                Some("run.done") => return latencies,
+                _ => {}
+            }
+        }
+    }
+    latencies
+}
+
+/// The live-event latency across instances (see the module docs).
+async fn live_events(dir: &Path, samples: usize) {
+    let database = keel_testkit::postgres::ScratchDatabase::create("live_events");
+    let calls = 20;
+    let agent = stamp_agent(dir, calls);
+    let a = Arc::new(Server::start(&agent, &database.url));
+    let b = Arc::new(Server::start(&agent, &database.url));
+    let http = reqwest::Client::new();
+    let next = Arc::new(AtomicU64::new(0));
+    for parallel in [1usize, 16] {
+        let runs = (samples / calls).max(parallel);
+        let workers: Vec<_> = (0..parallel)
+            .map(|_| {
+                let (a, b, http, next) = (Arc::clone(&a), Arc::clone(&b), http.clone(), Arc::clone(&next));
+                tokio::spawn(async move {
+                    let (mut here, mut there) = (Vec::new(), Vec::new());
+                    for _ in 0..runs / parallel {
+                        let session = format!("live-{}", next.fetch_add(1, Ordering::Relaxed));
+                        let watch = |server: &Server| {
+                            http.get(format!("http://{}/chat/{session}/events", server.address)).send()
+                        };
+                        let (on_a, on_b) = (watch(&a).await.unwrap(), watch(&b).await.unwrap());
+                        let observers = (tokio::spawn(observe(on_a)), tokio::spawn(observe(on_b)));
+                        let run = http
+                            .post(format!("http://{}/chat", a.address))
+                            .json(&serde_json::json!({"sessionId": session, "input": "go"}))
+                            .send()
+                            .await
+                            .unwrap();
+                        assert_eq!(run.status(), 200);
+                        run.bytes().await.unwrap();
+                        here.extend(observers.0.await.unwrap());
+                        there.extend(observers.1.await.unwrap());
+                    }
+                    (here, there)
+                })
+            })
+            .collect();
+        let (mut here, mut there) = (Vec::new(), Vec::new());
+        for worker in workers {
+            let (h, t) = worker.await.unwrap();
+            here.extend(h);
+            there.extend(t);
+        }
+        here.sort();
+        there.sort();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        for (label, sorted) in
+            [("observer on the executing instance", &here), ("observer on another instance", &there)]
+        {
+            println!(
+                "live events, {parallel} run(s) at a time, {label}: {} events, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+                sorted.len(),
+                ms(percentile(sorted, 0.50)),
+                ms(percentile(sorted, 0.99)),
+                ms(percentile(sorted, 1.0)),
+            );
+        }
+    }
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    if std::env::args().any(|a| a == "--postgres") {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = dir.path().join("agent");
+        std::fs::create_dir_all(&agent).unwrap();
+        std::fs::write(agent.join("agent.yaml"), "name: load\nmodel: mock\n").unwrap();
+        let seconds = env_or(keel_core::env::LOAD_SECONDS.name, if quick { 2 } else { 10 });
+        let connections = env_or(keel_core::env::LOAD_CONNECTIONS.name, 32);
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        runtime.block_on(async {
+            let database = keel_testkit::postgres::ScratchDatabase::create("load_turns");
+            turns(&agent, &database.url, "postgres store", connections, seconds).await;
+            live_events(dir.path(), if quick { 400 } else { 2_000 }).await;
+        });
+        return;
+    }
     raise_fd_limit(200_000);
     let dir = tempfile::tempdir().unwrap();
     let agent = dir.path().join("agent");
@@ -377,5 +516,6 @@ fn main() {
         turns(&agent, &format!("sqlite:{}", db.display()), "sqlite store", connections, seconds).await;
         let db = dir.path().join("soak.db");
         soak(&agent, &format!("sqlite:{}", db.display()), soak_turns, soak_sessions, connections).await;
+        live_events(dir.path(), if quick { 400 } else { 2_000 }).await;
     });
 }

@@ -233,8 +233,8 @@ impl Feeds {
         };
         futures::stream::iter(feeds)
             .for_each_concurrent(8, |feed| async move {
-                // A feed no one has read yet is read in full when someone does.
-                if !*feed.synced.lock().await {
+                // A feed that never read the log reads it in full when someone subscribes.
+                if !lock(&feed.state).read_log {
                     return;
                 }
                 if let Err(error) = sync(shared.log.as_ref(), &feed).await {
@@ -373,37 +373,27 @@ async fn write_out(log: Arc<dyn EventLog>, mut outbox: tokio::sync::mpsc::Receiv
             }
         }
         for (feed, events) in by_feed {
-            deliver(log.as_ref(), &feed, events).await;
-        }
-    }
-}
-
-/// Publishes to `feed` events this process appended (empty: appended by an earlier attempt, so
-/// their numbers are unknown); reads the log instead when they do not follow what it holds.
-async fn deliver(log: &dyn EventLog, feed: &Feed, events: Vec<LoggedEvent>) {
-    {
-        let synced = feed.synced.lock().await;
-        let follows = events.first().is_some_and(|first| first.seq == lock(&feed.state).last_id + 1);
-        if *synced && follows {
-            for event in events {
-                feed.publish_logged(event);
+            if !feed.publish_following(events) {
+                // Not next in line (another instance appended in between, or a read of the log
+                // is under way): the feed reads the log, without holding the writer up.
+                let log = Arc::clone(&log);
+                tokio::spawn(async move {
+                    if let Err(error) = sync(log.as_ref(), &feed).await {
+                        tracing::debug!(%error, session = %feed.session, "could not read the session's events; the next wake-up tries again");
+                    }
+                });
             }
-            return;
         }
-    }
-    if let Err(error) = sync(log, feed).await {
-        tracing::debug!(%error, session = %feed.session, "could not read the session's events; the next wake-up tries again");
     }
 }
 
 /// Reads into `feed` what it lacks of its session's log: the recent events on first use, then
 /// what came after its last one.
 async fn sync(log: &dyn EventLog, feed: &Feed) -> Result<(), StoreError> {
-    let mut synced = feed.synced.lock().await;
-    if !*synced {
+    let _reading = feed.reading.lock().await;
+    if !lock(&feed.state).read_log {
         let (head, events) = log.read_recent(&feed.session, RECENT_EVENTS).await?;
         feed.start_at(head, events);
-        *synced = true;
         return Ok(());
     }
     loop {
@@ -431,9 +421,8 @@ pub(crate) struct Feed {
     session: SessionId,
     state: Mutex<FeedState>,
     published: tokio::sync::Notify,
-    /// With a shared log: held while the feed reads from it or is delivered to (so that what it
-    /// publishes stays in the log's order); `true` once it has read the log a first time.
-    synced: tokio::sync::Mutex<bool>,
+    /// With a shared log: held while the feed reads from it, so that reads do not overlap.
+    reading: tokio::sync::Mutex<()>,
 }
 
 struct FeedState {
@@ -442,6 +431,8 @@ struct FeedState {
     evicted_up_to: u64,
     /// The id of the newest entry published.
     last_id: u64,
+    /// With a shared log: whether the feed has read it (its ids are then the log's numbers).
+    read_log: bool,
     /// Runs publishing to this feed now.
     runs: usize,
     /// Subscribers reading it now.
@@ -457,12 +448,13 @@ impl Feed {
                 recent: VecDeque::new(),
                 evicted_up_to: 0,
                 last_id: 0,
+                read_log: false,
                 runs: 0,
                 subscribers: 0,
                 last_used: Instant::now(),
             }),
             published: tokio::sync::Notify::new(),
-            synced: tokio::sync::Mutex::new(false),
+            reading: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -503,8 +495,28 @@ impl Feed {
                 }
             }
             state.last_id = state.last_id.max(head);
+            state.read_log = true;
         }
         self.published.notify_waiters();
+    }
+
+    /// Publishes events this process appended to the log when they come right after what the
+    /// feed holds (checked and published under one lock, so a read of the log under way only
+    /// adds what they lack); `false` when they do not, or carry no numbers (appended by an
+    /// earlier attempt whose answer was lost), and the feed must read the log.
+    fn publish_following(&self, events: Vec<LoggedEvent>) -> bool {
+        {
+            let mut state = lock(&self.state);
+            let follows = events.first().is_some_and(|first| first.seq == state.last_id + 1);
+            if !state.read_log || !follows {
+                return false;
+            }
+            for event in events {
+                state.push(Entry { id: event.seq, run: event.run, item: Item::from(event.body) });
+            }
+        }
+        self.published.notify_waiters();
+        true
     }
 
     /// Subscribes after `after` (the client's `Last-Event-ID`: the recent entries after it come

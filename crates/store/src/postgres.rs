@@ -247,12 +247,7 @@ impl Postgres {
         // on a thread that drives an async runtime. The first one migrates, and is waited for.
         let (ready, migrated) = std::sync::mpsc::channel();
         for index in 0..options.pool_size.max(1) {
-            let mut worker = Worker {
-                setup: Arc::clone(&setup),
-                client: None,
-                statements: HashMap::new(),
-                run_sessions: HashMap::new(),
-            };
+            let mut worker = Worker::new(Arc::clone(&setup));
             let queue = Arc::clone(&queue);
             let ready = (index == 0).then(|| ready.clone());
             std::thread::Builder::new()
@@ -513,6 +508,11 @@ struct Worker {
 }
 
 impl Worker {
+    /// A worker that connects on its first job.
+    fn new(setup: Arc<Setup>) -> Worker {
+        Worker { setup, client: None, statements: HashMap::new(), run_sessions: HashMap::new() }
+    }
+
     fn serve(mut self, queue: &Mutex<std::sync::mpsc::Receiver<Box<dyn Job>>>) {
         loop {
             let job = {

@@ -19,19 +19,18 @@
 //! finds it there was committed before (its answer was lost with the connection) and appends
 //! nothing. Batches and events are pruned together by age.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use foldhash::HashMap;
 use keel_core::event_log::OnWake;
 use keel_core::{BoxFuture, EventLog, LogWake, LoggedEvent, NewEvent, SessionId, StoreError};
 use postgres::fallible_iterator::FallibleIterator;
 
-use super::{Connection, Job, Setup, get, submit_raw};
+use super::{Connection, Job, Setup, Worker, get, submit_raw};
 use crate::backend::stored_run_id;
 
 /// The notification channel.
+/// The notification channel (also named in [`APPEND`]).
 const CHANNEL: &str = "keel_events";
 
 /// How often the listener checks, with no notification coming, that its connection still works
@@ -46,6 +45,9 @@ pub(crate) struct PgEventLog {
     instance: Arc<str>,
     /// Lives as long as the log: the listener thread stops when it is gone.
     alive: Arc<()>,
+    /// The connection appends go through, opened on first use: a writer appends one batch at
+    /// a time, and on its own connection its appends never queue behind the store's commits.
+    appender: std::sync::OnceLock<std::sync::mpsc::Sender<Box<dyn Job>>>,
 }
 
 impl PgEventLog {
@@ -55,7 +57,24 @@ impl PgEventLog {
             setup,
             instance: format!("{:016x}", fastrand::u64(..)).into(),
             alive: Arc::new(()),
+            appender: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The appending connection's queue (its thread ends when the log is dropped).
+    fn appender(&self) -> &std::sync::mpsc::Sender<Box<dyn Job>> {
+        self.appender.get_or_init(|| {
+            let (jobs, queue) = std::sync::mpsc::channel::<Box<dyn Job>>();
+            let worker = Worker::new(Arc::clone(&self.setup));
+            let spawned = std::thread::Builder::new()
+                .name("keel-postgres-events".into())
+                .spawn(move || worker.serve(&Mutex::new(queue)));
+            if let Err(error) = spawned {
+                // Appends then fail (their queue has no reader) and are tried again.
+                tracing::error!(%error, "cannot start the thread that appends events");
+            }
+            jobs
+        })
     }
 }
 
@@ -66,7 +85,7 @@ impl EventLog for PgEventLog {
         events: Vec<NewEvent>,
     ) -> BoxFuture<'static, Result<Option<Vec<u64>>, StoreError>> {
         let instance = Arc::clone(&self.instance);
-        submit_raw(&self.jobs, Box::new(move |connection| append(connection, batch, &events, &instance)))
+        submit_raw(self.appender(), Box::new(move |connection| append(connection, batch, &events, &instance)))
     }
 
     fn read_after(
@@ -169,7 +188,33 @@ impl EventLog for PgEventLog {
     }
 }
 
-/// One append: see the module docs.
+/// One append, as one statement (one round trip, its own transaction): claim the batch id,
+/// bump the sessions' heads (in session order), insert the events numbered from them, notify
+/// the sessions. Returns nothing when the batch was claimed before.
+const APPEND: &str = r#"
+WITH claimed AS (
+    INSERT INTO event_batches (id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING id
+), added AS (
+    SELECT s COLLATE "C" AS s, count(*) AS n FROM unnest($2::text[]) AS u(s) GROUP BY 1
+), heads AS (
+    INSERT INTO event_heads AS h (session_id, last_seq)
+    SELECT s, n FROM added, claimed ORDER BY s
+    ON CONFLICT (session_id) DO UPDATE SET last_seq = h.last_seq + excluded.last_seq
+    RETURNING session_id, last_seq
+), numbered AS (
+    SELECT e.ord, e.s, e.run, e.body,
+           heads.last_seq - added.n + row_number() OVER (PARTITION BY e.s ORDER BY e.ord) AS seq
+    FROM unnest($2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS e(s, run, body, ord)
+    JOIN heads ON heads.session_id = e.s COLLATE "C"
+    JOIN added ON added.s = e.s COLLATE "C"
+), inserted AS (
+    INSERT INTO events (session_id, seq, run_id, body) SELECT s, seq, run, body FROM numbered
+), notified AS (
+    SELECT count(pg_notify('keel_events', $5 || ' ' || session_id)) AS n FROM heads
+)
+SELECT numbered.seq, notified.n FROM numbered, notified ORDER BY numbered.ord"#;
+
+/// One append: see the module docs and [`APPEND`].
 fn append(
     connection: &mut Connection<'_>,
     batch: u64,
@@ -179,66 +224,29 @@ fn append(
     if events.is_empty() {
         return Ok(Some(Vec::new()));
     }
-    let claim = connection.statement("INSERT INTO event_batches (id) VALUES ($1) ON CONFLICT DO NOTHING")?;
-    let heads = connection.statement(
-        "INSERT INTO event_heads AS h (session_id, last_seq)
-         SELECT s, n FROM unnest($1::text[], $2::int8[]) AS u(s, n) ORDER BY s
-         ON CONFLICT (session_id) DO UPDATE SET last_seq = h.last_seq + excluded.last_seq
-         RETURNING session_id, last_seq",
-    )?;
-    let insert = connection.statement(
-        "INSERT INTO events (session_id, seq, run_id, body)
-         SELECT * FROM unnest($1::text[], $2::int8[], $3::text[], $4::text[])",
-    )?;
-    let notify = connection
-        .statement(&format!("SELECT pg_notify('{CHANNEL}', $1 || ' ' || s) FROM unnest($2::text[]) AS s"))?;
-
-    // How many events each session gets, in session order (the order rows are locked in).
-    let mut counts: BTreeMap<&str, i64> = BTreeMap::new();
-    for event in events {
-        *counts.entry(event.session.as_str()).or_default() += 1;
-    }
-    let sessions: Vec<&str> = counts.keys().copied().collect();
-    let added: Vec<i64> = counts.values().copied().collect();
-
-    let shown = Arc::clone(&connection.setup.shown);
-    let round_trips = &connection.setup.round_trips;
-    let fail = |error: postgres::Error| super::map_error(&error, &shown);
-    // BEGIN, the four statements, COMMIT.
-    round_trips.fetch_add(6, std::sync::atomic::Ordering::Relaxed);
-    let mut tx = connection.client.transaction().map_err(fail)?;
+    let statement = connection.statement(APPEND)?;
     let batch = i64::from_ne_bytes(batch.to_ne_bytes());
-    if tx.execute(&claim, &[&batch]).map_err(fail)? == 0 {
+    let sessions: Vec<&str> = events.iter().map(|e| e.session.as_str()).collect();
+    let runs: Vec<&str> = events.iter().map(|e| e.run.as_str()).collect();
+    let bodies: Vec<Option<&str>> = events.iter().map(|e| e.body.as_deref()).collect();
+    connection.setup.round_trips.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let rows = connection
+        .client
+        .query(&statement, &[&batch, &sessions, &runs, &bodies, &instance])
+        .map_err(|error| connection.fail(&error))?;
+    if rows.is_empty() {
         // Appended by an earlier attempt whose answer was lost.
         return Ok(None);
     }
-    let mut next: HashMap<String, i64> = HashMap::default();
-    for row in tx.query(&heads, &[&sessions, &added]).map_err(fail)? {
-        let session: String = get(&row, 0)?;
-        let last: i64 = get(&row, 1)?;
-        let count = counts.get(session.as_str()).copied().unwrap_or(0);
-        next.insert(session, last - count + 1);
+    if rows.len() != events.len() {
+        return Err(StoreError::Corrupt(format!(
+            "{}: appending {} events numbered {}",
+            connection.setup.shown,
+            events.len(),
+            rows.len()
+        )));
     }
-    // The rows, as one array per column.
-    let mut seqs = Vec::with_capacity(events.len());
-    let mut numbers = Vec::with_capacity(events.len());
-    for event in events {
-        let seq = next.get_mut(event.session.as_str()).ok_or_else(|| {
-            StoreError::Corrupt(format!(
-                "{shown}: keel.event_heads returned no row for a session appended to"
-            ))
-        })?;
-        numbers.push(*seq);
-        seqs.push(self::seq(*seq)?);
-        *seq += 1;
-    }
-    let session_ids: Vec<&str> = events.iter().map(|e| e.session.as_str()).collect();
-    let run_ids: Vec<&str> = events.iter().map(|e| e.run.as_str()).collect();
-    let bodies: Vec<Option<&str>> = events.iter().map(|e| e.body.as_deref()).collect();
-    tx.execute(&insert, &[&session_ids, &numbers, &run_ids, &bodies]).map_err(fail)?;
-    tx.execute(&notify, &[&instance, &sessions]).map_err(fail)?;
-    tx.commit().map_err(fail)?;
-    Ok(Some(seqs))
+    rows.iter().map(|row| seq(get(row, 0)?)).collect::<Result<Vec<u64>, StoreError>>().map(Some)
 }
 
 fn seq(value: i64) -> Result<u64, StoreError> {
