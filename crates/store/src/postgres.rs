@@ -239,6 +239,7 @@ impl Postgres {
             statement_timeout: options.statement_timeout,
             shown: Arc::clone(&shown),
             round_trips: AtomicU64::new(0),
+            run_sessions: Mutex::default(),
         };
         let (jobs, queue) = std::sync::mpsc::channel::<Box<dyn Job>>();
         let queue = Arc::new(Mutex::new(queue));
@@ -326,6 +327,9 @@ struct Setup {
     shown: Arc<str>,
     /// Messages this store waited on the server for (statements, prepares, BEGIN, COMMIT).
     round_trips: AtomicU64,
+    /// The sessions of runs this store has seen, for every worker: a write about a run locks
+    /// its session without looking it up again.
+    run_sessions: Mutex<HashMap<RunId, SessionId>>,
 }
 
 impl Setup {
@@ -503,14 +507,12 @@ struct Worker {
     client: Option<Client>,
     /// Statements prepared on this connection, by their SQL.
     statements: HashMap<String, Statement>,
-    /// The sessions of runs this worker has seen (a run never changes session).
-    run_sessions: HashMap<RunId, SessionId>,
 }
 
 impl Worker {
     /// A worker that connects on its first job.
     fn new(setup: Arc<Setup>) -> Worker {
-        Worker { setup, client: None, statements: HashMap::new(), run_sessions: HashMap::new() }
+        Worker { setup, client: None, statements: HashMap::new() }
     }
 
     fn serve(mut self, queue: &Mutex<std::sync::mpsc::Receiver<Box<dyn Job>>>) {
@@ -550,10 +552,10 @@ impl Worker {
                 self.statements.clear();
                 self.client = Some(self.setup.open()?);
             }
-            let Worker { setup, client, statements, run_sessions } = self;
+            let Worker { setup, client, statements } = self;
             let client = client.as_mut().expect("connected above");
             let mut retry = false;
-            let outcome = run_once(client, statements, run_sessions, setup, work, write, &mut retry);
+            let outcome = run_once(client, statements, setup, work, write, &mut retry);
             if client.is_closed() {
                 self.client = None;
             }
@@ -571,7 +573,6 @@ impl Worker {
 fn run_once<T>(
     client: &mut Client,
     statements: &mut HashMap<String, Statement>,
-    run_sessions: &mut HashMap<RunId, SessionId>,
     setup: &Setup,
     work: &mut Work<T>,
     write: bool,
@@ -595,7 +596,8 @@ fn run_once<T>(
         round_trips,
         write,
         locked: Vec::new(),
-        run_sessions,
+        message_count: None,
+        run_sessions: &setup.run_sessions,
     });
     match result {
         Ok(value) => {
@@ -622,10 +624,13 @@ struct PgTx<'a, 'c> {
     write: bool,
     /// The lock keys taken in this transaction.
     locked: Vec<String>,
-    run_sessions: &'a mut HashMap<RunId, SessionId>,
+    /// A session's message count read (with a run's control row) or written in this write
+    /// transaction, under the session's lock: the rules ask for it right after the control row.
+    message_count: Option<(SessionId, u64)>,
+    run_sessions: &'a Mutex<HashMap<RunId, SessionId>>,
 }
 
-/// How many run-to-session entries a worker remembers before it starts over.
+/// How many run-to-session entries a store remembers before it starts over.
 const REMEMBERED_RUNS: usize = 100_000;
 
 type Params<'p> = &'p [&'p (dyn ToSql + Sync)];
@@ -656,20 +661,27 @@ impl PgTx<'_, '_> {
         if !self.write {
             return Ok(());
         }
-        let session = match self.run_sessions.get(run) {
-            Some(session) => session.clone(),
+        let known = lock(self.run_sessions).get(run).cloned();
+        let session = match known {
+            Some(session) => session,
             None => {
                 let row = self.query_opt("SELECT session_id FROM runs WHERE id = $1", &[&run.as_str()])?;
                 let Some(row) = row else { return Ok(()) };
                 let session = session_id(get(&row, 0)?)?;
-                if self.run_sessions.len() >= REMEMBERED_RUNS {
-                    self.run_sessions.clear();
-                }
-                self.run_sessions.insert(run.clone(), session.clone());
+                self.remember(run, &session);
                 session
             }
         };
         self.lock_session(&session)
+    }
+
+    /// Remembers the session of `run` (a run never changes session).
+    fn remember(&self, run: &RunId, session: &SessionId) {
+        let mut known = lock(self.run_sessions);
+        if known.len() >= REMEMBERED_RUNS {
+            known.clear();
+        }
+        known.insert(run.clone(), session.clone());
     }
 
     /// Locks the session of the pending input `id` (when it exists).
@@ -776,6 +788,11 @@ fn pending_row(row: &Row) -> Result<PendingInput, StoreError> {
 impl Tx for PgTx<'_, '_> {
     fn message_count(&mut self, session: &SessionId) -> Result<u64, StoreError> {
         self.lock_session(session)?;
+        if let Some((known, count)) = &self.message_count
+            && known == session
+        {
+            return Ok(*count);
+        }
         let row = self.query_opt("SELECT message_count FROM sessions WHERE id = $1", &[&session.as_str()])?;
         row.map_or(Ok(0), |row| count(&row, 0))
     }
@@ -798,22 +815,20 @@ impl Tx for PgTx<'_, '_> {
         now_ms: u64,
     ) -> Result<(), StoreError> {
         self.lock_session(session)?;
-        if !messages.is_empty() {
-            // One statement for all of them: a round trip per message would dominate a step.
-            let positions: Vec<i64> =
-                (0..messages.len()).map(|i| signed(first_position + i as u64)).collect();
-            let bodies: Vec<String> = messages.iter().map(|m| encode_message(m)).collect();
-            self.execute(
-                "INSERT INTO messages (session_id, position, run_id, body)
-                 SELECT $1, position, $2, body FROM UNNEST($3::BIGINT[], $4::TEXT[]) AS m(position, body)",
-                &[&session.as_str(), &run.as_str(), &positions, &bodies],
-            )?;
-        }
-        let count = signed(first_position + messages.len() as u64);
+        // One statement for the messages and the session's count: a statement per message, or
+        // one more for the count, would dominate a step.
+        let positions: Vec<i64> = (0..messages.len()).map(|i| signed(first_position + i as u64)).collect();
+        let bodies: Vec<String> = messages.iter().map(|m| encode_message(m)).collect();
+        let count = first_position + messages.len() as u64;
+        self.message_count = Some((session.clone(), count));
         self.execute(
-            "INSERT INTO sessions (id, message_count, created_at, updated_at) VALUES ($1, $2, $3, $3)
+            "WITH added AS (
+                 INSERT INTO messages (session_id, position, run_id, body)
+                 SELECT $1, position, $2, body FROM UNNEST($3::BIGINT[], $4::TEXT[]) AS m(position, body)
+             )
+             INSERT INTO sessions (id, message_count, created_at, updated_at) VALUES ($1, $5, $6, $6)
              ON CONFLICT (id) DO UPDATE SET message_count = EXCLUDED.message_count, updated_at = EXCLUDED.updated_at",
-            &[&session.as_str(), &count, &signed(now_ms)],
+            &[&session.as_str(), &run.as_str(), &positions, &bodies, &signed(count), &signed(now_ms)],
         )
         .map(drop)
     }
@@ -875,6 +890,7 @@ impl Tx for PgTx<'_, '_> {
 
     fn delete_session(&mut self, session: &SessionId) -> Result<bool, StoreError> {
         self.lock_session(session)?;
+        self.message_count = None;
         let id = session.as_str();
         self.execute(
             "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE session_id = $1)",
@@ -898,7 +914,7 @@ impl Tx for PgTx<'_, '_> {
         now_ms: u64,
     ) -> Result<(), StoreError> {
         self.lock_session(&record.session_id)?;
-        self.run_sessions.insert(record.run_id.clone(), record.session_id.clone());
+        self.remember(&record.run_id, &record.session_id);
         self.execute(
             "INSERT INTO runs (id, session_id, input, history_len, call_base, state, created_at, updated_at,
                lease_owner, lease_expires_at, lease_epoch, attempts, cancel_requested_by)
@@ -940,9 +956,24 @@ impl Tx for PgTx<'_, '_> {
 
     fn control(&mut self, run: &RunId) -> Result<Option<RunControl>, StoreError> {
         self.lock_run(run)?;
-        let row =
-            self.query_opt(&format!("SELECT {CONTROL_COLUMNS} FROM runs WHERE id = $1"), &[&run.as_str()])?;
-        row.map(|row| control_row(&row, 0)).transpose()
+        if !self.write {
+            let sql = format!("SELECT {CONTROL_COLUMNS} FROM runs WHERE id = $1");
+            let row = self.query_opt(&sql, &[&run.as_str()])?;
+            return row.map(|row| control_row(&row, 0)).transpose();
+        }
+        // In a write, the session's message count comes along: the rules check the transcript
+        // next, and the session's lock keeps both as read until the commit.
+        let sql = format!(
+            "SELECT {CONTROL_COLUMNS}, (SELECT message_count FROM sessions s WHERE s.id = r.session_id)
+             FROM runs r WHERE id = $1"
+        );
+        let Some(row) = self.query_opt(&sql, &[&run.as_str()])? else {
+            return Ok(None);
+        };
+        let control = control_row(&row, 0)?;
+        let count = get::<Option<i64>>(&row, 7)?.map_or(0, |n| n.max(0) as u64);
+        self.message_count = Some((control.session.clone(), count));
+        Ok(Some(control))
     }
 
     fn set_control(&mut self, run: &RunId, control: &RunControl, now_ms: u64) -> Result<(), StoreError> {
@@ -1131,6 +1162,10 @@ impl Tx for PgTx<'_, '_> {
         )
         .map(drop)
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]
