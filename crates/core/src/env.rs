@@ -143,6 +143,9 @@ env_vars! {
     /// The PostgreSQL server the tests use.
     TEST_POSTGRES = "KEEL_TEST_POSTGRES", Testing, "`postgres://postgres@127.0.0.1:5432/postgres`",
         "the PostgreSQL server tests create (and drop) their own databases on";
+    /// The keel binary the `keel serve` end-to-end tests run.
+    TEST_BINARY = "KEEL_TEST_BINARY", Testing, "the debug build",
+        "the `keel` binary the `keel serve` end-to-end tests run (CI sets the release build: the binary that ships)";
     /// Model test iterations.
     MODEL_ITERATIONS = "KEEL_MODEL_ITERATIONS", Testing, "3",
         "iterations of the model-based concurrency test (`tests/it/model.rs`)";

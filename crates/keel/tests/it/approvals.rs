@@ -232,7 +232,7 @@ fn on_a_terminal_keel_run_asks_the_human_directly() {
     let dir = dir.path();
     let command = format!(
         "{} run {} go --session s --store {}",
-        assert_cmd::cargo::cargo_bin("keel").display(),
+        crate::support::keel_binary().display(),
         dir.display(),
         store_arg(dir)
     );

@@ -276,7 +276,7 @@ fn ctrl_c_cancels_the_run_and_kills_the_tool() {
             "description = \"Sleeps\"\ncommand = [\"sh\", \"-c\", \"sleep 60 & echo $! > nap.pid; wait\"]\n",
         ),
     ]);
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+    let mut child = std::process::Command::new(crate::support::keel_binary())
         .arg("run")
         .arg(dir.path())
         .arg("go")
@@ -321,7 +321,7 @@ fn a_spinner_shows_on_a_terminal_while_the_model_thinks() {
         "agent.yaml",
         "model: mock\nmock: { script: [ { delay_ms: 600, text: 'Done thinking.' } ] }\n",
     )]);
-    let keel = assert_cmd::cargo::cargo_bin("keel");
+    let keel = crate::support::keel_binary();
     // `script` runs the command under a pseudo-terminal, as a person's shell would.
     let command = format!("{} run {} hello", keel.display(), dir.path().display());
     let output = std::process::Command::new("script").args(["-qec", &command, "/dev/null"]).output().unwrap();

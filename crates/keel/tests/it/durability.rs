@@ -29,7 +29,7 @@ command = [\"sh\", \"-c\", \"if [ -f nap.pid ]; then echo rested; else echo $$ >
 
 /// Starts `keel run` on the crash agent, waits until `nap` hangs, SIGKILLs it. Returns the run id.
 fn run_and_kill(dir: &std::path::Path, db: &std::path::Path) -> RunId {
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+    let mut child = std::process::Command::new(crate::support::keel_binary())
         .arg("run")
         .arg(dir)
         .args(["go", "--json", "--session", "crash"])
@@ -158,7 +158,7 @@ fn steps_agent(delay_ms: u64) -> tempfile::TempDir {
 }
 
 fn keel_in(dir: &std::path::Path) -> std::process::Command {
-    let mut command = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"));
+    let mut command = std::process::Command::new(crate::support::keel_binary());
     command.current_dir(dir).env_remove("KEEL_FAULT").env("KEEL_LOG", "error");
     command.arg("run").arg(dir).arg("--store").arg(format!("sqlite:{}", dir.join("keel.db").display()));
     command

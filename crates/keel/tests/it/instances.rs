@@ -190,6 +190,68 @@ async fn a_run_whose_instance_was_killed_is_finished_by_another_without_repeatin
     assert_eq!(std::fs::read_to_string(&counted).unwrap(), "once\n", "the committed tool step ran again");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_killed_mid_tool_is_finished_by_another_instance_with_one_completed_call() {
+    let database = ScratchDatabase::create("killed_tool");
+    // The tool notes its start and its idempotency key, works for 3 s, then notes its end.
+    let dir = agent_dir(&[
+        (
+            "agent.yaml",
+            "model: mock
+tools: [work]
+mock:
+  script:
+    - tool_calls: [{ name: work, input: {} }]
+    - text: 'Worked: {{last_tool_output}}.'
+",
+        ),
+        (
+            "tools/work.toml",
+            "description = \"Works\"\ncommand = [\"sh\", \"-c\", \"echo start >> calls.txt; echo $KEEL_IDEMPOTENCY_KEY >> keys.txt; sleep 3; echo end >> calls.txt; echo done\"]\n",
+        ),
+    ]);
+    let mut servers = instances(dir.path(), &database);
+    let http = client();
+    let mut observer = LiveSse::new(http.get(servers[2].url("/chat/t/events")).send().await.unwrap());
+    let stream = http
+        .post(servers[0].url("/chat"))
+        .json(&json!({"sessionId": "t", "input": "work"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    // The tool is running on instance 0: kill the instance (its tool dies with it).
+    let calls = dir.path().join("calls.txt");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !calls.exists() {
+        assert!(Instant::now() < deadline, "the tool never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut killed = servers.remove(0);
+    killed.child.kill().unwrap();
+    killed.child.wait().unwrap();
+    drop(stream);
+
+    // Another instance takes the run over and calls the tool again (its call never completed),
+    // with the same idempotency key; the observer on a third sees the run end.
+    let events = observer.until_done().await;
+    let done = events.last().unwrap().json();
+    assert_eq!(done["text"], "Worked: done.", "{events:?}");
+    let transcript =
+        transcript_when(&servers[0], "t", |t| t["messages"].as_array().is_some_and(|m| m.len() == 4)).await;
+    assert_eq!(transcript["messages"].as_array().unwrap().len(), 4, "one call, one result: {transcript:#}");
+    assert_eq!(
+        std::fs::read_to_string(&calls).unwrap(),
+        "start\nstart\nend\n",
+        "killed once, completed once"
+    );
+    let keys = std::fs::read_to_string(dir.path().join("keys.txt")).unwrap();
+    let keys: Vec<&str> = keys.lines().collect();
+    assert_eq!(keys.len(), 2);
+    assert_eq!(keys[0], keys[1], "the repeated call carries the same idempotency key");
+    assert!(keys[0].ends_with(":tool:work:call_0_0"), "{keys:?}");
+}
+
 /// A TCP proxy in front of PostgreSQL that the test can cut: while cut, it drops every open
 /// connection and every new one, as a database restart or a network cut would.
 struct CuttableProxy {

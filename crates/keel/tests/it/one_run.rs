@@ -169,7 +169,7 @@ fn a_decision_made_elsewhere_reaches_a_waiting_chat_and_the_session_stays_whole(
     let dir = dir.path();
     let chat = format!(
         "{} chat {} --session c2 --store {}",
-        assert_cmd::cargo::cargo_bin("keel").display(),
+        crate::support::keel_binary().display(),
         dir.display(),
         sqlite(dir)
     );
@@ -212,7 +212,7 @@ fn a_waiting_terminal_follows_a_run_that_another_process_continues() {
     let dir = dir.path();
     let run = format!(
         "{} run {} 'convert 10 km' --session t --store {}",
-        assert_cmd::cargo::cargo_bin("keel").display(),
+        crate::support::keel_binary().display(),
         dir.display(),
         sqlite(dir)
     );
@@ -428,7 +428,7 @@ fn processes_opening_a_new_store_together_all_start_and_migrate_it_once() {
         let store = format!("sqlite:{}", dir.path().join(format!("new-{round}.db")).display());
         let children: Vec<_> = (0..8)
             .map(|_| {
-                Command::new(assert_cmd::cargo::cargo_bin("keel"))
+                Command::new(crate::support::keel_binary())
                     .args(["sessions", "list", "--store", &store])
                     .env("KEEL_LOG", "error")
                     .stdout(Stdio::null())

@@ -510,7 +510,7 @@ mock:
     for path in [dir.path(), &dir.path().join("work")] {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777)).unwrap();
     }
-    let keel_binary = assert_cmd::cargo::cargo_bin("keel");
+    let keel_binary = crate::support::keel_binary();
     let mut command = if as_root {
         let mut command = std::process::Command::new("/usr/bin/setpriv");
         command.args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(&keel_binary);

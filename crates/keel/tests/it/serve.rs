@@ -24,7 +24,7 @@ impl Served {
 
     /// `keel serve <agent> --port 0 <args>`.
     pub(crate) fn start_with_args(agent: &Path, args: &[&str], env: &[(&str, &str)]) -> Served {
-        let mut command = Command::new(assert_cmd::cargo::cargo_bin("keel"));
+        let mut command = Command::new(crate::support::served_keel_binary());
         command
             .arg("serve")
             .arg(agent)

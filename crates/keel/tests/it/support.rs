@@ -20,8 +20,27 @@ pub fn agent_dir(files: &[(&str, &str)]) -> tempfile::TempDir {
 pub const KEEL_PID: &str = "read -r _ _ _ keel _ < /proc/$PPID/stat";
 
 /// The `keel` binary, with logs quiet.
+/// The `keel` binary the CLI tests run: the debug build cargo made for the tests, whose fault
+/// points (`KEEL_FAULT`) the crash tests use.
+pub fn keel_binary() -> std::path::PathBuf {
+    assert_cmd::cargo::cargo_bin("keel")
+}
+
+/// The `keel` binary the `keel serve` tests run: `KEEL_TEST_BINARY` (CI sets the release build,
+/// the binary that ships) or the debug build.
+pub fn served_keel_binary() -> std::path::PathBuf {
+    match std::env::var_os(keel_core::env::TEST_BINARY.name).filter(|path| !path.is_empty()) {
+        Some(path) => {
+            let path = std::path::PathBuf::from(path);
+            assert!(path.is_file(), "KEEL_TEST_BINARY names {}, which is not a file", path.display());
+            path
+        }
+        None => keel_binary(),
+    }
+}
+
 pub fn keel() -> Command {
-    let mut command = Command::cargo_bin("keel").unwrap();
+    let mut command = Command::new(keel_binary());
     command.env_remove("KEEL_STORE").env("KEEL_LOG", "error");
     command
 }
@@ -34,7 +53,7 @@ pub fn keel_on_store(dir: &Path, args: &[&str]) -> std::process::Command {
 
 /// [`keel_on_store`] with another store (`postgres://...`).
 pub fn keel_with_store(dir: &Path, args: &[&str], store: &str) -> std::process::Command {
-    let mut command = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"));
+    let mut command = std::process::Command::new(crate::support::keel_binary());
     command
         .current_dir(dir)
         .env_remove("KEEL_FAULT")
