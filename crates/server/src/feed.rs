@@ -340,25 +340,8 @@ async fn write_out(log: Arc<dyn EventLog>, mut outbox: tokio::sync::mpsc::Receiv
     let mut queued = Vec::with_capacity(APPEND_BATCH);
     let mut failing_since: Option<Instant> = None;
     while outbox.recv_many(&mut queued, APPEND_BATCH).await > 0 {
-        let batch = fastrand::u64(..);
         let events: Vec<NewEvent> = queued.iter().map(|out| out.event.clone()).collect();
-        let mut backoff = Duration::from_millis(50);
-        let seqs = loop {
-            match log.append(batch, events.clone()).await {
-                Ok(seqs) => break seqs,
-                Err(error) => {
-                    if failing_since.is_none() {
-                        tracing::warn!(%error, "cannot store events in the shared log; they wait, in order");
-                        failing_since = Some(Instant::now());
-                    }
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                }
-            }
-        };
-        if let Some(since) = failing_since.take() {
-            tracing::info!(after = ?since.elapsed(), "events flow to the shared log again");
-        }
+        let seqs = append_until_stored(log.as_ref(), events, &mut failing_since).await;
         // Each feed's events of this batch, in order (a run's events are consecutive per feed).
         let mut by_feed: Vec<(Arc<Feed>, Vec<LoggedEvent>)> = Vec::new();
         for (index, out) in queued.drain(..).enumerate() {
@@ -385,6 +368,53 @@ async fn write_out(log: Arc<dyn EventLog>, mut outbox: tokio::sync::mpsc::Receiv
             }
         }
     }
+}
+
+/// Appends `events` to the log as one batch, again after each failure (pausing longer each
+/// time) until the log takes them; `failing_since` spans the failures, so that an outage is
+/// reported once and its end once.
+async fn append_until_stored(
+    log: &dyn EventLog,
+    events: Vec<NewEvent>,
+    failing_since: &mut Option<Instant>,
+) -> Option<Vec<u64>> {
+    let batch = fastrand::u64(..);
+    let mut backoff = Duration::from_millis(50);
+    let seqs = loop {
+        match log.append(batch, events.clone()).await {
+            Ok(seqs) => break seqs,
+            Err(error) => {
+                if failing_since.is_none() {
+                    tracing::warn!(%error, "cannot store events in the shared log; they wait, in order");
+                    *failing_since = Some(Instant::now());
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+    };
+    if let Some(since) = failing_since.take() {
+        tracing::info!(after = ?since.elapsed(), "events flow to the shared log again");
+    }
+    seqs
+}
+
+/// Publishes the events sent on the returned channel to `log`, in order, batching what queues
+/// while an append is in flight: how a process that drives runs outside `keel serve` (the CLI
+/// deciding an approval, say) lets observers on `keel serve` instances see them. The task ends
+/// once the sender is dropped and everything sent is stored.
+pub fn publish_to_log(
+    log: Arc<dyn EventLog>,
+) -> (tokio::sync::mpsc::UnboundedSender<NewEvent>, tokio::task::JoinHandle<()>) {
+    let (events, mut queue) = tokio::sync::mpsc::unbounded_channel();
+    let task = tokio::spawn(async move {
+        let mut queued = Vec::new();
+        let mut failing_since = None;
+        while queue.recv_many(&mut queued, APPEND_BATCH).await > 0 {
+            append_until_stored(log.as_ref(), std::mem::take(&mut queued), &mut failing_since).await;
+        }
+    });
+    (events, task)
 }
 
 /// Reads into `feed` what it lacks of its session's log: the recent events on first use, then

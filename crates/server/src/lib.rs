@@ -36,6 +36,7 @@ use keel_runtime::Engine;
 use tokio_util::sync::CancellationToken;
 
 pub use auth::{JwtOptions, fetch_jwks};
+pub use feed::publish_to_log;
 pub use routes::{MAX_BODY, OPENAPI};
 
 /// How the server runs.

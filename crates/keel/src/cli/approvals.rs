@@ -133,7 +133,7 @@ async fn decide(id: &str, decision: Decision, target: &DecisionTarget) -> std::i
         }
     };
     eprintln!("{verb} {id}; continuing run {}", handle.run_id());
-    let (code, pending) = follow(handle, target.json).await?;
+    let (code, pending) = follow(handle, target.json, agent.store().event_log()).await?;
     if !pending.is_empty() {
         let ids: Vec<&str> = pending.iter().map(|p| p.id.as_str()).collect();
         eprintln!("paused again: still waiting for {}", ids.join(", "));

@@ -2,11 +2,13 @@
 
 use std::io::{IsTerminal, Write};
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
 use keel::{Agent, Decision, ErrorCode, PendingInput, PendingKind, RunHandle, RunId, RunState, StopReason};
+use keel_core::{Event, EventLog, NewEvent, SessionId};
 
 use super::RunArgs;
 use super::exit;
@@ -172,7 +174,9 @@ impl Context<'_> {
         let mut next = Next::Follow(handle);
         loop {
             let (code, pending) = match next {
-                Next::Follow(handle) => follow(handle, self.args.json).await?,
+                Next::Follow(handle) => {
+                    follow(handle, self.args.json, self.agent.store().event_log()).await?
+                }
                 Next::Elsewhere(run, why) => self.wait_elsewhere(&run, &why).await?,
             };
             if pending.is_empty() {
@@ -367,17 +371,28 @@ fn explain_pause(pending: &[PendingInput], store: &str, agent: &std::path::Path)
 }
 
 /// Shows a run as it goes (Ctrl-C cancels it); returns its exit code and, when it paused,
-/// what it waits for.
-pub(crate) async fn follow(mut handle: RunHandle, json: bool) -> std::io::Result<(u8, Vec<PendingInput>)> {
+/// what it waits for. With a store that `keel serve` instances share (`log`), the run's events
+/// also go to its event log, for their observers.
+pub(crate) async fn follow(
+    mut handle: RunHandle,
+    json: bool,
+    log: Option<Arc<dyn EventLog>>,
+) -> std::io::Result<(u8, Vec<PendingInput>)> {
     let mut renderer: Box<dyn Render> =
         if json { Box::new(JsonRenderer::new()) } else { Box::new(HumanRenderer::new()) };
+    let mut shared = log.map(SharedEvents::new);
     let mut interrupted = false;
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
     loop {
         tokio::select! {
             event = handle.next() => match event {
-                Some(event) => renderer.event(&event)?,
+                Some(event) => {
+                    if let Some(shared) = &mut shared {
+                        shared.send(handle.run_id(), Some(&event));
+                    }
+                    renderer.event(&event)?;
+                }
                 None => break,
             },
             _ = &mut ctrl_c, if !interrupted => {
@@ -386,6 +401,10 @@ pub(crate) async fn follow(mut handle: RunHandle, json: bool) -> std::io::Result
                 handle.cancel();
             }
         }
+    }
+    if let Some(mut shared) = shared {
+        shared.send(handle.run_id(), None);
+        shared.finish().await;
     }
     renderer.finish()?;
     Ok(match handle.result().await {
@@ -397,4 +416,39 @@ pub(crate) async fn follow(mut handle: RunHandle, json: bool) -> std::io::Result
         },
         Err(failure) => (exit::for_failure(&failure), Vec::new()),
     })
+}
+
+/// A run's events on their way to the store's shared event log.
+struct SharedEvents {
+    session: Option<SessionId>,
+    events: tokio::sync::mpsc::UnboundedSender<NewEvent>,
+    publisher: tokio::task::JoinHandle<()>,
+}
+
+impl SharedEvents {
+    fn new(log: Arc<dyn EventLog>) -> SharedEvents {
+        let (events, publisher) = keel_server::publish_to_log(log);
+        SharedEvents { session: None, events, publisher }
+    }
+
+    /// Sends an event (`None`: the end of the run's stream). The first one, `run.start`, names
+    /// the session.
+    fn send(&mut self, run: &RunId, event: Option<&Event>) {
+        if let Some(Event::RunStart { session_id, .. }) = event {
+            self.session = Some(session_id.clone());
+        }
+        let Some(session) = &self.session else { return };
+        let body = event.map(|event| Arc::from(keel_core::wire::event_to_json(event)));
+        let _ = self.events.send(NewEvent { session: session.clone(), run: run.clone(), body });
+    }
+
+    /// Waits (a few seconds at most) until the events are stored.
+    async fn finish(self) {
+        drop(self.events);
+        if tokio::time::timeout(Duration::from_secs(5), self.publisher).await.is_err() {
+            tracing::warn!(
+                "the shared event log is unreachable: observers on keel serve miss this run's last events"
+            );
+        }
+    }
 }

@@ -252,6 +252,57 @@ mock:
     assert!(keys[0].ends_with(":tool:work:call_0_0"), "{keys:?}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_continued_by_the_cli_reaches_observers_on_the_instances() {
+    let database = ScratchDatabase::create("cli_decides");
+    let dir = agent_dir(&[("agent.yaml", APPROVAL_AGENT)]);
+    let servers = instances(dir.path(), &database);
+    let http = client();
+    let paused = read_sse(
+        http.post(servers[0].url("/chat"))
+            .json(&json!({"sessionId": "c", "input": "day?"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let last_id = paused.iter().rev().find_map(|e| e.id.clone()).unwrap();
+    let requested =
+        paused.iter().find(|m| m.event.is_none() && m.kind() == "approval.requested").unwrap().json();
+    let approval = requested["approvalId"].as_str().unwrap().to_owned();
+    let mut observer = LiveSse::new(
+        http.get(servers[1].url("/chat/c/events")).header("last-event-id", &last_id).send().await.unwrap(),
+    );
+    // The CLI decides and drives the rest of the run in its own process.
+    let agent = dir.path().to_str().unwrap().to_owned();
+    let decided = tokio::task::spawn_blocking({
+        let (dir, url) = (dir.path().to_owned(), database.url.clone());
+        move || {
+            crate::support::keel_with_store(
+                &dir,
+                &["approvals", "approve", &approval, "--agent", &agent],
+                &url,
+            )
+            .output()
+            .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    assert!(decided.status.success(), "{decided:?}");
+    let events = observer.until_done().await;
+    let kinds: Vec<String> = events.iter().map(Sse::kind).collect();
+    assert!(kinds.contains(&"tool.done".to_owned()), "{kinds:?}");
+    let done = events.last().unwrap().json();
+    assert!(done["text"].as_str().unwrap().starts_with("Today is "), "{done}");
+    let id = |e: &Sse| e.id.as_deref().unwrap().parse::<u64>().unwrap();
+    assert!(id(&events[0]) > last_id.parse::<u64>().unwrap(), "numbered after the pause");
+    assert!(
+        !kinds.contains(&"approval.requested".to_owned()),
+        "nothing from before the pause again: {kinds:?}"
+    );
+}
+
 /// A TCP proxy in front of PostgreSQL that the test can cut: while cut, it drops every open
 /// connection and every new one, as a database restart or a network cut would.
 struct CuttableProxy {
