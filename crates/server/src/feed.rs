@@ -237,8 +237,8 @@ impl Feeds {
                 if !lock(&feed.state).read_log {
                     return;
                 }
-                if let Err(error) = sync(shared.log.as_ref(), &feed).await {
-                    tracing::debug!(%error, session = %feed.session, "could not read the session's events; the next wake-up tries again");
+                if sync(shared.log.as_ref(), &feed).await.is_err() {
+                    tokio::spawn(sync_persistently(Arc::clone(&shared.log), feed));
                 }
             })
             .await;
@@ -359,12 +359,7 @@ async fn write_out(log: Arc<dyn EventLog>, mut outbox: tokio::sync::mpsc::Receiv
             if !feed.publish_following(events) {
                 // Not next in line (another instance appended in between, or a read of the log
                 // is under way): the feed reads the log, without holding the writer up.
-                let log = Arc::clone(&log);
-                tokio::spawn(async move {
-                    if let Err(error) = sync(log.as_ref(), &feed).await {
-                        tracing::debug!(%error, session = %feed.session, "could not read the session's events; the next wake-up tries again");
-                    }
-                });
+                tokio::spawn(sync_persistently(Arc::clone(&log), feed));
             }
         }
     }
@@ -415,6 +410,21 @@ pub fn publish_to_log(
         }
     });
     (events, task)
+}
+
+/// [`sync`], again after each failure (the database is unreachable for a while), for up to a
+/// minute: a feed that missed a read would otherwise wait for the session's next event.
+async fn sync_persistently(log: Arc<dyn EventLog>, feed: Arc<Feed>) {
+    let started = Instant::now();
+    let mut backoff = Duration::from_millis(100);
+    while let Err(error) = sync(log.as_ref(), &feed).await {
+        if started.elapsed() > Duration::from_secs(60) {
+            tracing::warn!(%error, session = %feed.session, "could not read the session's events for a minute; its next event tries again");
+            return;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
 }
 
 /// Reads into `feed` what it lacks of its session's log: the recent events on first use, then

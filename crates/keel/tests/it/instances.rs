@@ -352,8 +352,11 @@ async fn a_run_waits_out_a_database_outage_and_finishes_with_nothing_lost() {
     let through_proxy = database.url.replacen(&format!(":{upstream}/"), &format!(":{}/", proxy.port), 1);
     let dir = counting_agent(1500);
     let server = Served::start(dir.path(), &through_proxy, &[]);
+    let other = Served::start(dir.path(), &through_proxy, &[]);
     let http = client();
     assert_eq!(http.get(server.url("/health")).send().await.unwrap().status(), 200);
+    // An observer on another instance, whose connections to the database break too.
+    let mut observer = LiveSse::new(http.get(other.url("/chat/o/events")).send().await.unwrap());
     let stream = http
         .post(server.url("/chat"))
         .json(&json!({"sessionId": "o", "input": "count"}))
@@ -375,6 +378,8 @@ async fn a_run_waits_out_a_database_outage_and_finishes_with_nothing_lost() {
     let done = events.iter().find(|e| e.event.is_none() && e.kind() == "run.done");
     assert!(done.is_some(), "the run did not finish: {events:?}");
     assert_eq!(done.unwrap().json()["text"], "Counted one.");
+    let events: Vec<Sse> = events.into_iter().filter(|e| e.event.is_none()).collect();
+    assert_eq!(observer.until_done().await, events, "the observer elsewhere saw all of it, once, in order");
     let transcript =
         transcript_when(&server, "o", |t| t["messages"].as_array().is_some_and(|m| m.len() == 4)).await;
     assert_eq!(transcript["messages"].as_array().unwrap().len(), 4, "{transcript}");
