@@ -682,4 +682,119 @@ mod tests {
         drop((slow, late, resumed));
         assert_eq!(lock(&feed.state).subscribers, 0);
     }
+
+    /// A shared log in memory, standing for the database in the feeds' own logic: appends
+    /// numbered per session, as `keel.events` numbers them.
+    #[derive(Default)]
+    struct MemoryLog {
+        sessions: Mutex<HashMap<SessionId, Vec<LoggedEvent>>>,
+    }
+
+    impl MemoryLog {
+        fn append_now(&self, events: Vec<NewEvent>) -> Vec<u64> {
+            let mut sessions = lock(&self.sessions);
+            events
+                .into_iter()
+                .map(|event| {
+                    let log = sessions.entry(event.session).or_default();
+                    let seq = log.len() as u64 + 1;
+                    log.push(LoggedEvent { seq, run: event.run, body: event.body });
+                    seq
+                })
+                .collect()
+        }
+    }
+
+    impl EventLog for MemoryLog {
+        fn append(
+            &self,
+            _batch: u64,
+            events: Vec<NewEvent>,
+        ) -> keel_core::BoxFuture<'static, Result<Option<Vec<u64>>, StoreError>> {
+            let seqs = self.append_now(events);
+            Box::pin(async move { Ok(Some(seqs)) })
+        }
+
+        fn read_after(
+            &self,
+            session: &SessionId,
+            after: u64,
+            limit: usize,
+        ) -> keel_core::BoxFuture<'static, Result<Vec<LoggedEvent>, StoreError>> {
+            let events: Vec<LoggedEvent> = lock(&self.sessions)
+                .get(session)
+                .map(|log| log.iter().filter(|e| e.seq > after).take(limit).cloned().collect())
+                .unwrap_or_default();
+            Box::pin(async move { Ok(events) })
+        }
+
+        fn read_recent(
+            &self,
+            session: &SessionId,
+            limit: usize,
+        ) -> keel_core::BoxFuture<'static, Result<(u64, Vec<LoggedEvent>), StoreError>> {
+            let log = lock(&self.sessions).get(session).cloned().unwrap_or_default();
+            let recent = log[log.len().saturating_sub(limit)..].to_vec();
+            Box::pin(async move { Ok((log.len() as u64, recent)) })
+        }
+
+        fn watch(&self, _on_wake: keel_core::event_log::OnWake) -> Result<(), StoreError> {
+            Ok(())
+        }
+
+        fn prune(&self, _older_than_ms: u64) -> keel_core::BoxFuture<'static, Result<u64, StoreError>> {
+            Box::pin(async { Ok(0) })
+        }
+    }
+
+    fn other_instance_appends(log: &MemoryLog, session: &SessionId, body: &str) {
+        let event =
+            NewEvent { session: session.clone(), run: RunId::from_suffix("other"), body: Some(body.into()) };
+        log.append_now(vec![event]);
+    }
+
+    async fn next_body(subscriber: &mut Subscriber) -> String {
+        let entry = tokio::time::timeout(Duration::from_secs(5), subscriber.next()).await.unwrap().unwrap();
+        match &entry.item {
+            Item::Event(json) => format!("{}:{json}", entry.id),
+            Item::RunEnded => format!("{}:end", entry.id),
+        }
+    }
+
+    #[tokio::test]
+    async fn with_a_shared_log_a_feed_shows_every_instances_events_in_the_logs_order() {
+        let log = Arc::new(MemoryLog::default());
+        let feeds = Arc::new(Feeds::new(
+            Arc::new(Metrics::new()),
+            Some(Arc::clone(&log) as Arc<dyn EventLog>),
+            Duration::from_secs(60),
+        ));
+        let session = SessionId::new("s").unwrap();
+        other_instance_appends(&log, &session, "before");
+        // A subscriber from now on starts after what the log holds.
+        let mut live = feeds.subscribe(&session, None).await.unwrap();
+        // Another instance appends, then this one publishes: its event comes after the other's.
+        other_instance_appends(&log, &session, "theirs");
+        let feed = feeds.feed(&session);
+        feeds.publish(&feed, &RunId::from_suffix("mine"), Some("ours".into())).await;
+        assert_eq!(next_body(&mut live).await, "2:theirs");
+        assert_eq!(next_body(&mut live).await, "3:ours");
+        // A wake-up reads what another instance appended since.
+        other_instance_appends(&log, &session, "later");
+        let mut woken = Woken::default();
+        woken.sessions.insert(session.clone());
+        feeds.read_woken(woken).await;
+        assert_eq!(next_body(&mut live).await, "4:later");
+        feeds.publish(&feed, &RunId::from_suffix("mine"), None).await;
+        assert_eq!(next_body(&mut live).await, "5:end");
+        // A reconnect with Last-Event-ID on a fresh process's feeds resumes exactly.
+        let elsewhere = Arc::new(Feeds::new(
+            Arc::new(Metrics::new()),
+            Some(Arc::clone(&log) as Arc<dyn EventLog>),
+            Duration::from_secs(60),
+        ));
+        let mut resumed = elsewhere.subscribe(&session, Some(2)).await.unwrap();
+        assert_eq!(next_body(&mut resumed).await, "3:ours");
+        assert_eq!(next_body(&mut resumed).await, "4:later");
+    }
 }
