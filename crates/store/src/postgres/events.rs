@@ -29,7 +29,6 @@ use postgres::fallible_iterator::FallibleIterator;
 use super::{Connection, Job, Setup, Worker, get, submit_raw};
 use crate::backend::stored_run_id;
 
-/// The notification channel.
 /// The notification channel (also named in [`APPEND`]).
 const CHANNEL: &str = "keel_events";
 
