@@ -1261,6 +1261,44 @@ mod tests {
         assert_eq!(version, SCHEMA_VERSION + 1);
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_database_of_the_first_schema_is_brought_forward_with_its_sessions() {
+        let database = ScratchDatabase::create("upgrade");
+        // A database as the first version left it, with a session in it.
+        let url = database.url.clone();
+        std::thread::spawn(move || {
+            let mut client = Client::connect(&url, NoTls).unwrap();
+            client
+                .batch_execute(&format!(
+                    "CREATE SCHEMA keel; SET search_path TO keel; {}
+                     CREATE TABLE keel.schema_version (version BIGINT NOT NULL);
+                     INSERT INTO keel.schema_version VALUES (1);
+                     INSERT INTO keel.sessions (id, message_count, created_at, updated_at) VALUES ('old', 0, 1, 1);",
+                    MIGRATIONS[0]
+                ))
+                .unwrap();
+        })
+        .join()
+        .unwrap();
+        let store = store(&database);
+        let sessions = store.list_sessions().await.unwrap();
+        assert_eq!(sessions.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["old"]);
+        // The event log, new in version 2, works.
+        let log = store.event_log().unwrap();
+        let session = SessionId::new("old").unwrap();
+        let event =
+            keel_core::NewEvent { session: session.clone(), run: RunId::from_suffix("r"), body: None };
+        assert_eq!(log.append(7, vec![event]).await.unwrap(), Some(vec![1]));
+        let url = database.url.clone();
+        let version: i64 = std::thread::spawn(move || {
+            let mut client = Client::connect(&url, NoTls).unwrap();
+            client.query_one("SELECT version FROM keel.schema_version", &[]).unwrap().get(0)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+    }
+
     #[test]
     fn another_applications_tables_in_the_database_are_left_alone() {
         let database = ScratchDatabase::create("shared");
