@@ -1,7 +1,6 @@
 //! `keel run`: one turn of an agent, streamed to the terminal (or as JSON lines).
 
 use std::io::{IsTerminal, Write};
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
