@@ -737,10 +737,11 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
         usage: Usage { input_tokens: 100 * n, output_tokens: n },
     };
     let turn = StepName::ModelTurn;
-    for (n, position) in [(0u32, 1u64), (1, 2)] {
+    // The third step adds no message: its usage is stored on its own.
+    for (n, position, answers) in [(0u32, 1u64, 1usize), (1, 2, 1), (2, 3, 0)] {
         let entry =
             JournalEntry { step: turn(n), record: JournalRecord::ModelReply(reply(u64::from(n) + 1)) };
-        let answer = [Arc::new(Message::assistant("ok"))];
+        let answer: Vec<Arc<Message>> = (0..answers).map(|_| Arc::new(Message::assistant("ok"))).collect();
         let step = StepCommit {
             entry: Some(&entry),
             first_position: position,
@@ -752,7 +753,7 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
         // The same step again, as a replay after a crash would write it.
         store.commit_step(step).await.unwrap();
     }
-    let stale_entry = JournalEntry { step: turn(2), record: JournalRecord::ModelReply(reply(50)) };
+    let stale_entry = JournalEntry { step: turn(3), record: JournalRecord::ModelReply(reply(50)) };
     let stale = StepCommit {
         entry: Some(&stale_entry),
         fence: Some(Fence { owner: "process-b", epoch: 9, ttl: MINUTE }),
@@ -760,7 +761,7 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
     };
     assert!(store.commit_step(stale).await.is_err());
     let summary = store.session_summary(&session).await.unwrap().expect("the session exists");
-    assert_eq!(summary.usage, Usage { input_tokens: 300, output_tokens: 3 });
+    assert_eq!(summary.usage, Usage { input_tokens: 600, output_tokens: 6 });
     assert_eq!((summary.messages, summary.runs), (3, 1));
     let listed = store.list_sessions().await.unwrap();
     assert_eq!(listed.iter().find(|s| s.id == session).map(|s| s.usage), Some(summary.usage));

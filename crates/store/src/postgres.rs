@@ -588,7 +588,7 @@ fn run_once<T>(
         .read_only(!write)
         .start()
         .map_err(|error| map_error(&error, shown))?;
-    let result = work(&mut PgTx {
+    let mut storage = PgTx {
         tx: &mut tx,
         statements,
         shown,
@@ -597,8 +597,11 @@ fn run_once<T>(
         write,
         locked: Vec::new(),
         message_count: None,
+        usage: None,
         run_sessions: &setup.run_sessions,
-    });
+    };
+    let result = work(&mut storage).and_then(|value| storage.write_usage().map(|()| value));
+    drop(storage);
     match result {
         Ok(value) => {
             tx.commit().map_err(|error| {
@@ -627,6 +630,10 @@ struct PgTx<'a, 'c> {
     /// A session's message count read (with a run's control row) or written in this write
     /// transaction, under the session's lock: the rules ask for it right after the control row.
     message_count: Option<(SessionId, u64)>,
+    /// Token usage added to a session in this write transaction and not written yet: it joins
+    /// the statement that writes the session's messages (a model step adds both), or is written
+    /// before anything reads it and before the commit.
+    usage: Option<(SessionId, Usage, u64)>,
     run_sessions: &'a Mutex<HashMap<RunId, SessionId>>,
 }
 
@@ -673,6 +680,19 @@ impl PgTx<'_, '_> {
             }
         };
         self.lock_session(&session)
+    }
+
+    /// Writes the token usage added and not written yet (see `usage`).
+    fn write_usage(&mut self) -> Result<(), StoreError> {
+        let Some((session, usage, now_ms)) = self.usage.take() else { return Ok(()) };
+        self.execute(
+            "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
+             VALUES ($1, 0, $2, $2, $3, $4)
+             ON CONFLICT (id) DO UPDATE SET input_tokens = sessions.input_tokens + EXCLUDED.input_tokens,
+               output_tokens = sessions.output_tokens + EXCLUDED.output_tokens",
+            &[&session.as_str(), &signed(now_ms), &signed(usage.input_tokens), &signed(usage.output_tokens)],
+        )
+        .map(drop)
     }
 
     /// Remembers the session of `run` (a run never changes session).
@@ -821,14 +841,34 @@ impl Tx for PgTx<'_, '_> {
         let bodies: Vec<String> = messages.iter().map(|m| encode_message(m)).collect();
         let count = first_position + messages.len() as u64;
         self.message_count = Some((session.clone(), count));
+        // The usage a model step added to this session comes along.
+        let usage = match self.usage.take() {
+            Some((known, usage, _)) if &known == session => usage,
+            other => {
+                self.usage = other;
+                Usage::default()
+            }
+        };
         self.execute(
             "WITH added AS (
                  INSERT INTO messages (session_id, position, run_id, body)
                  SELECT $1, position, $2, body FROM UNNEST($3::BIGINT[], $4::TEXT[]) AS m(position, body)
              )
-             INSERT INTO sessions (id, message_count, created_at, updated_at) VALUES ($1, $5, $6, $6)
-             ON CONFLICT (id) DO UPDATE SET message_count = EXCLUDED.message_count, updated_at = EXCLUDED.updated_at",
-            &[&session.as_str(), &run.as_str(), &positions, &bodies, &signed(count), &signed(now_ms)],
+             INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
+             VALUES ($1, $5, $6, $6, $7, $8)
+             ON CONFLICT (id) DO UPDATE SET message_count = EXCLUDED.message_count, updated_at = EXCLUDED.updated_at,
+               input_tokens = sessions.input_tokens + EXCLUDED.input_tokens,
+               output_tokens = sessions.output_tokens + EXCLUDED.output_tokens",
+            &[
+                &session.as_str(),
+                &run.as_str(),
+                &positions,
+                &bodies,
+                &signed(count),
+                &signed(now_ms),
+                &signed(usage.input_tokens),
+                &signed(usage.output_tokens),
+            ],
         )
         .map(drop)
     }
@@ -844,14 +884,18 @@ impl Tx for PgTx<'_, '_> {
 
     fn add_usage(&mut self, session: &SessionId, usage: Usage, now_ms: u64) -> Result<(), StoreError> {
         self.lock_session(session)?;
-        self.execute(
-            "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
-             VALUES ($1, 0, $2, $2, $3, $4)
-             ON CONFLICT (id) DO UPDATE SET input_tokens = sessions.input_tokens + EXCLUDED.input_tokens,
-               output_tokens = sessions.output_tokens + EXCLUDED.output_tokens",
-            &[&session.as_str(), &signed(now_ms), &signed(usage.input_tokens), &signed(usage.output_tokens)],
-        )
-        .map(drop)
+        match &mut self.usage {
+            Some((known, added, at)) if known == session => {
+                added.input_tokens += usage.input_tokens;
+                added.output_tokens += usage.output_tokens;
+                *at = now_ms;
+            }
+            _ => {
+                self.write_usage()?;
+                self.usage = Some((session.clone(), usage, now_ms));
+            }
+        }
+        Ok(())
     }
 
     fn set_session_state(
@@ -879,17 +923,20 @@ impl Tx for PgTx<'_, '_> {
     }
 
     fn session_summary(&mut self, session: &SessionId) -> Result<Option<SessionSummary>, StoreError> {
+        self.write_usage()?;
         let row = self.query_opt(&format!("{SUMMARY_SELECT} WHERE s.id = $1"), &[&session.as_str()])?;
         row.map(|row| summary_row(&row)).transpose()
     }
 
     fn sessions(&mut self) -> Result<Vec<SessionSummary>, StoreError> {
+        self.write_usage()?;
         let rows = self.query(&format!("{SUMMARY_SELECT} ORDER BY s.updated_at DESC, s.id"), &[])?;
         rows.iter().map(summary_row).collect()
     }
 
     fn delete_session(&mut self, session: &SessionId) -> Result<bool, StoreError> {
         self.lock_session(session)?;
+        self.write_usage()?;
         self.message_count = None;
         let id = session.as_str();
         self.execute(
