@@ -160,7 +160,7 @@ impl Feeds {
     fn start_shared(self: &Arc<Self>) {
         let Some(shared) = &self.shared else { return };
         let Some(reader) = lock(&shared.outbox_reader).take() else { return };
-        tokio::spawn(write_out(Arc::clone(&shared.log), reader));
+        tokio::spawn(write_out(Arc::clone(&shared.log), reader, Arc::clone(&self.metrics)));
 
         // The tasks hold the feeds weakly: they end with them (`Drop` wakes this one).
         let (feeds, wake) = (Arc::downgrade(self), Arc::clone(&shared.wake));
@@ -327,7 +327,9 @@ impl Feeds {
         self.start_shared();
         let event = NewEvent { session: feed.session.clone(), run: run.clone(), body };
         // Waits only when the log has been unreachable for a long stretch of events.
+        self.metrics.events_waiting(1);
         if shared.outbox.send(Outgoing { feed: Arc::clone(feed), event }).await.is_err() {
+            self.metrics.events_waiting(-1);
             tracing::error!(session = %feed.session, "the event writer stopped; an event is not published");
         }
     }
@@ -336,12 +338,17 @@ impl Feeds {
 /// The writer of this process's events to the shared log: appends what queued while its last
 /// append was in flight, in order, again after a failure until it is stored (events wait, the
 /// runs' order is kept, nothing is dropped), then delivers it to the feeds here.
-async fn write_out(log: Arc<dyn EventLog>, mut outbox: tokio::sync::mpsc::Receiver<Outgoing>) {
+async fn write_out(
+    log: Arc<dyn EventLog>,
+    mut outbox: tokio::sync::mpsc::Receiver<Outgoing>,
+    metrics: Arc<Metrics>,
+) {
     let mut queued = Vec::with_capacity(APPEND_BATCH);
     let mut failing_since: Option<Instant> = None;
     while outbox.recv_many(&mut queued, APPEND_BATCH).await > 0 {
         let events: Vec<NewEvent> = queued.iter().map(|out| out.event.clone()).collect();
-        let seqs = append_until_stored(log.as_ref(), events, &mut failing_since).await;
+        let seqs = append_until_stored(log.as_ref(), events, &mut failing_since, Some(&metrics)).await;
+        metrics.events_waiting(-i64::try_from(queued.len()).unwrap_or(i64::MAX));
         // Each feed's events of this batch, in order (a run's events are consecutive per feed).
         let mut by_feed: Vec<(Arc<Feed>, Vec<LoggedEvent>)> = Vec::new();
         for (index, out) in queued.drain(..).enumerate() {
@@ -372,6 +379,7 @@ async fn append_until_stored(
     log: &dyn EventLog,
     events: Vec<NewEvent>,
     failing_since: &mut Option<Instant>,
+    metrics: Option<&Metrics>,
 ) -> Option<Vec<u64>> {
     let batch = fastrand::u64(..);
     let mut backoff = Duration::from_millis(50);
@@ -379,6 +387,9 @@ async fn append_until_stored(
         match log.append(batch, events.clone()).await {
             Ok(seqs) => break seqs,
             Err(error) => {
+                if let Some(metrics) = metrics {
+                    metrics.event_append_failed();
+                }
                 if failing_since.is_none() {
                     tracing::warn!(%error, "cannot store events in the shared log; they wait, in order");
                     *failing_since = Some(Instant::now());
@@ -406,7 +417,7 @@ pub fn publish_to_log(
         let mut queued = Vec::new();
         let mut failing_since = None;
         while queue.recv_many(&mut queued, APPEND_BATCH).await > 0 {
-            append_until_stored(log.as_ref(), std::mem::take(&mut queued), &mut failing_since).await;
+            append_until_stored(log.as_ref(), std::mem::take(&mut queued), &mut failing_since, None).await;
         }
     });
     (events, task)

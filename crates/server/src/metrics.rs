@@ -1,7 +1,7 @@
 //! `/metrics`: what the server did, in the Prometheus (OpenMetrics) text format.
 //!
 //! Runs by outcome and their duration, model and tool calls, tokens, HTTP requests by route and
-//! status with their latency, and the streams open now. Counted from the runs' events as the
+//! status with their latency, the streams open now, and the shared event log's backlog. Counted from the runs' events as the
 //! server forwards them, and from each request as it is answered.
 
 use std::time::Duration;
@@ -32,6 +32,8 @@ pub(crate) struct Metrics {
     runs_in_flight: Gauge,
     open_connections: Gauge,
     connections_cut: Family<Labels, Counter>,
+    events_waiting: Gauge,
+    event_append_failures: Counter,
 }
 
 fn latency_buckets() -> Histogram {
@@ -93,6 +95,18 @@ impl Metrics {
             "Connections the server closed or refused, by reason (client_cap, first_request_timeout, idle)",
             connections_cut.clone(),
         );
+        let events_waiting = Gauge::default();
+        registry.register(
+            "events_waiting",
+            "Events of this instance's runs not yet in the shared event log (PostgreSQL; grows while the database is away)",
+            events_waiting.clone(),
+        );
+        let event_append_failures = Counter::default();
+        registry.register(
+            "event_append_failures",
+            "Appends to the shared event log that failed and were tried again",
+            event_append_failures.clone(),
+        );
         Metrics {
             registry,
             runs,
@@ -107,7 +121,20 @@ impl Metrics {
             runs_in_flight,
             open_connections,
             connections_cut,
+            events_waiting,
+            event_append_failures,
         }
+    }
+
+    /// `count` events joined the queue for the shared event log (a negative count: they left it,
+    /// stored).
+    pub(crate) fn events_waiting(&self, count: i64) {
+        self.events_waiting.inc_by(count);
+    }
+
+    /// An append to the shared event log failed (it is tried again).
+    pub(crate) fn event_append_failed(&self) {
+        self.event_append_failures.inc();
     }
 
     /// Counts an open connection until the guard drops.

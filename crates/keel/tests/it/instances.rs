@@ -385,6 +385,16 @@ async fn a_run_waits_out_a_database_outage_and_finishes_with_nothing_lost() {
     assert_eq!(transcript["messages"].as_array().unwrap().len(), 4, "{transcript}");
     assert_eq!(std::fs::read_to_string(&counted).unwrap(), "once\n");
     assert_eq!(http.get(server.url("/health")).send().await.unwrap().status(), 200);
+    // The model's answer streamed while the database was away: its events waited, and are
+    // stored now.
+    let metrics = http.get(server.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("keel_events_waiting 0\n"), "{metrics}");
+    let failures: u64 = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("keel_event_append_failures_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no append failure counter: {metrics}"));
+    assert!(failures > 0, "appends failed while the database was away: {metrics}");
 }
 
 /// An SSE response read message by message, as it comes.
