@@ -471,6 +471,20 @@ impl Connection<'_> {
         Ok(statement)
     }
 
+    /// Runs `sql` (prepared once) as a statement of its own, returning its rows.
+    fn query(&mut self, sql: &str, params: Params<'_>) -> Result<Vec<Row>, StoreError> {
+        let statement = self.statement(sql)?;
+        self.setup.round_trips.fetch_add(1, Ordering::Relaxed);
+        self.client.query(&statement, params).map_err(|error| self.fail(&error))
+    }
+
+    /// Runs `sql` (prepared once) as a statement of its own, returning the rows it changed.
+    fn execute(&mut self, sql: &str, params: Params<'_>) -> Result<u64, StoreError> {
+        let statement = self.statement(sql)?;
+        self.setup.round_trips.fetch_add(1, Ordering::Relaxed);
+        self.client.execute(&statement, params).map_err(|error| self.fail(&error))
+    }
+
     fn fail(&self, error: &postgres::Error) -> StoreError {
         map_error(error, &self.setup.shown)
     }

@@ -97,16 +97,12 @@ impl EventLog for PgEventLog {
         submit_raw(
             &self.jobs,
             Box::new(move |connection| {
-                let statement = connection.statement(
-                    "SELECT seq, run_id, body FROM events WHERE session_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
-                )?;
                 let after = i64::try_from(after).unwrap_or(i64::MAX);
                 let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-                connection.setup.round_trips.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let rows = connection
-                    .client
-                    .query(&statement, &[&session.as_str(), &after, &limit])
-                    .map_err(|error| connection.fail(&error))?;
+                let rows = connection.query(
+                    "SELECT seq, run_id, body FROM events WHERE session_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+                    &[&session.as_str(), &after, &limit],
+                )?;
                 rows.iter().map(|row| logged(row, 0)).collect()
             }),
         )
@@ -122,19 +118,15 @@ impl EventLog for PgEventLog {
             &self.jobs,
             Box::new(move |connection| {
                 // One statement: the head and the events from one snapshot.
-                let statement = connection.statement(
+                let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+                let rows = connection.query(
                     "SELECT h.last_seq, e.seq, e.run_id, e.body
                      FROM (SELECT last_seq FROM event_heads WHERE session_id = $1) h
                      LEFT JOIN LATERAL (
                          SELECT seq, run_id, body FROM events WHERE session_id = $1 ORDER BY seq DESC LIMIT $2
                      ) e ON true",
+                    &[&session.as_str(), &limit],
                 )?;
-                let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-                connection.setup.round_trips.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let rows = connection
-                    .client
-                    .query(&statement, &[&session.as_str(), &limit])
-                    .map_err(|error| connection.fail(&error))?;
                 let Some(first) = rows.first() else {
                     return Ok((0, Vec::new()));
                 };
@@ -173,14 +165,14 @@ impl EventLog for PgEventLog {
                 // Seconds as a float: `make_interval` takes them so.
                 #[allow(clippy::cast_precision_loss, reason = "milliseconds of an age, far below 2^52")]
                 let seconds = older_than_ms as f64 / 1000.0;
-                let events = connection
-                    .statement("DELETE FROM events WHERE at < now() - make_interval(secs => $1)")?;
-                let batches = connection
-                    .statement("DELETE FROM event_batches WHERE at < now() - make_interval(secs => $1)")?;
-                connection.setup.round_trips.fetch_add(2, std::sync::atomic::Ordering::Relaxed);
-                let pruned =
-                    connection.client.execute(&events, &[&seconds]).map_err(|e| connection.fail(&e))?;
-                connection.client.execute(&batches, &[&seconds]).map_err(|e| connection.fail(&e))?;
+                let pruned = connection.execute(
+                    "DELETE FROM events WHERE at < now() - make_interval(secs => $1)",
+                    &[&seconds],
+                )?;
+                connection.execute(
+                    "DELETE FROM event_batches WHERE at < now() - make_interval(secs => $1)",
+                    &[&seconds],
+                )?;
                 Ok(pruned)
             }),
         )
@@ -223,16 +215,11 @@ fn append(
     if events.is_empty() {
         return Ok(Some(Vec::new()));
     }
-    let statement = connection.statement(APPEND)?;
     let batch = i64::from_ne_bytes(batch.to_ne_bytes());
     let sessions: Vec<&str> = events.iter().map(|e| e.session.as_str()).collect();
     let runs: Vec<&str> = events.iter().map(|e| e.run.as_str()).collect();
     let bodies: Vec<Option<&str>> = events.iter().map(|e| e.body.as_deref()).collect();
-    connection.setup.round_trips.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let rows = connection
-        .client
-        .query(&statement, &[&batch, &sessions, &runs, &bodies, &instance])
-        .map_err(|error| connection.fail(&error))?;
+    let rows = connection.query(APPEND, &[&batch, &sessions, &runs, &bodies, &instance])?;
     if rows.is_empty() {
         // Appended by an earlier attempt whose answer was lost.
         return Ok(None);
