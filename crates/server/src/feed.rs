@@ -82,6 +82,8 @@ struct Shared {
     outbox: tokio::sync::mpsc::Sender<Outgoing>,
     /// The writer's end, until the writer starts (on first use, inside the runtime).
     outbox_reader: Mutex<Option<tokio::sync::mpsc::Receiver<Outgoing>>>,
+    /// Whether the tasks were started: checked on every event, so an atomic, not the mutex.
+    started: std::sync::Once,
     /// Sessions other instances appended to, since the wake-up task last looked.
     woken: Mutex<Woken>,
     wake: Arc<tokio::sync::Notify>,
@@ -125,6 +127,7 @@ impl Feeds {
                 log,
                 outbox,
                 outbox_reader: Mutex::new(Some(reader)),
+                started: std::sync::Once::new(),
                 woken: Mutex::default(),
                 wake: Arc::new(tokio::sync::Notify::new()),
                 retention,
@@ -159,6 +162,11 @@ impl Feeds {
     /// instances, and the pruning of old events.
     fn start_shared(self: &Arc<Self>) {
         let Some(shared) = &self.shared else { return };
+        shared.started.call_once(|| self.start_tasks(shared));
+    }
+
+    /// [`Feeds::start_shared`]'s work, done once.
+    fn start_tasks(self: &Arc<Self>, shared: &Shared) {
         let Some(reader) = lock(&shared.outbox_reader).take() else { return };
         tokio::spawn(write_out(Arc::clone(&shared.log), reader, Arc::clone(&self.metrics)));
 
