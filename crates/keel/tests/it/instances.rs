@@ -69,6 +69,18 @@ async fn transcript_when(server: &Served, session: &str, done: impl Fn(&Value) -
     }
 }
 
+/// A turn of the approval agent on `server` in `session`, to its pause: its stream.
+async fn paused_for_approval(server: &Served, session: &str) -> Vec<Sse> {
+    let request = client().post(server.url("/chat")).json(&json!({"sessionId": session, "input": "day?"}));
+    read_sse(request.send().await.unwrap()).await
+}
+
+/// The id of the approval a paused stream asked for.
+fn approval_id(paused: &[Sse]) -> String {
+    let requested = paused.iter().find(|m| m.event.is_none() && m.kind() == "approval.requested");
+    requested.expect("the run asked for an approval").json()["approvalId"].as_str().unwrap().to_owned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_session_across_instances_runs_one_turn_at_a_time() {
     let database = ScratchDatabase::create("sessions");
@@ -109,17 +121,8 @@ async fn a_decision_or_a_cancellation_reaches_the_run_from_any_instance() {
     let servers = instances(dir.path(), &database);
     let http = client();
     // Paused on instance 0, decided on instance 1: instance 1 continues it.
-    let paused = read_sse(
-        http.post(servers[0].url("/chat"))
-            .json(&json!({"sessionId": "ask", "input": "day?"}))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    let requested =
-        paused.iter().find(|m| m.event.is_none() && m.kind() == "approval.requested").unwrap().json();
-    let approval = requested["approvalId"].as_str().unwrap().to_owned();
+    let paused = paused_for_approval(&servers[0], "ask").await;
+    let approval = approval_id(&paused);
     let continued = read_sse(
         http.post(servers[1].url(&format!("/chat/ask/approvals/{approval}")))
             .json(&json!({"approved": true}))
@@ -140,14 +143,7 @@ async fn a_decision_or_a_cancellation_reaches_the_run_from_any_instance() {
     assert_eq!(error_of(again).await, (404, "KEEL_NOT_PENDING".to_owned()));
 
     // Another pause, on instance 0, cancelled from instance 2.
-    read_sse(
-        http.post(servers[0].url("/chat"))
-            .json(&json!({"sessionId": "stop", "input": "day?"}))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
+    paused_for_approval(&servers[0], "stop").await;
     let cancelled = http.delete(servers[2].url("/chat/stop/run")).send().await.unwrap();
     assert_eq!(cancelled.status(), 200);
     assert_eq!(cancelled.json::<Value>().await.unwrap()["cancelled"], true);
@@ -258,18 +254,9 @@ async fn a_run_continued_by_the_cli_reaches_observers_on_the_instances() {
     let dir = agent_dir(&[("agent.yaml", APPROVAL_AGENT)]);
     let servers = instances(dir.path(), &database);
     let http = client();
-    let paused = read_sse(
-        http.post(servers[0].url("/chat"))
-            .json(&json!({"sessionId": "c", "input": "day?"}))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
+    let paused = paused_for_approval(&servers[0], "c").await;
     let last_id = paused.iter().rev().find_map(|e| e.id.clone()).unwrap();
-    let requested =
-        paused.iter().find(|m| m.event.is_none() && m.kind() == "approval.requested").unwrap().json();
-    let approval = requested["approvalId"].as_str().unwrap().to_owned();
+    let approval = approval_id(&paused);
     let mut observer = LiveSse::new(
         http.get(servers[1].url("/chat/c/events")).header("last-event-id", &last_id).send().await.unwrap(),
     );
