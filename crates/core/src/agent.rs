@@ -272,6 +272,79 @@ pub struct CommandToolDef {
     pub env: Vec<String>,
 }
 
+/// An MCP server whose tools an agent uses (spec key `mcp`, `AgentBuilder::mcp`; the `keel-mcp`
+/// crate connects to it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct McpServerDef {
+    /// The server's name: in tool names (the default prefix is `<name>_`), logs and errors.
+    pub name: String,
+    /// How to reach it.
+    pub transport: McpTransport,
+    /// What its tools are called here: `<prefix><tool>`. Default `<name>_`.
+    pub prefix: Option<String>,
+    /// Only these of its tools (by the server's names); all of them when `None`.
+    pub only: Option<Vec<String>>,
+    /// How long starting and initializing it may take (default 30 s).
+    pub startup_timeout: Duration,
+}
+
+impl McpServerDef {
+    /// The default of `startup_timeout`.
+    pub const DEFAULT_STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// A stdio server: `command[0]` run with the rest as arguments.
+    pub fn stdio(name: impl Into<String>, command: Vec<String>) -> McpServerDef {
+        McpServerDef::new(
+            name,
+            McpTransport::Stdio { command, env: Vec::new(), cwd: None, inherit_env: Vec::new() },
+        )
+    }
+
+    /// A Streamable HTTP server at `url`.
+    pub fn http(name: impl Into<String>, url: impl Into<String>) -> McpServerDef {
+        McpServerDef::new(name, McpTransport::Http { url: url.into(), headers: Vec::new() })
+    }
+
+    fn new(name: impl Into<String>, transport: McpTransport) -> McpServerDef {
+        McpServerDef {
+            name: name.into(),
+            transport,
+            prefix: None,
+            only: None,
+            startup_timeout: McpServerDef::DEFAULT_STARTUP_TIMEOUT,
+        }
+    }
+
+    /// The prefix of its tools' names here.
+    pub fn tool_prefix(&self) -> String {
+        self.prefix.clone().unwrap_or_else(|| format!("{}_", self.name))
+    }
+}
+
+/// How keel reaches an MCP server.
+#[derive(Clone, Debug, PartialEq)]
+pub enum McpTransport {
+    /// A child process speaking JSON-RPC on its stdin and stdout.
+    Stdio {
+        /// The program and its arguments (no shell is involved).
+        command: Vec<String>,
+        /// Variables set for it; values may hold `${NAME}` references to keel's environment.
+        env: Vec<(String, String)>,
+        /// Its working directory (default: keel's).
+        cwd: Option<PathBuf>,
+        /// Variables of keel's environment it gets besides the minimal ones (`PATH`, `HOME`...).
+        inherit_env: Vec<String>,
+    },
+    /// A Streamable HTTP endpoint.
+    Http {
+        /// The endpoint (`http://127.0.0.1:9000/mcp`). Reachable even when private: it was
+        /// configured explicitly. Redirects elsewhere are checked like any outbound call.
+        url: String,
+        /// Headers sent with every request; values may hold `${NAME}` references.
+        headers: Vec<(String, String)>,
+    },
+}
+
 /// The script of the `mock` provider (spec key `mock.script`): one entry per model call of the
 /// session, in order. When the script is exhausted the mock echoes the user's input.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -91,6 +91,16 @@ error_codes! {
     /// A built-in tool refused what the call asked for: a private address, a host outside
     /// `http.allow`, a path outside the workspace...
     ToolRefused = "KEEL_TOOL_REFUSED",
+    /// An MCP server did not start, did not finish `initialize` in time, or its tool list could
+    /// not be read.
+    McpStartFailed = "KEEL_MCP_START_FAILED",
+    /// An MCP server is unreachable or died while a call was in flight (it is restarted).
+    McpUnavailable = "KEEL_MCP_UNAVAILABLE",
+    /// An MCP server broke the protocol: an invalid message, an unexpected answer, a result
+    /// over the size limit.
+    McpProtocol = "KEEL_MCP_PROTOCOL",
+    /// An MCP tool's name here collides with another tool's (a built-in, another server's).
+    McpToolConflict = "KEEL_MCP_TOOL_CONFLICT",
     /// An approval or question id is not pending (unknown, already decided, or its run ended).
     NotPending = "KEEL_NOT_PENDING",
     /// A decision does not fit what is pending (an answer to an approval, a verdict on a question).

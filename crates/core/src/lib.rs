@@ -32,8 +32,9 @@ pub mod tool;
 pub mod wire;
 
 pub use agent::{
-    AgentDef, CommandToolDef, Concurrency, HttpSettings, Limits, MockEntry, MockFailure, MockScript,
-    MockToolCall, ProviderSettings, RetryPolicy, ShellSettings, ToolChoice, WorkspaceMode, WorkspaceSettings,
+    AgentDef, CommandToolDef, Concurrency, HttpSettings, Limits, McpServerDef, McpTransport, MockEntry,
+    MockFailure, MockScript, MockToolCall, ProviderSettings, RetryPolicy, ShellSettings, ToolChoice,
+    WorkspaceMode, WorkspaceSettings,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{ErrorCode, RunFailure};

@@ -80,14 +80,20 @@ impl Agent {
         AgentBuilder::default()
     }
 
-    /// Loads an agent from a spec file or an agent directory, with an in-memory store.
-    pub fn load(path: impl AsRef<Path>) -> Result<Agent, LoadError> {
+    /// Loads an agent from a spec file or an agent directory, with an in-memory store, and
+    /// connects to its MCP servers.
+    pub async fn load(path: impl AsRef<Path>) -> Result<Agent, LoadError> {
         let spec = load_spec(path.as_ref())?;
-        Agent::from_spec(spec, Arc::new(MemoryStore::new()))
+        Agent::from_spec(spec, Arc::new(MemoryStore::new())).await
     }
 
-    /// Builds an agent from a loaded spec and a store.
-    pub fn from_spec(spec: AgentSpec, store: Arc<dyn Store>) -> Result<Agent, LoadError> {
+    /// Builds an agent from a loaded spec and a store, connecting to its MCP servers (each
+    /// within its `startup_timeout`).
+    pub async fn from_spec(spec: AgentSpec, store: Arc<dyn Store>) -> Result<Agent, LoadError> {
+        Box::pin(Agent::from_spec_inner(spec, store)).await
+    }
+
+    async fn from_spec_inner(spec: AgentSpec, store: Arc<dyn Store>) -> Result<Agent, LoadError> {
         let mut tools: Vec<Arc<dyn Tool>> = Vec::new();
         let config = keel_tools::BuiltinConfig {
             http: spec.http.clone(),
@@ -110,7 +116,7 @@ impl Agent {
         for sub in spec.subagents {
             let name = sub.name.clone();
             let description = sub.description.clone();
-            let child = Agent::from_spec(sub, store.clone())?;
+            let child = Box::pin(Agent::from_spec(sub, store.clone())).await?;
             tools.push(Arc::new(SubagentTool::new(&name, description.as_deref(), child.engine)));
         }
         let mut write_approvals = Vec::new();
@@ -161,7 +167,10 @@ impl Agent {
         if let Some(schema) = spec.output_schema {
             builder = builder.output_schema(schema);
         }
-        builder.build().map_err(LoadError::Setup)
+        for server in spec.mcp {
+            builder = builder.mcp(server);
+        }
+        builder.build_async().await.map_err(LoadError::Setup)
     }
 
     /// Starts a run: one turn of `session` answering `input` (a string, a [`Message`], or
@@ -268,6 +277,7 @@ pub struct AgentBuilder {
     provider: Option<Arc<dyn Provider>>,
     store: Option<Arc<dyn Store>>,
     clock: Option<Arc<dyn keel_core::Clock>>,
+    mcp: Vec<keel_core::McpServerDef>,
 }
 
 impl AgentBuilder {
@@ -406,8 +416,39 @@ impl AgentBuilder {
         self
     }
 
-    /// Checks everything and builds the agent.
+    /// Adds the tools of an MCP server (a stdio command or a Streamable HTTP URL), named
+    /// `<prefix><tool>` (default prefix `<name>_`). The agent connects to it in
+    /// [`Self::build_async`]; approvals may name its tools by their final names.
+    pub fn mcp(mut self, server: keel_core::McpServerDef) -> Self {
+        self.mcp.push(server);
+        self
+    }
+
+    /// Connects to the MCP servers (in parallel, each within its `startup_timeout`), then
+    /// checks everything and builds the agent. A server that will not start fails the build
+    /// with `KEEL_MCP_START_FAILED` and its stderr; a tool name two sources share fails it
+    /// with `KEEL_MCP_TOOL_CONFLICT`, naming both.
+    pub async fn build_async(mut self) -> Result<Agent, RunFailure> {
+        let servers = std::mem::take(&mut self.mcp);
+        let taken: Vec<String> = self.tools.iter().map(|tool| tool.spec().name.clone()).collect();
+        for server in crate::mcp::connect_all(servers, &taken).await? {
+            self.tools.extend(server.tools());
+        }
+        self.build()
+    }
+
+    /// Checks everything and builds the agent. An agent with MCP servers is built with
+    /// [`Self::build_async`], which connects to them.
     pub fn build(self) -> Result<Agent, RunFailure> {
+        if let Some(server) = self.mcp.first() {
+            return Err(RunFailure::new(
+                ErrorCode::SpecInvalid,
+                format!(
+                    "the agent uses MCP server `{}`: build it with `.build_async().await`, which connects to it",
+                    server.name
+                ),
+            ));
+        }
         let invalid = |message: String| RunFailure::new(ErrorCode::SpecInvalid, message);
         let model = match (self.model, &self.provider) {
             (Some(model), _) => model,

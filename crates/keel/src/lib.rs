@@ -46,6 +46,7 @@
 //! ```
 
 mod agent;
+pub mod mcp;
 mod subagent;
 
 pub use agent::{Agent, AgentBuilder, LoadError, load_spec};

@@ -12,8 +12,8 @@ use serde_json::Value;
 /// The most of an error body kept for its message.
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 
-/// The process-wide client: one connection pool, TLS with the bundled web PKI roots (so a
-/// container without CA certificates still reaches the providers).
+/// The process-wide client: one connection pool, TLS (rustls) checked against the system's CA
+/// certificates.
 pub(crate) fn client() -> &'static reqwest::Client {
     static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
     CLIENT.get_or_init(|| {

@@ -444,12 +444,20 @@ pub(crate) fn finish(
         (keel_core::ToolChoice::Tool(name), Some(pos)) => Some((name.clone(), pos)),
         _ => None,
     };
+    // MCP tools are known once their servers answer: a name with a server's prefix is checked
+    // when the agent connects.
+    let prefixes: Vec<String> = spec.mcp.iter().map(|(server, _)| server.tool_prefix()).collect();
+    let from_mcp = |name: &str| prefixes.iter().any(|prefix| name.starts_with(prefix.as_str()));
     let named = spec.approval_tools.iter().map(|(name, pos)| ("approvals.tools", name, *pos));
     for (key, name, pos) in
         named.chain(forced_tool.iter().map(|(name, pos)| ("provider.tool_choice", name, *pos)))
     {
         let builtin = builtin_tools.iter().any(|b| b == name || (options.tool_name)(b) == name);
-        if !builtin && !command_names.contains(&name.as_str()) && !workspace_names.contains(&name.as_str()) {
+        if !builtin
+            && !command_names.contains(&name.as_str())
+            && !workspace_names.contains(&name.as_str())
+            && !from_mcp(name)
+        {
             let candidates: Vec<&str> =
                 builtin_tools.iter().map(String::as_str).chain(command_names.iter().copied()).collect();
             let hint = match did_you_mean(name, &candidates) {
@@ -472,7 +480,8 @@ pub(crate) fn finish(
         for (name, pos) in called {
             let known = builtin_tools.iter().any(|b| *b == name || (options.tool_name)(b) == name)
                 || command_names.contains(&name.as_str())
-                || workspace_names.contains(&name.as_str());
+                || workspace_names.contains(&name.as_str())
+                || from_mcp(&name);
             if !known {
                 diagnostics.push(Diagnostic::warning(
                     ErrorCode::SpecInvalid,
@@ -509,6 +518,7 @@ pub(crate) fn finish(
         output_schema: spec.output_schema,
         mock,
         skills,
+        mcp: spec.mcp.into_iter().map(|(server, _)| server).collect(),
         source: file.to_owned(),
     })
 }

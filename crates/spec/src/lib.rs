@@ -70,6 +70,9 @@ pub struct AgentSpec {
     pub output_schema: Option<Value>,
     /// The mock provider's script (`mock.script`).
     pub mock: Option<MockScript>,
+    /// The MCP servers whose tools the agent uses (`mcp`). Their tools are known once connected:
+    /// approvals and mock calls naming `<prefix><tool>` are checked then.
+    pub mcp: Vec<keel_core::McpServerDef>,
     /// The skills loaded, in the order their instructions were appended.
     pub skills: Vec<String>,
     /// The file or directory the agent was loaded from.

@@ -4,8 +4,9 @@ use std::path::Path;
 
 use keel_core::agent::OutputSchema;
 use keel_core::{
-    Concurrency, ErrorCode, HttpSettings, Limits, MockEntry, MockFailure, MockScript, MockToolCall,
-    ProviderSettings, RetryPolicy, ShellSettings, ToolChoice, WorkspaceMode, WorkspaceSettings,
+    Concurrency, ErrorCode, HttpSettings, Limits, McpServerDef, McpTransport, MockEntry, MockFailure,
+    MockScript, MockToolCall, ProviderSettings, RetryPolicy, ShellSettings, ToolChoice, WorkspaceMode,
+    WorkspaceSettings,
 };
 use serde_json::Value;
 
@@ -41,7 +42,7 @@ pub(crate) const KEYS: &[&str] = &[
 /// Keys of the design this build does not implement yet: refusing them is safer than ignoring
 /// them (an ignored `approvals` would run risky tools without asking). `docs/errors.md` lists
 /// them under `KEEL_SPEC_UNSUPPORTED` (a tidy test checks it).
-pub const NOT_YET: &[&str] = &["compaction", "mcp", "triggers", "memory"];
+pub const NOT_YET: &[&str] = &["compaction", "triggers", "memory"];
 
 const LIMIT_KEYS: &[&str] = &[
     "max_turns",
@@ -63,6 +64,19 @@ const PROVIDER_KEYS: &[&str] = &[
     "headers",
 ];
 const RETRY_KEYS: &[&str] = &["max_attempts", "initial_backoff", "max_backoff"];
+const MCP_KEYS: &[&str] = &[
+    "name",
+    "command",
+    "env",
+    "inherit_env",
+    "cwd",
+    "url",
+    "headers",
+    "bearer_token",
+    "prefix",
+    "only",
+    "startup_timeout",
+];
 const MOCK_ENTRY_KEYS: &[&str] = &["text", "tool_calls", "delay_ms", "error"];
 
 /// The spec file's keys, decoded; `instructions` and `skills` are finished by the caller.
@@ -88,6 +102,8 @@ pub(crate) struct FileSpec {
     pub(crate) output_schema: Option<Value>,
     pub(crate) mock: Option<(MockScript, Vec<(String, Pos)>)>,
     pub(crate) skills: Option<Vec<(String, Pos)>>,
+    /// `mcp`: the servers, each with the position of its entry.
+    pub(crate) mcp: Vec<(McpServerDef, Pos)>,
 }
 
 /// Reads and decodes a spec file.
@@ -137,6 +153,7 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         output_schema: None,
         mock: None,
         skills: None,
+        mcp: Vec::new(),
     };
     if let Some(node) = map.take("name") {
         spec.name = d.text(node, "name");
@@ -199,19 +216,17 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     if let Some(node) = map.take("output") {
         spec.output_schema = output(node, d);
     }
-    if let Some(node) = map.take("concurrency") {
-        if let Some(mode) = d.string(node, "concurrency") {
-            match mode.as_str() {
-                "reject" => spec.concurrency = Concurrency::Reject,
-                "replace" => spec.concurrency = Concurrency::Replace,
-                "queue" => spec.concurrency = Concurrency::Queue,
-                other => {
-                    let hint = did_you_mean(other, &["reject", "replace", "queue"])
-                        .map_or("use reject, replace or queue".to_owned(), |c| {
-                            format!("did you mean `{c}`?")
-                        });
-                    d.error(node.pos, format!("unknown concurrency mode {other:?}")).hint = Some(hint);
-                }
+    if let Some(node) = map.take("concurrency")
+        && let Some(mode) = d.string(node, "concurrency")
+    {
+        match mode.as_str() {
+            "reject" => spec.concurrency = Concurrency::Reject,
+            "replace" => spec.concurrency = Concurrency::Replace,
+            "queue" => spec.concurrency = Concurrency::Queue,
+            other => {
+                let hint = did_you_mean(other, &["reject", "replace", "queue"])
+                    .map_or("use reject, replace or queue".to_owned(), |c| format!("did you mean `{c}`?"));
+                d.error(node.pos, format!("unknown concurrency mode {other:?}")).hint = Some(hint);
             }
         }
     }
@@ -232,6 +247,9 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     if let Some(node) = map.take("mock") {
         spec.mock = mock(node, d);
     }
+    if let Some(node) = map.take("mcp") {
+        spec.mcp = mcp(node, d, &base_dir);
+    }
     for key in NOT_YET {
         if let Some(pos) = map.key_pos(key) {
             map.take(key);
@@ -247,6 +265,174 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     }
     map.finish(d, "", KEYS);
     Some(spec)
+}
+
+/// `mcp: [{ name, command | url, ... }]`: the MCP servers whose tools the agent uses.
+fn mcp(node: &Node, d: &mut Decoder<'_>, base_dir: &Path) -> Vec<(McpServerDef, Pos)> {
+    let Some(items) = d.list(node, "mcp") else { return Vec::new() };
+    let mut servers: Vec<(McpServerDef, Pos)> = Vec::new();
+    for item in items {
+        let Some(server) = mcp_server(item, d, base_dir) else { continue };
+        if let Some((_, first)) = servers.iter().find(|(other, _)| other.name == server.name) {
+            let message =
+                format!("two MCP servers are named `{}` (the first at line {})", server.name, first.line);
+            d.error(item.pos, message).hint = Some("give each server its own `name`".into());
+            continue;
+        }
+        servers.push((server, item.pos));
+    }
+    servers
+}
+
+fn mcp_server(node: &Node, d: &mut Decoder<'_>, base_dir: &Path) -> Option<McpServerDef> {
+    let mut map = d.map(node, "mcp[]")?;
+    let name_node = map.take("name");
+    let name = match name_node {
+        Some(n) => d.text(n, "mcp[].name"),
+        None => {
+            d.error(node.pos, "an `mcp` server needs `name`").hint =
+                Some("write `- { name: docs, command: [npx, -y, some-mcp-server] }`".into());
+            None
+        }
+    };
+    if let (Some(name), Some(n)) = (&name, name_node)
+        && !keel_core::tool::validate_tool_name(name)
+    {
+        d.error(
+            n.pos,
+            format!("invalid MCP server name {name:?}: use 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`"),
+        );
+    }
+    let what = format!("mcp.{}", name.as_deref().unwrap_or("?"));
+    let command = map.take("command").map(|n| (n, d.string_list(n, &format!("{what}.command"))));
+    let url = map.take("url").map(|n| (n, d.text(n, &format!("{what}.url"))));
+    let env = map.take("env").map(|n| (n, string_map(n, d, &format!("{what}.env"), "a variable name")));
+    let inherit_env = map.take("inherit_env").map(|n| (n, d.string_list(n, &format!("{what}.inherit_env"))));
+    let cwd = map.take("cwd").map(|n| (n, d.text(n, &format!("{what}.cwd"))));
+    let headers =
+        map.take("headers").map(|n| (n, string_map(n, d, &format!("{what}.headers"), "an HTTP header name")));
+    let bearer = map.take("bearer_token").map(|n| (n, d.text(n, &format!("{what}.bearer_token"))));
+    let prefix = map.take("prefix").and_then(|n| d.string(n, &format!("{what}.prefix")).map(|p| (p, n.pos)));
+    let only = map.take("only").and_then(|n| d.string_list(n, &format!("{what}.only")));
+    let timeout = map.take("startup_timeout").and_then(|n| d.duration(n, &format!("{what}.startup_timeout")));
+    map.finish(d, "mcp[]", MCP_KEYS);
+    let transport = match (command, url) {
+        (Some((_, command)), None) => {
+            let command: Vec<String> = command?.into_iter().map(|(arg, _)| arg).collect();
+            if command.is_empty() {
+                d.error(node.pos, format!("`{what}.command` is empty")).hint =
+                    Some("write the program and its arguments: `command: [npx, -y, some-mcp-server]`".into());
+                return None;
+            }
+            for (key, given) in [("headers", headers.map(|h| h.0)), ("bearer_token", bearer.map(|b| b.0))] {
+                if let Some(n) = given {
+                    d.error(
+                        n.pos,
+                        format!("`{what}.{key}` applies to HTTP servers (`url`), not to `command`"),
+                    );
+                }
+            }
+            let cwd = match cwd {
+                Some((_, Some(dir))) => Some(base_dir.join(dir)),
+                Some((_, None)) => return None,
+                None => Some(base_dir.to_path_buf()),
+            };
+            McpTransport::Stdio {
+                command,
+                env: env.and_then(|e| e.1).unwrap_or_default(),
+                cwd,
+                inherit_env: inherit_env
+                    .and_then(|e| e.1)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(n, _)| n)
+                    .collect(),
+            }
+        }
+        (None, Some((url_node, url))) => {
+            let url = url?;
+            match url::Url::parse(&url) {
+                Ok(parsed) if matches!(parsed.scheme(), "http" | "https") && parsed.host().is_some() => {}
+                _ => {
+                    d.error(
+                        url_node.pos,
+                        format!("`{what}.url` {url:?} is not an http:// or https:// URL"),
+                    )
+                    .hint = Some("write the server's endpoint, like `http://127.0.0.1:9000/mcp`".into());
+                    return None;
+                }
+            }
+            for (key, given) in [
+                ("env", env.map(|e| e.0)),
+                ("inherit_env", inherit_env.map(|e| e.0)),
+                ("cwd", cwd.map(|c| c.0)),
+            ] {
+                if let Some(n) = given {
+                    d.error(
+                        n.pos,
+                        format!("`{what}.{key}` applies to servers started with `command`, not to `url`"),
+                    );
+                }
+            }
+            let mut headers = headers.and_then(|h| h.1).unwrap_or_default();
+            if let Some((_, Some(token))) = bearer {
+                headers.push(("Authorization".to_owned(), format!("Bearer {token}")));
+            }
+            McpTransport::Http { url, headers }
+        }
+        (Some((command_node, _)), Some(_)) => {
+            d.error(command_node.pos, format!("`{what}` has both `command` and `url`")).hint =
+                Some("a server is either started (`command`) or reached over HTTP (`url`)".into());
+            return None;
+        }
+        (None, None) => {
+            d.error(
+                node.pos,
+                format!("`{what}` needs `command` (a stdio server) or `url` (an HTTP server)"),
+            )
+            .hint = Some(
+                "write `command: [npx, -y, some-mcp-server]` or `url: http://127.0.0.1:9000/mcp`".into(),
+            );
+            return None;
+        }
+    };
+    if let Some((prefix, pos)) = &prefix
+        && !prefix.is_empty()
+        && !prefix.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b))
+    {
+        d.error(*pos, format!("`{what}.prefix` {prefix:?} has characters tool names cannot hold")).hint =
+            Some("use A-Z, a-z, 0-9, `_` and `-`".into());
+    }
+    Some(McpServerDef {
+        name: name?,
+        transport,
+        prefix: prefix.map(|(p, _)| p),
+        only: only.map(|names| names.into_iter().map(|(n, _)| n).collect()),
+        startup_timeout: timeout.unwrap_or(McpServerDef::DEFAULT_STARTUP_TIMEOUT),
+    })
+}
+
+/// A mapping of names (`A-Za-z0-9_-`) to one-line strings (`env`, `headers`); `kind` says what
+/// a name must be.
+fn string_map(node: &Node, d: &mut Decoder<'_>, what: &str, kind: &str) -> Option<Vec<(String, String)>> {
+    let mut map = d.map(node, what)?;
+    let mut pairs = Vec::new();
+    for (name, pos, value) in map.rest() {
+        let valid_name =
+            !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b));
+        if !valid_name {
+            d.error(pos, format!("`{what}`: {name:?} is not {kind}"));
+            continue;
+        }
+        if let Some(value) = d.string(value, &format!("{what}.{name}")) {
+            if value.contains(['\r', '\n', '\0']) {
+                d.error(pos, format!("`{what}.{name}` must be one line"));
+                continue;
+            }
+            pairs.push((name.to_owned(), value));
+        }
+    }
+    Some(pairs)
 }
 
 fn instructions(node: &Node, d: &mut Decoder<'_>, base_dir: &Path) -> Option<String> {
@@ -456,24 +642,8 @@ fn provider(node: &Node, d: &mut Decoder<'_>, settings: &mut ProviderSettings) {
     if let Some(node) = map.take("reasoning_effort") {
         settings.reasoning_effort = d.text(node, "provider.reasoning_effort");
     }
-    if let Some(node) = map.take("headers")
-        && let Some(mut headers) = d.map(node, "provider.headers")
-    {
-        for (name, pos, value) in headers.rest() {
-            let valid_name =
-                !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b));
-            if !valid_name {
-                d.error(pos, format!("`provider.headers`: {name:?} is not an HTTP header name"));
-                continue;
-            }
-            if let Some(value) = d.string(value, &format!("provider.headers.{name}")) {
-                if value.contains(['\r', '\n']) {
-                    d.error(pos, format!("`provider.headers.{name}` must be one line"));
-                    continue;
-                }
-                settings.headers.push((name.to_owned(), value));
-            }
-        }
+    if let Some(node) = map.take("headers") {
+        settings.headers = string_map(node, d, "provider.headers", "an HTTP header name").unwrap_or_default();
     }
     map.finish(d, "provider", PROVIDER_KEYS);
 }

@@ -335,12 +335,85 @@ fn skills_problems() {
 #[test]
 fn features_of_later_versions_are_refused_not_ignored() {
     check(
-        &[("a.yaml", "model: mock\nmcp: [ { name: docs, command: [x] } ]\nconcurrency: queue\n")],
+        &[("a.yaml", "model: mock\ntriggers: [ { type: cron, cron: '@daily' } ]\nconcurrency: queue\n")],
         "a.yaml",
         expect![[r#"
-            error[KEEL_SPEC_UNSUPPORTED]: `mcp` is not supported by this version of keel yet
+            error[KEEL_SPEC_UNSUPPORTED]: `triggers` is not supported by this version of keel yet
               --> a.yaml:2:1
-              hint: remove `mcp` to run the agent with this version
+              hint: remove `triggers` to run the agent with this version
+        "#]],
+    );
+}
+
+#[test]
+fn mcp_servers_load_with_their_settings() {
+    let dir = tree(&[(
+        "a/agent.yaml",
+        "model: mock\nmcp:\n  - { name: docs, command: [npx, -y, docs-server], env: { TOKEN: '${DOCS_TOKEN}' }, inherit_env: [LANG], only: [search] }\n  - { name: remote, url: 'http://127.0.0.1:9000/mcp', headers: { X-Team: blue }, bearer_token: '${REMOTE_TOKEN}', prefix: r_, startup_timeout: 5s }\napprovals: { tools: [docs_search, r_delete] }\nmock:\n  script:\n    - tool_calls: [{ name: r_lookup }]\n",
+    )]);
+    let loaded = load(&dir.path().join("a"), &OPTIONS);
+    assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
+    let spec = loaded.spec.unwrap();
+    assert_eq!(spec.approval_tools, ["docs_search", "r_delete"]);
+    let [docs, remote] = &spec.mcp[..] else { panic!("{:?}", spec.mcp) };
+    assert_eq!(docs.tool_prefix(), "docs_");
+    assert_eq!(docs.only.as_deref(), Some(&["search".to_owned()][..]));
+    assert_eq!(
+        docs.transport,
+        keel_core::McpTransport::Stdio {
+            command: vec!["npx".into(), "-y".into(), "docs-server".into()],
+            env: vec![("TOKEN".into(), "${DOCS_TOKEN}".into())],
+            // Relative to the agent's directory, like every path of a spec.
+            cwd: Some(dir.path().join("a")),
+            inherit_env: vec!["LANG".into()],
+        }
+    );
+    assert_eq!(remote.tool_prefix(), "r_");
+    assert_eq!(remote.startup_timeout, std::time::Duration::from_secs(5));
+    assert_eq!(
+        remote.transport,
+        keel_core::McpTransport::Http {
+            url: "http://127.0.0.1:9000/mcp".into(),
+            headers: vec![
+                ("X-Team".into(), "blue".into()),
+                ("Authorization".into(), "Bearer ${REMOTE_TOKEN}".into())
+            ],
+        }
+    );
+}
+
+#[test]
+fn bad_mcp_entries_are_located() {
+    check(
+        &[(
+            "a.yaml",
+            "model: mock\nmcp:\n  - { command: [x] }\n  - { name: both, command: [x], url: 'http://h/mcp' }\n  - { name: neither }\n  - { name: web, url: 'ftp://h/x', env: { A: b } }\n  - { name: web, url: 'http://h/mcp', prefix: 'a b', comand: [x] }\n  - { name: s, command: [x], headers: { A: b } }\n  - { name: web, url: 'http://h/mcp' }\n",
+        )],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: an `mcp` server needs `name`
+              --> a.yaml:3:5
+              hint: write `- { name: docs, command: [npx, -y, some-mcp-server] }`
+            error[KEEL_SPEC_INVALID]: `mcp.both` has both `command` and `url`
+              --> a.yaml:4:28
+              hint: a server is either started (`command`) or reached over HTTP (`url`)
+            error[KEEL_SPEC_INVALID]: `mcp.neither` needs `command` (a stdio server) or `url` (an HTTP server)
+              --> a.yaml:5:5
+              hint: write `command: [npx, -y, some-mcp-server]` or `url: http://127.0.0.1:9000/mcp`
+            error[KEEL_SPEC_INVALID]: `mcp.web.url` "ftp://h/x" is not an http:// or https:// URL
+              --> a.yaml:6:23
+              hint: write the server's endpoint, like `http://127.0.0.1:9000/mcp`
+            error[KEEL_SPEC_INVALID]: `mcp.web.prefix` "a b" has characters tool names cannot hold
+              --> a.yaml:7:47
+              hint: use A-Z, a-z, 0-9, `_` and `-`
+            error[KEEL_SPEC_INVALID]: unknown key `comand` in `mcp[]`
+              --> a.yaml:7:54
+              hint: did you mean `command`?
+            error[KEEL_SPEC_INVALID]: `mcp.s.headers` applies to HTTP servers (`url`), not to `command`
+              --> a.yaml:8:39
+            error[KEEL_SPEC_INVALID]: two MCP servers are named `web` (the first at line 7)
+              --> a.yaml:9:5
+              hint: give each server its own `name`
         "#]],
     );
 }

@@ -30,6 +30,7 @@ pub use clock::ClockTool;
 pub use command::CommandTool;
 pub use function::{function_tool, function_tool_with_context};
 pub use http::{GuardedClient, HttpTool};
+pub use process::contain_helper;
 pub use question::AskQuestion;
 
 /// The names of the built-in tools, for specs to refer to. `http` is the spec's short name of

@@ -36,6 +36,14 @@ pub(crate) fn minimal_env(command: &mut Command, home: &std::path::Path, pass: &
     }
 }
 
+/// Prepares a long-lived helper process that is not a tool call (an MCP server): the minimal
+/// environment with `home` as `HOME` and the variables named in `pass` (never keel's secrets),
+/// in its own process group that dies with keel.
+pub fn contain_helper(command: &mut Command, home: &std::path::Path, pass: &[String]) {
+    minimal_env(command, home, pass);
+    own_group_dying_with_keel(command);
+}
+
 /// Takes keel's own secrets out of an environment a tool inherits whole.
 pub(crate) fn without_secrets(command: &mut Command) {
     for (name, _) in std::env::vars_os() {

@@ -121,7 +121,7 @@ async fn decide(id: &str, decision: Decision, target: &DecisionTarget) -> std::i
         };
     };
     drop(store);
-    let agent = match super::run::load_agent(agent_path, None, &target.store.store)? {
+    let agent = match super::run::load_agent(agent_path, None, &target.store.store).await? {
         Ok(agent) => agent,
         Err(code) => return Ok(code),
     };

@@ -26,7 +26,7 @@ pub(crate) fn cancel(args: &CancelArgs) -> std::io::Result<u8> {
     super::run_async(async {
         let by = keel::who("keel cancel");
         if let Some(path) = &args.agent {
-            let agent = match super::run::load_agent(path, None, &args.store.store)? {
+            let agent = match super::run::load_agent(path, None, &args.store.store).await? {
                 Ok(agent) => agent,
                 Err(code) => return Ok(code),
             };

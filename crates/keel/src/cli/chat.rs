@@ -8,10 +8,6 @@ use super::run::{Context, load_agent};
 use super::{ChatArgs, RunArgs, exit};
 
 pub(crate) fn chat(args: ChatArgs) -> std::io::Result<u8> {
-    let agent = match load_agent(&args.agent, args.model.as_deref(), &args.store)? {
-        Ok(agent) => agent,
-        Err(code) => return Ok(code),
-    };
     let session = args
         .session
         .clone()
@@ -25,7 +21,13 @@ pub(crate) fn chat(args: ChatArgs) -> std::io::Result<u8> {
         json: false,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let code = runtime.block_on(converse(&agent, &run_args));
+    let code = runtime.block_on(async {
+        let agent = match load_agent(&args.agent, args.model.as_deref(), &args.store).await? {
+            Ok(agent) => agent,
+            Err(code) => return Ok(code),
+        };
+        converse(&agent, &run_args).await
+    });
     // A line read left pending at the prompt must not hold the exit up.
     runtime.shutdown_background();
     code

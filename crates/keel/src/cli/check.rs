@@ -31,13 +31,62 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
                 String::new()
             };
             writeln!(stdout, "ok: agent `{}` (model {}; {tools}){warned}", spec.name, spec.model)?;
-            Ok(exit::OK)
+            drop(stdout);
+            drop(stderr);
+            if spec.mcp.is_empty() {
+                return Ok(exit::OK);
+            }
+            if args.offline {
+                let names: Vec<&str> = spec.mcp.iter().map(|server| server.name.as_str()).collect();
+                writeln!(std::io::stdout(), "MCP servers not checked (--offline): {}", names.join(", "))?;
+                return Ok(exit::OK);
+            }
+            super::run_async(check_mcp(spec))?
         }
         None => {
             writeln!(stderr, "{} error{} found in {}", errors, plural(errors), args.agent.display())?;
             Ok(exit::INVALID_AGENT)
         }
     }
+}
+
+/// Connects to the agent's MCP servers and lists their tools as the agent will name them.
+async fn check_mcp(spec: keel_spec::AgentSpec) -> std::io::Result<u8> {
+    let mut taken: Vec<String> =
+        spec.builtin_tools.iter().map(|name| keel_tools::tool_name(name).to_owned()).collect();
+    taken.extend(spec.command_tools.iter().map(|tool| tool.def.name.clone()));
+    taken.extend(spec.subagents.iter().map(|sub| sub.name.clone()));
+    let servers = match keel::mcp::connect_all(spec.mcp.clone(), &taken).await {
+        Ok(servers) => servers,
+        Err(failure) => {
+            eprintln!("error[{}]: {}", failure.code, failure.message);
+            return Ok(exit::INVALID_AGENT);
+        }
+    };
+    let mut stdout = std::io::stdout().lock();
+    for server in &servers {
+        let tools: Vec<String> = server.remote_tools().into_iter().map(|tool| tool.spec.name).collect();
+        writeln!(
+            stdout,
+            "mcp `{}`: {} tool{}: {}",
+            server.name(),
+            tools.len(),
+            plural(tools.len()),
+            tools.join(", ")
+        )?;
+    }
+    let approvals = spec.approval_tools.iter().filter(|name| {
+        spec.mcp.iter().any(|server| name.starts_with(&server.tool_prefix()))
+            && !servers.iter().any(|server| server.remote_tools().iter().any(|tool| &tool.spec.name == *name))
+    });
+    let mut missing = 0;
+    for name in approvals {
+        missing += 1;
+        eprintln!(
+            "error[KEEL_SPEC_INVALID]: `approvals.tools` names `{name}`, which no MCP server of the agent offers"
+        );
+    }
+    Ok(if missing == 0 { exit::OK } else { exit::INVALID_AGENT })
 }
 
 fn plural(n: usize) -> &'static str {

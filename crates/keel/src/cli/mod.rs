@@ -294,6 +294,10 @@ pub(crate) struct ServeArgs {
 pub(crate) struct CheckArgs {
     /// The agent: a directory with agent.yaml, or a spec file (.yaml, .toml, .json).
     pub(crate) agent: PathBuf,
+    /// Do not start or reach the agent's MCP servers (by default each is connected and its
+    /// tools listed).
+    #[arg(long)]
+    pub(crate) offline: bool,
 }
 
 /// Parses the command line, runs the command, and returns its exit code.

@@ -14,21 +14,23 @@ use super::exit;
 use super::render::{HumanRenderer, JsonRenderer, Render};
 
 pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
-    let agent = match load_agent(&args.agent, args.model.as_deref(), &args.store)? {
-        Ok(agent) => agent,
-        Err(code) => return Ok(code),
-    };
-    super::run_async(drive(&agent, &args))?
+    super::run_async(async {
+        let agent = match load_agent(&args.agent, args.model.as_deref(), &args.store).await? {
+            Ok(agent) => agent,
+            Err(code) => return Ok(code),
+        };
+        drive(&agent, &args).await
+    })?
 }
 
 /// Loads an agent with its store, printing the spec's diagnostics; `Err(exit code)` when it
 /// cannot be set up.
-pub(crate) fn load_agent(
+pub(crate) async fn load_agent(
     path: &std::path::Path,
     model: Option<&str>,
     store: &str,
 ) -> std::io::Result<Result<Agent, u8>> {
-    let mut stderr = std::io::stderr().lock();
+    let mut stderr = std::io::stderr();
     let options = keel_spec::LoadOptions {
         builtin_tools: keel_tools::BUILTIN_NAMES,
         providers: keel_providers::PROVIDER_NAMES,
@@ -45,14 +47,20 @@ pub(crate) fn load_agent(
     if let Some(model) = model {
         spec.model = model.to_owned();
     }
-    let store = match keel_store::open(store) {
+    // Opening a store may block (the PostgreSQL driver runs its own runtime): off the async
+    // threads.
+    let target = store.to_owned();
+    let opened = tokio::task::spawn_blocking(move || keel_store::open(&target))
+        .await
+        .map_err(std::io::Error::other)?;
+    let store = match opened {
         Ok(store) => store,
         Err(error) => {
             writeln!(stderr, "error[{}]: {error}", error.code())?;
             return Ok(Err(exit::INVALID_AGENT));
         }
     };
-    Ok(match Agent::from_spec(spec, store) {
+    Ok(match Agent::from_spec(spec, store).await {
         Ok(agent) => Ok(agent),
         Err(keel::LoadError::Setup(failure)) => {
             writeln!(stderr, "error[{}]: {}", failure.code, failure.message)?;

@@ -8,10 +8,6 @@ use keel_core::env;
 use super::{ServeArgs, exit};
 
 pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
-    let agent = match super::run::load_agent(&args.agent, args.model.as_deref(), &args.store)? {
-        Ok(agent) => agent,
-        Err(code) => return Ok(code),
-    };
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     // KEEL_JWT_JWKS: a file, or an http(s) URL fetched once the runtime runs.
     let jwks_source = var(env::JWT_JWKS.name);
@@ -78,6 +74,11 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
     }
     raise_open_file_limit();
     super::run_async(async {
+        // Loaded in the runtime: MCP servers are connected (and supervised) on it.
+        let agent = match super::run::load_agent(&args.agent, args.model.as_deref(), &args.store).await? {
+            Ok(agent) => agent,
+            Err(code) => return Ok(code),
+        };
         if let Some(jwt) = options.jwt.as_mut()
             && let Some(url) = &jwt.jwks_url
         {

@@ -69,7 +69,7 @@ async fn a_builder_agent_calls_a_function_tool_and_streams_events() {
 
 #[tokio::test]
 async fn a_loaded_agent_directory_runs_through_the_api() {
-    let agent = Agent::load(repo_root().join("examples/assistant")).unwrap();
+    let agent = Agent::load(repo_root().join("examples/assistant")).await.unwrap();
     assert_eq!(agent.definition().name, "assistant");
     let result = agent.run("s", "What day is it?").unwrap().result().await.unwrap();
     assert!(weekdays_now().iter().any(|d| result.text == format!("Today is {d}.")), "{}", result.text);
@@ -78,7 +78,7 @@ async fn a_loaded_agent_directory_runs_through_the_api() {
 #[tokio::test]
 async fn loading_a_bad_spec_returns_every_diagnostic() {
     let dir = agent_dir(&[("agent.yaml", "model: mock\ntools: [nope]\nlimits: { max_turns: -1 }\n")]);
-    let error = Agent::load(dir.path()).unwrap_err();
+    let error = Agent::load(dir.path()).await.unwrap_err();
     assert_eq!(error.code(), ErrorCode::SpecInvalid);
     let keel::LoadError::Spec { diagnostics } = &error else { panic!("{error}") };
     assert_eq!(diagnostics.len(), 2, "{error}");

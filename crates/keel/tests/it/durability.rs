@@ -86,7 +86,7 @@ async fn a_run_killed_mid_tool_resumes_from_its_sqlite_journal_without_repeating
 
     // Another process (here: this test) re-drives it from the journal, once its lease expired.
     let spec = keel::load_spec(dir.path()).unwrap();
-    let agent = Agent::from_spec(spec, store.clone()).unwrap();
+    let agent = Agent::from_spec(spec, store.clone()).await.unwrap();
     let early = agent.resume(run_id.clone()).result().await.unwrap_err();
     assert_eq!(early.code, keel::ErrorCode::RunLeased, "{early:?}");
     tokio::time::sleep(Duration::from_millis(2100)).await;

@@ -5,6 +5,7 @@ mod approvals;
 mod cli;
 mod durability;
 mod instances;
+mod mcp;
 mod model;
 mod one_run;
 mod providers;
