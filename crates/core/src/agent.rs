@@ -14,6 +14,8 @@ use crate::tool::ToolSet;
 pub struct AgentDef {
     /// The agent's name (a spec's `name`, or its file or directory name).
     pub name: String,
+    /// One line about the agent (a spec's `description`): how subagents and MCP clients see it.
+    pub description: Option<String>,
     /// The system prompt, with the skills' instructions appended.
     pub instructions: String,
     /// `provider/model`, or `mock`.

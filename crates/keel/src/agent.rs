@@ -139,6 +139,7 @@ impl Agent {
         }
         let mut builder = Agent::builder()
             .name(spec.name)
+            .description(spec.description)
             .instructions(spec.instructions)
             .model(spec.model)
             .limits(spec.limits)
@@ -261,6 +262,7 @@ pub fn load_spec(path: &Path) -> Result<AgentSpec, LoadError> {
 #[must_use]
 pub struct AgentBuilder {
     name: Option<String>,
+    description: Option<String>,
     instructions: String,
     model: Option<String>,
     tools: Vec<Arc<dyn Tool>>,
@@ -284,6 +286,12 @@ impl AgentBuilder {
     /// The agent's name (default: `agent`).
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
+        self
+    }
+
+    /// One line about the agent: what MCP clients (and parent agents) are told it does.
+    pub fn description(mut self, description: impl Into<Option<String>>) -> Self {
+        self.description = description.into();
         self
     }
 
@@ -496,6 +504,7 @@ impl AgentBuilder {
         };
         let definition = AgentDef {
             name: self.name.unwrap_or_else(|| "agent".to_owned()),
+            description: self.description,
             instructions: self.instructions,
             model,
             tools,

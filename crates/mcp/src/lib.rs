@@ -18,9 +18,11 @@
 //! purpose); a redirect anywhere else is checked by keel's SSRF guard ([`http`]).
 
 pub mod content;
+pub mod expose;
 mod http;
 mod server;
 
+pub use expose::AgentServer;
 pub use server::{McpError, McpServer, RemoteTool};
 
 /// Expands `${NAME}` references to keel's environment in a configured value. `$${` stands for

@@ -92,6 +92,7 @@ fn hang_once(started: Arc<tokio::sync::Notify>, runs: Arc<AtomicUsize>) -> Arc<d
 fn agent(tools: Vec<Arc<dyn Tool>>, edit: impl FnOnce(&mut AgentDef)) -> Arc<AgentDef> {
     let mut def = AgentDef {
         name: "test".into(),
+        description: None,
         instructions: "Test agent.".into(),
         model: "mock".into(),
         tools: ToolSet::new(tools).unwrap(),

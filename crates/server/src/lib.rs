@@ -21,6 +21,7 @@ mod connections;
 mod error;
 mod feed;
 mod guard;
+mod mcp;
 mod metrics;
 mod observe;
 mod routes;
@@ -168,7 +169,8 @@ impl Server {
         let streaming = Router::new()
             .route("/chat", post(routes::chat))
             .route("/chat/{session}/events", get(routes::events))
-            .route("/chat/{session}/approvals/{id}", post(routes::decide));
+            .route("/chat/{session}/approvals/{id}", post(routes::decide))
+            .route_service("/mcp", mcp::service(state));
         // Outermost first: observe, CORS preflights (listed origins only), the browser guard
         // (Host, Origin), auth, then the routes.
         let routes = quick

@@ -49,6 +49,7 @@ fn echo_tool() -> Arc<dyn Tool> {
 fn agent(edit: impl FnOnce(&mut AgentDef)) -> Arc<AgentDef> {
     let mut def = AgentDef {
         name: "test".into(),
+        description: None,
         instructions: "Be brief.".into(),
         model: "mock".into(),
         tools: ToolSet::new(vec![add_tool(), echo_tool()]).unwrap(),

@@ -6,6 +6,7 @@ mod cancel;
 mod chat;
 mod check;
 mod input;
+mod mcp;
 mod render;
 mod run;
 mod secrets;
@@ -67,6 +68,8 @@ enum Command {
     Chat(ChatArgs),
     /// Serve an agent over HTTP: chat with SSE streaming, live session events, approvals.
     Serve(ServeArgs),
+    /// Serve an agent as an MCP server over stdio: one tool, `agent_<name>`, for any MCP client.
+    Mcp(McpArgs),
     /// Check an agent (spec file or directory) and print every problem.
     #[command(after_help = "Exit codes:\n  0  no error (warnings may be printed)\n  1  the agent has errors")]
     Check(CheckArgs),
@@ -289,6 +292,19 @@ pub(crate) struct ServeArgs {
     pub(crate) model: Option<String>,
 }
 
+/// Arguments of `keel mcp`.
+#[derive(clap::Args)]
+pub(crate) struct McpArgs {
+    /// The agent: a directory with agent.yaml, or a spec file (.yaml, .toml, .json).
+    pub(crate) agent: PathBuf,
+    /// Where sessions and journals live (`sqlite:<path>`, `postgres://user@host/database` or `memory`).
+    #[arg(long, env = keel_core::env::STORE.name, default_value = "sqlite:.keel/keel.db")]
+    pub(crate) store: String,
+    /// Use this model instead of the spec's.
+    #[arg(long)]
+    pub(crate) model: Option<String>,
+}
+
 /// Arguments of `keel check`.
 #[derive(clap::Args)]
 pub(crate) struct CheckArgs {
@@ -313,6 +329,7 @@ pub(crate) fn main() -> ExitCode {
         Command::Chat(args) => chat::chat(args),
         Command::Serve(args) => serve::serve(args),
         Command::Check(args) => check::check(&args),
+        Command::Mcp(args) => mcp::mcp(&args),
         Command::Sessions(command) => sessions::sessions(command),
         Command::Approvals(command) => approvals::approvals(command),
         Command::Cancel(args) => cancel::cancel(&args),
