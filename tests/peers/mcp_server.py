@@ -12,6 +12,7 @@ Tools:
 - `die()`: the server kills itself with SIGKILL while the call is in flight.
 - `huge(megabytes)`: answers with that much text.
 - `fail(message)`: raises: an `isError: true` result.
+- `grow()`: adds the tool `extra` and sends `notifications/tools/list_changed`.
 """
 import asyncio
 import os
@@ -58,6 +59,19 @@ def huge(megabytes: int) -> str:
 def fail(message: str) -> str:
     """Always fails, saying why."""
     raise ToolError(message)
+
+
+def extra() -> str:
+    """A tool added while the server runs."""
+    return "extra tool here"
+
+
+@server.tool()
+async def grow(ctx: Context) -> str:
+    """Add the tool `extra`, and tell the client its tool list changed."""
+    server.add_tool(extra)
+    await ctx.session.send_tool_list_changed()
+    return "grew"
 
 
 if __name__ == "__main__":

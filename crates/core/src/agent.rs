@@ -222,6 +222,7 @@ pub enum ToolChoice {
 }
 
 /// A JSON Schema for the final answer, compiled once.
+#[derive(Clone)]
 pub struct OutputSchema {
     schema: Value,
     validator: jsonschema::Validator,

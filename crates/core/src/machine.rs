@@ -174,6 +174,11 @@ pub struct Machine {
 }
 
 impl Machine {
+    /// The agent definition this run uses (the engine's when the run started or resumed).
+    pub fn agent(&self) -> &Arc<AgentDef> {
+        &self.agent
+    }
+
     /// A machine for a run of `agent` continuing `history` with `input`.
     ///
     /// `call_base` is the number of model calls the session made before this run (it makes

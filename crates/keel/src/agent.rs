@@ -22,11 +22,14 @@ use serde_json::Value;
 #[derive(Clone)]
 pub struct Agent {
     engine: Engine,
+    /// Rebuilds the tool set when an MCP server's tool list changes (`None` without servers).
+    /// Its watchers hold it weakly: they end with the last clone of the agent.
+    _refresher: Option<Arc<Refresher>>,
 }
 
 impl fmt::Debug for Agent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Agent").field(self.engine.agent()).finish()
+        f.debug_tuple("Agent").field(&self.engine.agent()).finish()
     }
 }
 
@@ -236,7 +239,7 @@ impl Agent {
     }
 
     /// The agent's definition.
-    pub fn definition(&self) -> &AgentDef {
+    pub fn definition(&self) -> Arc<AgentDef> {
         self.engine.agent()
     }
 
@@ -438,11 +441,18 @@ impl AgentBuilder {
     /// with `KEEL_MCP_TOOL_CONFLICT`, naming both.
     pub async fn build_async(mut self) -> Result<Agent, RunFailure> {
         let servers = std::mem::take(&mut self.mcp);
-        let taken: Vec<String> = self.tools.iter().map(|tool| tool.spec().name.clone()).collect();
-        for server in crate::mcp::connect_all(servers, &taken).await? {
-            self.tools.extend(server.tools());
+        if servers.is_empty() {
+            return self.build();
         }
-        self.build()
+        let taken: Vec<String> = self.tools.iter().map(|tool| tool.spec().name.clone()).collect();
+        let servers = crate::mcp::connect_all(servers, &taken).await?;
+        let (mut agent, recipe) = self.build_with(servers.clone())?;
+        let refresher = Arc::new(Refresher { engine: agent.engine.clone(), recipe });
+        for server in &servers {
+            tokio::spawn(refresh_on_change(server.changes(), Arc::downgrade(&refresher)));
+        }
+        agent._refresher = Some(refresher);
+        Ok(agent)
     }
 
     /// Checks everything and builds the agent. An agent with MCP servers is built with
@@ -457,6 +467,12 @@ impl AgentBuilder {
                 ),
             ));
         }
+        self.build_with(Vec::new()).map(|(agent, _)| agent)
+    }
+
+    /// Builds the agent with the tools of `servers` (connected) besides its own; returns the
+    /// recipe of its tool set too.
+    fn build_with(self, servers: Vec<keel_mcp::McpServer>) -> Result<(Agent, ToolRecipe), RunFailure> {
         let invalid = |message: String| RunFailure::new(ErrorCode::SpecInvalid, message);
         let model = match (self.model, &self.provider) {
             (Some(model), _) => model,
@@ -468,29 +484,14 @@ impl AgentBuilder {
                 ));
             }
         };
-        let mut all_tools = self.tools;
-        if self.compose {
-            let excluded: Vec<&str> = self.approvals.iter().map(|(name, _)| name.as_str()).collect();
-            let composable: Vec<&str> = all_tools
-                .iter()
-                .filter(|tool| !tool.asks_human() && !tool.composes())
-                .map(|tool| tool.spec().name.as_str())
-                .filter(|name| !excluded.contains(name))
-                .collect();
-            let compose = keel_tools::compose::ComposeTool::new(&composable);
-            all_tools.push(Arc::new(compose));
-        }
-        let mut tools = ToolSet::new(all_tools).map_err(|error: ToolSetError| invalid(error.to_string()))?;
-        for (name, rule) in self.approvals {
-            tools.require_approval(&name, rule).map_err(|error| invalid(error.to_string()))?;
-        }
-        for name in &self.stop_on_tools {
-            if !tools.contains(name) {
-                return Err(invalid(format!(
-                    "`stop_on_tool({name:?})` names a tool the agent does not have"
-                )));
-            }
-        }
+        let recipe = ToolRecipe {
+            own: self.tools,
+            servers,
+            approvals: self.approvals,
+            compose: self.compose,
+            stop_on_tools: self.stop_on_tools.clone(),
+        };
+        let tools = recipe.tool_set().map_err(invalid)?;
         let output_schema = match self.output_schema {
             Some(schema) => Some(OutputSchema::new(schema).map_err(|reason| {
                 invalid(format!("the output schema is not a valid JSON Schema: {reason}"))
@@ -520,6 +521,90 @@ impl AgentBuilder {
         if let Some(clock) = self.clock {
             options.clock = clock;
         }
-        Ok(Agent { engine: Engine::with_options(Arc::new(definition), provider, store, options) })
+        let engine = Engine::with_options(Arc::new(definition), provider, store, options);
+        Ok((Agent { engine, _refresher: None }, recipe))
+    }
+}
+
+/// What an agent's tool set is made of: its own tools, its MCP servers' (as they list them
+/// now), the approval rules, `compose`. Kept to make the set again when a server's list changes.
+#[derive(Clone)]
+struct ToolRecipe {
+    own: Vec<Arc<dyn Tool>>,
+    servers: Vec<keel_mcp::McpServer>,
+    approvals: Vec<(String, ApprovalRule)>,
+    compose: bool,
+    stop_on_tools: Vec<String>,
+}
+
+impl ToolRecipe {
+    /// The tool set, checked: names unique, approvals and stop tools naming tools it has.
+    fn tool_set(&self) -> Result<ToolSet, String> {
+        let mut all_tools = self.own.clone();
+        for server in &self.servers {
+            all_tools.extend(server.tools());
+        }
+        if self.compose {
+            let excluded: Vec<&str> = self.approvals.iter().map(|(name, _)| name.as_str()).collect();
+            let composable: Vec<&str> = all_tools
+                .iter()
+                .filter(|tool| !tool.asks_human() && !tool.composes())
+                .map(|tool| tool.spec().name.as_str())
+                .filter(|name| !excluded.contains(name))
+                .collect();
+            let compose = keel_tools::compose::ComposeTool::new(&composable);
+            all_tools.push(Arc::new(compose));
+        }
+        let mut tools = ToolSet::new(all_tools).map_err(|error: ToolSetError| error.to_string())?;
+        for (name, rule) in &self.approvals {
+            tools.require_approval(name, rule.clone()).map_err(|error| error.to_string())?;
+        }
+        for name in &self.stop_on_tools {
+            if !tools.contains(name) {
+                return Err(format!("`stop_on_tool({name:?})` names a tool the agent does not have"));
+            }
+        }
+        Ok(tools)
+    }
+}
+
+/// Swaps an agent's definition for one with the tool set made again.
+struct Refresher {
+    engine: Engine,
+    recipe: ToolRecipe,
+}
+
+/// Makes the tool set again each time a server's list changes, until the agent is dropped (or
+/// the server is). A list that cannot make a valid set (a new tool named like another, an
+/// approval's tool gone) keeps the set as it was, with a warning.
+async fn refresh_on_change(
+    mut changes: tokio::sync::watch::Receiver<u64>,
+    refresher: std::sync::Weak<Refresher>,
+) {
+    while changes.changed().await.is_ok() {
+        let Some(refresher) = refresher.upgrade() else { return };
+        match refresher.recipe.tool_set() {
+            Ok(tools) => {
+                let current = refresher.engine.agent();
+                let names: Vec<&str> = tools.names().collect();
+                tracing::info!(agent = %current.name, tools = ?names, "an MCP server's tools changed; new runs use the new list");
+                refresher.engine.set_agent(Arc::new(AgentDef {
+                    name: current.name.clone(),
+                    description: current.description.clone(),
+                    instructions: current.instructions.clone(),
+                    model: current.model.clone(),
+                    tools,
+                    limits: current.limits.clone(),
+                    retry: current.retry.clone(),
+                    output_schema: current.output_schema.clone(),
+                    stop_on_tools: current.stop_on_tools.clone(),
+                    concurrency: current.concurrency,
+                    approval_timeout: current.approval_timeout,
+                }));
+            }
+            Err(why) => tracing::warn!(
+                "an MCP server's tools changed, but the new list cannot be used ({why}); keeping the tools as they were"
+            ),
+        }
     }
 }

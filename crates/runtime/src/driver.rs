@@ -22,10 +22,10 @@ use keel_core::message::ToolCall;
 use keel_core::provider::ProviderErrorKind;
 use keel_core::store::MAX_REDRIVES;
 use keel_core::{
-    BoxFuture, Claim, Concurrency, DeltaSink, ErrorCode, Event, Fence, LeaseStatus, Message, ModelReply,
-    Part, PendingInput, PendingKind, ProviderError, Role, RunFailure, RunId, RunRecord, RunState, SessionId,
-    SessionSnapshot, SessionState, StepCommit, StepName, StopReason, StoreError, ToolContext, ToolError,
-    ToolOutcome,
+    AgentDef, BoxFuture, Claim, Concurrency, DeltaSink, ErrorCode, Event, Fence, LeaseStatus, Message,
+    ModelReply, Part, PendingInput, PendingKind, ProviderError, Role, RunFailure, RunId, RunRecord, RunState,
+    SessionId, SessionSnapshot, SessionState, StepCommit, StepName, StopReason, StoreError, ToolContext,
+    ToolError, ToolOutcome,
 };
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
@@ -119,6 +119,7 @@ async fn run(
             let beat = prepared.epoch.map(|_| heartbeat(&shared));
             let mut driver = Driver {
                 shared,
+                agent: Arc::clone(prepared.machine.agent()),
                 run_id: prepared.run_id,
                 session: prepared.session,
                 replay: (!prepared.journal.is_empty()).then(Vec::new),
@@ -244,7 +245,7 @@ async fn settle_session(
     cancel: &CancellationToken,
     admitted: &mut Admitted,
 ) -> Result<SessionSnapshot, RunFailure> {
-    let mode = shared.agent.concurrency;
+    let mode = shared.agent().concurrency;
     let mut asked_to_cancel = false;
     loop {
         let snapshot = shared.store.load_session(session).await.map_err(store_failure)?;
@@ -343,14 +344,8 @@ async fn prepare(
                 state: RunState::Running,
             };
             // The run is stored with its first step's commit (the user's message).
-            let machine = Machine::new(
-                Arc::clone(&shared.agent),
-                run_id.clone(),
-                session.clone(),
-                history,
-                input,
-                call_base,
-            );
+            let machine =
+                Machine::new(shared.agent(), run_id.clone(), session.clone(), history, input, call_base);
             Ok(Prepared {
                 run_id,
                 session,
@@ -451,7 +446,7 @@ async fn prepare(
             };
             tracing::debug!(run = %run_id, "re-driving run from its journal");
             let machine = Machine::new(
-                Arc::clone(&shared.agent),
+                shared.agent(),
                 run_id.clone(),
                 record.session_id.clone(),
                 history,
@@ -488,6 +483,8 @@ async fn end_unreadable(shared: &Shared, session: &SessionId, run: &RunId, epoch
 
 struct Driver<'a> {
     shared: Arc<Shared>,
+    /// The agent definition of this run (the machine's).
+    agent: Arc<AgentDef>,
     run_id: RunId,
     session: SessionId,
     /// While a resumed run replays its journal: the events of the turn being replayed, shown
@@ -706,7 +703,7 @@ impl Driver<'_> {
     ) -> Result<PendingInput, RunFailure> {
         self.go_live();
         let now = self.shared.now_ms();
-        let timeout = u64::try_from(self.shared.agent.approval_timeout.as_millis()).unwrap_or(u64::MAX);
+        let timeout = u64::try_from(self.agent.approval_timeout.as_millis()).unwrap_or(u64::MAX);
         let asked = PendingInput {
             id,
             run_id: self.run_id.clone(),
@@ -950,7 +947,7 @@ impl Driver<'_> {
     /// take the run down with it.
     fn spawn_tool(&self, step: StepName, call: ToolCall) -> ToolFuture {
         let ToolCall { call_id, name, input } = call;
-        let Some(tool) = self.shared.agent.tools.get(&name).cloned() else {
+        let Some(tool) = self.agent.tools.get(&name).cloned() else {
             // The machine checked the name; this is a bug, reported to the model as a failure.
             let error = ToolError::with_code(ErrorCode::Internal, format!("tool `{name}` vanished"), false);
             return Box::pin(std::future::ready((step, call_id, Err(error), None)));
@@ -963,7 +960,7 @@ impl Driver<'_> {
             idempotency_key: step.idempotency_key(&self.run_id),
             state: state.clone(),
         };
-        let timeout = self.shared.agent.limits.tool_timeout;
+        let timeout = self.agent.limits.tool_timeout;
         let mut task = AbortOnDrop(tokio::spawn(async move { tool.call(input, &ctx).await }));
         Box::pin(async move {
             let outcome = match tokio::time::timeout(timeout, &mut task.0).await {
@@ -1152,8 +1149,8 @@ async fn call_model(
     machine: &Machine,
     events: &UnboundedSender<Event>,
 ) -> Result<ModelReply, ProviderError> {
-    let retry = &shared.agent.retry;
-    let timeout = shared.agent.limits.provider_timeout;
+    let retry = &machine.agent().retry;
+    let timeout = machine.agent().limits.provider_timeout;
     let mut sink = EventSink(events);
     let mut attempt = 1;
     loop {

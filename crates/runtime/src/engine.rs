@@ -158,7 +158,7 @@ impl Engine {
     ) -> Engine {
         Engine {
             shared: Arc::new(Shared {
-                agent,
+                agent: std::sync::RwLock::new(agent),
                 provider,
                 store,
                 clock: options.clock,
@@ -174,9 +174,15 @@ impl Engine {
         }
     }
 
-    /// The agent.
-    pub fn agent(&self) -> &AgentDef {
-        &self.shared.agent
+    /// The agent definition runs starting now use.
+    pub fn agent(&self) -> Arc<AgentDef> {
+        self.shared.agent()
+    }
+
+    /// Replaces the agent definition (its tools changed: an MCP server's list did). Runs
+    /// started or resumed from now on use it; runs in flight keep the one they started with.
+    pub fn set_agent(&self, agent: Arc<AgentDef>) {
+        *self.shared.agent.write().unwrap_or_else(std::sync::PoisonError::into_inner) = agent;
     }
 
     /// The store.
@@ -221,7 +227,7 @@ impl Engine {
     ) -> Result<RunHandle, RunFailure> {
         let cancel = CancellationToken::new();
         let shared = &self.shared;
-        let admission = shared.sessions.admit(&session, &run_id, &cancel, shared.agent.concurrency)?;
+        let admission = shared.sessions.admit(&session, &run_id, &cancel, shared.agent().concurrency)?;
         Ok(self.spawn(run_id.clone(), Plan::Fresh { run_id, session, input, admission }, cancel))
     }
 

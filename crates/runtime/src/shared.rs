@@ -16,7 +16,9 @@ use crate::handle::RunHandle;
 pub(crate) type Observer = Arc<dyn Fn(RunHandle) + Send + Sync>;
 
 pub(crate) struct Shared {
-    pub(crate) agent: Arc<AgentDef>,
+    /// The agent new and resumed runs use; replaced when its tools change (an MCP server's
+    /// list changed). A run keeps the definition it started with.
+    pub(crate) agent: std::sync::RwLock<Arc<AgentDef>>,
     pub(crate) provider: Arc<dyn Provider>,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) clock: Arc<dyn Clock>,
@@ -38,6 +40,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The agent definition a run starting now uses.
+    pub(crate) fn agent(&self) -> Arc<AgentDef> {
+        Arc::clone(&self.agent.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
     /// The observer, if one is set.
     pub(crate) fn observer(&self) -> Option<Observer> {
         self.observer.lock().unwrap_or_else(|p| p.into_inner()).clone()

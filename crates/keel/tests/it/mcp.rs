@@ -539,3 +539,62 @@ fn the_official_conformance_suite_passes_every_scenario_that_applies() {
         assert!(output.contains(checks), "{scenario}:\n{output}");
     }
 }
+
+#[test]
+fn a_tool_a_server_adds_while_running_is_offered_to_the_next_run() {
+    let dir = shop_agent(
+        r#"    - tool_calls: [ { name: shop_grow, input: {} } ]
+    - text: "grown"
+    - tool_calls: [ { name: shop_extra, input: {} } ]
+    - text: "extra says {{last_tool_output}}"
+"#,
+    );
+    let mut chat = Command::new(keel_binary())
+        .arg("chat")
+        .arg(dir.path())
+        .args(["--store", "memory"])
+        .env("KEEL_LOG", "info,rmcp=warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = chat.stdin.take().unwrap();
+    let (lines, from_chat) = std::sync::mpsc::channel();
+    for stream in [
+        Box::new(chat.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(chat.stderr.take().unwrap()),
+    ] {
+        let lines = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = lines.send(line);
+            }
+        });
+    }
+    // Lines of stdout and stderr, in the order they came; a wanted line may have come already
+    // (the two streams are not ordered with each other).
+    let mut seen: Vec<String> = Vec::new();
+    let mut wait_for = |wanted: &str| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(line) = seen.iter().find(|line| line.contains(wanted)) {
+                return line.clone();
+            }
+            let line = from_chat.recv_timeout(deadline.saturating_duration_since(Instant::now()));
+            seen.push(line.unwrap_or_else(|_| panic!("no line with {wanted:?} in {seen:#?}")));
+        }
+    };
+    use std::io::Write as _;
+    // The server adds `extra` during the first turn and says its list changed.
+    writeln!(stdin, "grow").unwrap();
+    wait_for("grown");
+    let changed = wait_for("an MCP server's tools changed");
+    assert!(changed.contains("shop_extra"), "{changed}");
+    // The next turn may call it.
+    writeln!(stdin, "use it").unwrap();
+    let answer = wait_for("extra says");
+    assert!(answer.contains("extra tool here"), "{answer}");
+    drop(stdin);
+    assert!(chat.wait().unwrap().success());
+}
