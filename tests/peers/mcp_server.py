@@ -13,6 +13,7 @@ Tools:
 - `huge(megabytes)`: answers with that much text.
 - `fail(message)`: raises: an `isError: true` result.
 - `grow()`: adds the tool `extra` and sends `notifications/tools/list_changed`.
+- `ask_user()`: asks the client for input (elicitation) and answers with the client's action.
 """
 import asyncio
 import os
@@ -72,6 +73,18 @@ async def grow(ctx: Context) -> str:
     server.add_tool(extra)
     await ctx.session.send_tool_list_changed()
     return "grew"
+
+
+@server.tool()
+async def ask_user(ctx: Context) -> str:
+    """Ask the client's user for their name."""
+    from pydantic import BaseModel
+
+    class Name(BaseModel):
+        name: str
+
+    answer = await ctx.elicit("What is your name?", Name)
+    return f"the client answered: {answer.action}"
 
 
 if __name__ == "__main__":

@@ -399,6 +399,12 @@ async fn open(def: &McpServerDef, shared: &Arc<Shared>) -> Result<Connection, Mc
             let transport = StreamableHttpClientTransport::with_client(client, config);
             match tokio::time::timeout(def.startup_timeout, handler.serve(transport)).await {
                 Ok(Ok(running)) => Ok(Ok(Connection { running, child: None })),
+                Ok(Err(error)) if error.is_authorization_required() => Ok(Err(
+                    "it answered 401: authorization required (check the server's `bearer_token` or `headers`)".into(),
+                )),
+                Ok(Err(rmcp::service::ClientInitializeError::TransportError { error, .. })) => {
+                    Ok(Err(innermost(&error)))
+                }
                 Ok(Err(error)) => Ok(Err(error.to_string())),
                 Err(elapsed) => Err(elapsed),
             }
@@ -413,6 +419,36 @@ async fn open(def: &McpServerDef, shared: &Arc<Shared>) -> Result<Connection, Mc
             &format!("no answer to `initialize` within {}", humantime_secs(def.startup_timeout)),
         )),
     }
+}
+
+/// What an HTTP transport error comes down to: keel's refusal of a destination, else the
+/// HTTP client's error with its causes (`... Connection refused`), without the layers' names.
+fn innermost(error: &(dyn std::error::Error + 'static)) -> String {
+    if let Some(refusal) = keel_tools::net::refusal_in(error) {
+        return refusal.to_string();
+    }
+    // rmcp wraps the client's error without making it the source: look for it by type.
+    let mut layer = Some(error);
+    while let Some(current) = layer {
+        if let Some(rmcp::transport::streamable_http_client::StreamableHttpError::Client(client)) =
+            current
+                .downcast_ref::<rmcp::transport::streamable_http_client::StreamableHttpError<reqwest::Error>>(
+                )
+        {
+            if let Some(refusal) = keel_tools::net::refusal_in(client) {
+                return refusal.to_string();
+            }
+            let mut message = client.to_string();
+            let mut cause = std::error::Error::source(client);
+            while let Some(inner) = cause {
+                message = format!("{message}: {inner}");
+                cause = inner.source();
+            }
+            return message;
+        }
+        layer = current.source();
+    }
+    error.to_string()
 }
 
 fn start_failed(def: &McpServerDef, shared: &Shared, why: &str) -> McpError {

@@ -460,3 +460,28 @@ async fn a_replayed_subagent_call_finds_its_child_run_instead_of_running_it_agai
     let sessions = store.list_sessions().await.unwrap();
     assert_eq!(sessions.iter().filter(|s| s.id.as_str().starts_with("sub-helper-")).count(), 2);
 }
+
+#[tokio::test]
+async fn an_agent_with_mcp_servers_is_built_async_and_build_says_so() {
+    let server = keel::mcp::McpServerDef::stdio(
+        "odd",
+        vec![
+            "python3".into(),
+            repo_root().join("tests/peers/raw_mcp_server.py").display().to_string(),
+            "lookup".into(),
+        ],
+    );
+    let refused = Agent::builder().model("mock").mcp(server.clone()).build().unwrap_err();
+    assert_eq!(refused.code, ErrorCode::SpecInvalid);
+    assert!(refused.message.contains("build it with `.build_async().await`"), "{}", refused.message);
+    let agent = Agent::builder()
+        .model("mock")
+        .mcp(server)
+        .require_approval("odd_lookup")
+        .build_async()
+        .await
+        .unwrap();
+    let names: Vec<String> = agent.definition().tools.names().map(str::to_owned).collect();
+    assert_eq!(names, ["odd_lookup"]);
+    assert!(agent.definition().tools.needs_approval("odd_lookup", &serde_json::json!({})));
+}

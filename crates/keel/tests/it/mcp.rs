@@ -133,7 +133,7 @@ fn an_agent_uses_tools_of_a_stdio_server_and_an_http_server_in_one_run() {
         r#"name: shop
 model: mock
 mcp:
-  - {{ name: everything, command: [{everything}, stdio], only: [echo, get-sum] }}
+  - {{ name: everything, command: [{everything}, stdio], only: [echo, get-tiny-image] }}
   - {{ name: shop, url: "{url}" }}
 mock:
   script:
@@ -141,6 +141,7 @@ mock:
         - {{ name: everything_echo, input: {{ message: hi }} }}
         - {{ name: shop_charge, input: {{ order: A-1, amount: 30 }} }}
         - {{ name: shop_fail, input: {{ message: card declined }} }}
+        - {{ name: everything_get-tiny-image, input: {{}} }}
     - text: "done"
 "#,
         everything = everything(),
@@ -151,7 +152,7 @@ mock:
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let events = events(&output.stdout);
     let results = tool_results(&events);
-    assert_eq!(results.len(), 3, "{events:#?}");
+    assert_eq!(results.len(), 4, "{events:#?}");
     let by_call = |id: &str| results.iter().find(|r| r["callId"] == id).copied().unwrap();
     assert_eq!(by_call("call_0_0")["output"], "Echo: hi");
     assert_eq!(
@@ -160,6 +161,16 @@ mock:
     );
     // `isError: true` is a tool error the model sees, not a failed run.
     assert!(error_of(by_call("call_0_2")).contains("card declined"), "{events:#?}");
+    // An image is described to the model: its media type and size.
+    let image = &by_call("call_0_3")["output"];
+    assert!(
+        image
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|block| block["type"] == "image" && block["mimeType"] == "image/png"),
+        "{image:#}"
+    );
     // The server got the call once, with the step's idempotency key in `_meta`.
     let run_id = events[0]["runId"].as_str().unwrap();
     assert_eq!(lines(&calls), vec![format!("A-1 {run_id}:tool:shop_charge:call_0_1")]);
@@ -597,4 +608,97 @@ fn a_tool_a_server_adds_while_running_is_offered_to_the_next_run() {
     assert!(answer.contains("extra tool here"), "{answer}");
     drop(stdin);
     assert!(chat.wait().unwrap().success());
+}
+
+#[test]
+fn requests_from_a_server_are_answered_without_a_human() {
+    // The server asks the client for input mid-call (elicitation): keel declines, and the call
+    // goes on with the server's answer to that.
+    let state = tempfile::tempdir().unwrap();
+    let dir = shop_agent(
+        r#"    - tool_calls: [ { name: shop_ask_user, input: {} } ]
+    - text: "{{last_tool_output}}"
+"#,
+    );
+    let output = keel_run(dir.path(), &state.path().join("calls.txt")).output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let events = events(&output.stdout);
+    assert_eq!(
+        tool_results(&events)[0]["output"],
+        serde_json::json!({"result": "the client answered: decline"})
+    );
+}
+
+fn raw_server(names: &[&str]) -> String {
+    let mut command =
+        vec!["python3".to_owned(), repo_root().join("tests/peers/raw_mcp_server.py").display().to_string()];
+    command.extend(names.iter().map(|name| (*name).to_owned()));
+    serde_json::to_string(&command).unwrap()
+}
+
+#[test]
+fn duplicate_and_colliding_tool_names_are_refused_at_load() {
+    // One server listing two tools with one name.
+    let (ok, stderr) = run_failing(&format!(
+        "model: mock\nmcp: [ {{ name: odd, command: {} }} ]\n",
+        raw_server(&["lookup", "lookup"])
+    ));
+    assert!(!ok);
+    assert!(
+        stderr.contains("error[KEEL_MCP_TOOL_CONFLICT]: MCP server `odd` lists two tools named `lookup`"),
+        "{stderr}"
+    );
+    // A server's tool named like a built-in (no prefix).
+    let (ok, stderr) = run_failing(&format!(
+        "model: mock\ntools: [day-name]\nmcp: [ {{ name: odd, command: {}, prefix: '' }} ]\n",
+        raw_server(&["day-name"])
+    ));
+    assert!(!ok);
+    assert!(
+        stderr.contains("two tools would be named `day-name`: tool `day-name` of MCP server `odd` and the agent's tool `day-name`"),
+        "{stderr}"
+    );
+    // `only` naming a tool the server does not have.
+    let (ok, stderr) = run_failing(&format!(
+        "model: mock\nmcp: [ {{ name: odd, command: {}, only: [lookup] }} ]\n",
+        raw_server(&["search"])
+    ));
+    assert!(!ok);
+    assert!(
+        stderr.contains("MCP server `odd` has no tool lookup named in `only`; it offers: search"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn an_agent_calls_another_keel_agent_over_mcp_with_a_bearer_token_from_the_environment() {
+    let helper = helper_agent(false);
+    let served = crate::serve::Served::start(helper.path(), "memory", &[("KEEL_API_TOKEN", "helper-token")]);
+    let spec = format!(
+        "model: mock\nmcp: [ {{ name: team, url: \"{}\", bearer_token: \"${{HELPER_TOKEN}}\" }} ]\nmock:\n  script:\n    - tool_calls: [ {{ name: team_agent_helper, input: {{ input: What day is it? }} }} ]\n    - text: \"helper says: {{{{last_tool_output}}}}\"\n",
+        served.url("/mcp")
+    );
+    let dir = agent_dir(&[("agent.yaml", &spec)]);
+    let calls = dir.path().join("calls.txt");
+    // The token comes from the environment: unset, the server is not even tried.
+    let unset = keel_run(dir.path(), &calls).env_remove("HELPER_TOKEN").output().unwrap();
+    let stderr = String::from_utf8_lossy(&unset.stderr);
+    assert!(
+        stderr.contains(
+            "MCP server `team`: header Authorization: the environment variable HELPER_TOKEN is not set"
+        ),
+        "{stderr}"
+    );
+    // A wrong token: the server refuses, and the error says so without showing the token.
+    let wrong = keel_run(dir.path(), &calls).env("HELPER_TOKEN", "not-the-token").output().unwrap();
+    let stderr = String::from_utf8_lossy(&wrong.stderr);
+    assert!(stderr.contains("error[KEEL_MCP_START_FAILED]") && stderr.contains("401"), "{stderr}");
+    assert!(!stderr.contains("not-the-token"), "{stderr}");
+    // The right one: the helper agent answers through its MCP tool.
+    let output = keel_run(dir.path(), &calls).env("HELPER_TOKEN", "helper-token").output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let events = events(&output.stdout);
+    let result = &tool_results(&events)[0]["output"];
+    assert_eq!(result["stopped"], "final", "{result:#}");
+    assert!(result["text"].as_str().unwrap().starts_with("Today is"), "{result:#}");
 }
