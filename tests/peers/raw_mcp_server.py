@@ -3,12 +3,15 @@
 that it can do what a well-behaved SDK never would): it lists the tools named on its command
 line, duplicates included, and answers every call with the tool's name.
 
-    python raw_mcp_server.py NAME [NAME...]
+    python raw_mcp_server.py [--garbage-calls] NAME [NAME...]
+
+With --garbage-calls it answers a call with a line that is not JSON-RPC, then with nothing.
 """
 import json
 import sys
 
-names = sys.argv[1:]
+garbage = "--garbage-calls" in sys.argv
+names = [name for name in sys.argv[1:] if name != "--garbage-calls"]
 for line in sys.stdin:
     message = json.loads(line)
     if "id" not in message:
@@ -22,6 +25,10 @@ for line in sys.stdin:
         }
     elif method == "tools/list":
         result = {"tools": [{"name": name, "inputSchema": {"type": "object"}} for name in names]}
+    elif method == "tools/call" and garbage:
+        print('{"jsonrpc": "2.0", "id": oops', flush=True)
+        print('{"not": "json-rpc"}', flush=True)
+        continue
     elif method == "tools/call":
         result = {"content": [{"type": "text", "text": message["params"]["name"]}]}
     else:

@@ -86,9 +86,10 @@ struct Shared {
     stderr: Arc<Mutex<VecDeque<String>>>,
     /// Signalled when the server sends `notifications/tools/list_changed`.
     list_changed: Notify,
-    /// Signalled when a stdio message over the limit was dropped: the call waiting for it
-    /// would wait forever.
-    oversized: Notify,
+    /// Signalled when the server wrote a line rmcp drops (over the size limit, not JSON): the
+    /// call waiting for it would wait until its timeout. `broken_why` says which.
+    broken: Notify,
+    broken_why: Mutex<String>,
 }
 
 /// The state of the connection.
@@ -111,7 +112,8 @@ impl McpServer {
             changes: watch::channel(0).0,
             stderr: Arc::default(),
             list_changed: Notify::new(),
-            oversized: Notify::new(),
+            broken: Notify::new(),
+            broken_why: Mutex::new(String::new()),
         });
         let connection = open(&def, &shared).await?;
         let tools = list_tools(&def, connection.peer()).await?;
@@ -185,10 +187,7 @@ impl McpServer {
                 Err(error) => Err(call_error(&shared.name, error)),
             },
             () = lost => Err(unavailable(&shared.name, STOPPED_DURING_CALL)),
-            () = shared.oversized.notified() => Err(protocol(
-                &shared.name,
-                format!("the server sent a message over {} MiB; it was dropped", MAX_MESSAGE_BYTES >> 20),
-            )),
+            () = shared.broken.notified() => Err(protocol(&shared.name, lock(&shared.broken_why).clone())),
         }
     }
 
@@ -352,7 +351,7 @@ async fn open(def: &McpServerDef, shared: &Arc<Shared>) -> Result<Connection, Mc
                 ));
             };
             tokio::spawn(keep_stderr(stderr, Arc::clone(&shared.stderr), name.clone()));
-            let stdout = LineLimit { inner: stdout, line: 0, shared: Arc::clone(shared) };
+            let stdout = LineLimit::new(stdout, Arc::clone(shared));
             let serving = handler.serve((stdout, stdin));
             match tokio::time::timeout(def.startup_timeout, serving).await {
                 Ok(Ok(running)) => Ok(Ok(Connection { running, child: Some(ChildGuard(child)) })),
@@ -619,13 +618,39 @@ impl Drop for ChildGuard {
     }
 }
 
-/// A stdio server's stdout, watching for lines over [`MAX_MESSAGE_BYTES`]: rmcp drops such a
-/// line, and the call waiting for it must fail instead of waiting forever.
+/// A stdio server's stdout, watching for lines that rmcp drops: over [`MAX_MESSAGE_BYTES`],
+/// or not JSON (a server printing a log line to stdout breaks the protocol). A call waiting
+/// for an answer that came garbled fails at once with `KEEL_MCP_PROTOCOL` instead of waiting
+/// for its timeout.
 struct LineLimit {
     inner: tokio::process::ChildStdout,
+    /// The current line so far (dropped once over the limit).
+    line: Vec<u8>,
     /// Bytes of the current line so far.
-    line: usize,
+    length: usize,
     shared: Arc<Shared>,
+}
+
+impl LineLimit {
+    fn new(inner: tokio::process::ChildStdout, shared: Arc<Shared>) -> LineLimit {
+        LineLimit { inner, line: Vec::new(), length: 0, shared }
+    }
+
+    fn broken(&self, why: String) {
+        *lock(&self.shared.broken_why) = why;
+        self.shared.broken.notify_waiters();
+    }
+
+    /// A whole line came: is it JSON?
+    fn check_line(&mut self) {
+        let line = self.line.trim_ascii();
+        if !line.is_empty() && serde_json::from_slice::<serde::de::IgnoredAny>(line).is_err() {
+            let shown: String = String::from_utf8_lossy(line).chars().take(120).collect();
+            self.broken(format!("the server wrote a line that is not JSON-RPC: `{shown}`"));
+        }
+        self.line.clear();
+        self.length = 0;
+    }
 }
 
 impl AsyncRead for LineLimit {
@@ -637,14 +662,31 @@ impl AsyncRead for LineLimit {
         let before = buf.filled().len();
         let this = &mut *self;
         let poll = std::pin::Pin::new(&mut this.inner).poll_read(cx, buf);
-        for &byte in &buf.filled()[before..] {
-            if byte == b'\n' {
-                this.line = 0;
-            } else {
-                this.line += 1;
-                if this.line == MAX_MESSAGE_BYTES + 1 {
-                    this.shared.oversized.notify_waiters();
+        let mut rest = &buf.filled()[before..];
+        while !rest.is_empty() {
+            let (piece, newline) = match rest.iter().position(|&byte| byte == b'\n') {
+                Some(at) => (&rest[..at], true),
+                None => (rest, false),
+            };
+            this.length += piece.len();
+            if this.length <= MAX_MESSAGE_BYTES {
+                this.line.extend_from_slice(piece);
+            } else if !this.line.is_empty() || this.length - piece.len() <= MAX_MESSAGE_BYTES {
+                // Over the limit: rmcp drops the line; so does this, once.
+                this.line = Vec::new();
+                this.broken(format!(
+                    "the server sent a message over {} MiB; it was dropped",
+                    MAX_MESSAGE_BYTES >> 20
+                ));
+            }
+            rest = &rest[piece.len()..];
+            if newline {
+                if this.length <= MAX_MESSAGE_BYTES {
+                    this.check_line();
                 }
+                this.line.clear();
+                this.length = 0;
+                rest = &rest[1..];
             }
         }
         poll

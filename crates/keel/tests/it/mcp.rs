@@ -702,3 +702,21 @@ fn an_agent_calls_another_keel_agent_over_mcp_with_a_bearer_token_from_the_envir
     assert_eq!(result["stopped"], "final", "{result:#}");
     assert!(result["text"].as_str().unwrap().starts_with("Today is"), "{result:#}");
 }
+
+#[test]
+fn a_garbled_answer_fails_the_call_at_once_and_the_run_goes_on() {
+    let spec = format!(
+        "model: mock\nlimits: {{ tool_timeout: 20s }}\nmcp: [ {{ name: odd, command: {} }} ]\nmock:\n  script:\n    - tool_calls: [ {{ name: odd_lookup, input: {{}} }} ]\n    - text: went on\n",
+        raw_server(&["--garbage-calls", "lookup"])
+    );
+    let dir = agent_dir(&[("agent.yaml", &spec)]);
+    let started = Instant::now();
+    let output = keel_run(dir.path(), &dir.path().join("calls.txt")).output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let events = events(&output.stdout);
+    let error = error_of(tool_results(&events)[0]);
+    assert!(error.contains("MCP server `odd`: the server wrote a line that is not JSON-RPC: `{\"jsonrpc\": \"2.0\", \"id\": oops`"), "{error}");
+    assert_eq!(events.last().unwrap()["text"], "went on");
+    // Not the 20 s tool timeout.
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+}
