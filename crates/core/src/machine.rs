@@ -833,18 +833,25 @@ fn short_duration(duration: std::time::Duration) -> String {
 
 /// Cuts an output longer than `max_chars` characters, leaving a marker that says so.
 fn cap_output(output: Value, max_chars: usize) -> Value {
-    let text = match &output {
-        Value::String(s) => std::borrow::Cow::Borrowed(s.as_str()),
-        other => std::borrow::Cow::Owned(other.to_string()),
+    let truncated = {
+        // Images a tool returned do not count: the cap is on what the model reads as text.
+        let (readable, _) = crate::message::tool_output_images(&output);
+        let text = match &*readable {
+            Value::String(s) => std::borrow::Cow::Borrowed(s.as_str()),
+            other => std::borrow::Cow::Owned(other.to_string()),
+        };
+        text.char_indices().nth(max_chars).map(|(cut, _)| {
+            let total = text.chars().count();
+            format!(
+                "{}\n[output truncated: showing the first {max_chars} of {total} characters]",
+                &text[..cut]
+            )
+        })
     };
-    let Some((cut, _)) = text.char_indices().nth(max_chars) else {
-        return output;
-    };
-    let total = text.chars().count();
-    Value::String(format!(
-        "{}\n[output truncated: showing the first {max_chars} of {total} characters]",
-        &text[..cut]
-    ))
+    match truncated {
+        Some(text) => Value::String(text),
+        None => output,
+    }
 }
 
 /// Accepts a JSON answer wrapped in a Markdown code fence, as models often write it.

@@ -169,6 +169,44 @@ pub fn output_to_text(output: &Value) -> String {
     }
 }
 
+/// An image a tool returned for the model to see: in a tool output that is a list, a block
+/// `{"type": "image", "mimeType": "image/png", "data": "<base64>"}` (what MCP tools return).
+/// Providers that can show images with a tool result show it; the rest of the output is text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ToolImage<'a> {
+    /// The IANA media type.
+    pub media_type: &'a str,
+    /// The image, base64-encoded.
+    pub data: &'a str,
+}
+
+/// Splits a tool output into what the model reads as text (image blocks keep their media type,
+/// marked as shown, without their data) and the images themselves. An output without image
+/// blocks comes back as it is, with no images.
+pub fn tool_output_images(output: &Value) -> (std::borrow::Cow<'_, Value>, Vec<ToolImage<'_>>) {
+    let Value::Array(items) = output else { return (std::borrow::Cow::Borrowed(output), Vec::new()) };
+    let image = |item: &'_ Value| -> bool {
+        item.get("type").and_then(Value::as_str) == Some("image")
+            && item.get("data").is_some_and(Value::is_string)
+    };
+    if !items.iter().any(image) {
+        return (std::borrow::Cow::Borrowed(output), Vec::new());
+    }
+    let mut images = Vec::new();
+    let text = items
+        .iter()
+        .map(|item| {
+            if !image(item) {
+                return item.clone();
+            }
+            let media_type = item.get("mimeType").and_then(Value::as_str).unwrap_or("image/png");
+            images.push(ToolImage { media_type, data: item["data"].as_str().unwrap_or_default() });
+            serde_json::json!({ "type": "image", "mimeType": media_type, "shown": true })
+        })
+        .collect();
+    (std::borrow::Cow::Owned(Value::Array(text)), images)
+}
+
 impl From<&str> for Message {
     fn from(text: &str) -> Message {
         Message::user(text)
@@ -185,5 +223,46 @@ impl From<Vec<Part>> for Message {
     /// A user message of these parts (text, images, files).
     fn from(parts: Vec<Part>) -> Message {
         Message { role: Role::User, parts }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn images_are_split_from_what_a_tool_output_says() {
+        let output = json!([
+            { "type": "text", "text": "two charts" },
+            { "type": "image", "mimeType": "image/png", "data": "AAAA" },
+            { "type": "image", "mimeType": "image/jpeg", "data": "BBBB" },
+            { "type": "image", "mimeType": "image/gif", "bytes": 9_000_000 },
+        ]);
+        let (readable, images) = tool_output_images(&output);
+        assert_eq!(
+            images,
+            [
+                ToolImage { media_type: "image/png", data: "AAAA" },
+                ToolImage { media_type: "image/jpeg", data: "BBBB" }
+            ]
+        );
+        assert_eq!(
+            *readable,
+            json!([
+                { "type": "text", "text": "two charts" },
+                { "type": "image", "mimeType": "image/png", "shown": true },
+                { "type": "image", "mimeType": "image/jpeg", "shown": true },
+                { "type": "image", "mimeType": "image/gif", "bytes": 9_000_000 },
+            ])
+        );
+        // Outputs without image data are untouched.
+        for plain in
+            [json!("text"), json!({"type": "image", "data": "AAAA"}), json!([{"type": "text", "text": "x"}])]
+        {
+            let (readable, images) = tool_output_images(&plain);
+            assert_eq!(*readable, plain);
+            assert!(images.is_empty());
+        }
     }
 }

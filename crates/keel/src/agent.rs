@@ -586,8 +586,7 @@ async fn refresh_on_change(
         match refresher.recipe.tool_set() {
             Ok(tools) => {
                 let current = refresher.engine.agent();
-                let names: Vec<&str> = tools.names().collect();
-                tracing::info!(agent = %current.name, tools = ?names, "an MCP server's tools changed; new runs use the new list");
+                let names: Vec<String> = tools.names().map(str::to_owned).collect();
                 refresher.engine.set_agent(Arc::new(AgentDef {
                     name: current.name.clone(),
                     description: current.description.clone(),
@@ -601,6 +600,7 @@ async fn refresh_on_change(
                     concurrency: current.concurrency,
                     approval_timeout: current.approval_timeout,
                 }));
+                tracing::info!(agent = %current.name, tools = ?names, "an MCP server's tools changed; new runs use the new list");
             }
             Err(why) => tracing::warn!(
                 "an MCP server's tools changed, but the new list cannot be used ({why}); keeping the tools as they were"

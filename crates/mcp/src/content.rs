@@ -7,14 +7,18 @@
 //!   clients), unless the content also has something text cannot say (an image...);
 //! - only text blocks → their text, joined by blank lines; parsed when it is a JSON object or
 //!   array (as a command tool's output is), since servers often write JSON as text;
-//! - anything else → a list of the blocks: text as is; images and audio as their media type
-//!   and size (keel's tool results are text and JSON: the model is told what came, not shown
-//!   it); an embedded resource as its URI, media type and text (or its size when binary); a
+//! - anything else → a list of the blocks: text as is; an image with its data (up to
+//!   [`MAX_IMAGE_BYTES`]; providers show it to the model with the result, see
+//!   `keel_core::message::tool_output_images`), a larger one and audio as their media type and
+//!   size; an embedded resource as its URI, media type and text (or its size when binary); a
 //!   resource link as its URI, name and description.
 
 use base64::Engine as _;
 use keel_core::{ErrorCode, ToolError, ToolOutcome};
 use serde_json::{Map, Value, json};
+
+/// The largest image passed on to the model (decoded); a larger one is described instead.
+pub const MAX_IMAGE_BYTES: usize = 5 * 1024 * 1024;
 
 /// Maps a `tools/call` result (its JSON form) to keel's outcome.
 pub fn to_outcome(result: &Value) -> ToolOutcome {
@@ -65,6 +69,11 @@ fn describe(block: &Value) -> Value {
     let field = |name: &str| block.get(name).and_then(Value::as_str);
     match field("type") {
         Some("text") => json!({ "type": "text", "text": field("text").unwrap_or_default() }),
+        Some("image") if decoded_len(field("data").unwrap_or_default()) <= MAX_IMAGE_BYTES => json!({
+            "type": "image",
+            "mimeType": field("mimeType").unwrap_or("image/png"),
+            "data": field("data").unwrap_or_default(),
+        }),
         Some(kind @ ("image" | "audio")) => json!({
             "type": kind,
             "mimeType": field("mimeType").unwrap_or("application/octet-stream"),
@@ -153,7 +162,7 @@ mod tests {
             to_outcome(&result).unwrap(),
             json!([
                 { "type": "text", "text": "here" },
-                { "type": "image", "mimeType": "image/png", "bytes": 8 },
+                { "type": "image", "mimeType": "image/png", "data": "iVBORw0KGgo=" },
                 { "type": "audio", "mimeType": "audio/wav", "bytes": 4 },
                 { "type": "resource", "uri": "file:///a.txt", "mimeType": "text/plain", "text": "hello" },
                 { "type": "resource", "uri": "file:///b.bin", "bytes": 3 },

@@ -172,10 +172,23 @@ fn blocks(message: &Message) -> Result<Vec<Value>, ProviderError> {
                 blocks.push(json!({ "type": "tool_use", "id": tool_use_id(&call.call_id), "name": call.name, "input": input }));
             }
             Part::ToolResult(result) => {
+                let (readable, images) = keel_core::message::tool_output_images(&result.output);
+                let content = if images.is_empty() {
+                    json!(output_to_text(&result.output))
+                } else {
+                    // A tool result may hold images: the model sees them with the text.
+                    let mut content = vec![json!({ "type": "text", "text": output_to_text(&readable) })];
+                    content.extend(images.iter().map(|image| {
+                        json!({ "type": "image", "source": {
+                            "type": "base64", "media_type": image.media_type, "data": image.data,
+                        } })
+                    }));
+                    Value::Array(content)
+                };
                 let mut block = json!({
                     "type": "tool_result",
                     "tool_use_id": tool_use_id(&result.call_id),
-                    "content": output_to_text(&result.output),
+                    "content": content,
                 });
                 if result.is_error {
                     block["is_error"] = true.into();

@@ -159,9 +159,14 @@ fn push_message(message: &Message, out: &mut Vec<Value>) -> Result<(), ProviderE
         }
         Role::Tool => {
             for result in message.tool_results() {
-                out.push(
-                    json!({ "role": "tool", "tool_name": result.name, "content": tool_result_text(result) }),
-                );
+                let mut tool =
+                    json!({ "role": "tool", "tool_name": result.name, "content": tool_result_text(result) });
+                let (_, images) = keel_core::message::tool_output_images(&result.output);
+                if !images.is_empty() {
+                    // Ollama takes images on any message, as base64.
+                    tool["images"] = images.iter().map(|image| json!(image.data)).collect();
+                }
+                out.push(tool);
             }
         }
     }

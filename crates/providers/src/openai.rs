@@ -180,9 +180,22 @@ impl OpenAiChat {
                 out.push(Value::Object(entry));
             }
             Role::Tool => {
+                // A tool message holds text only: images the tools returned follow in a user
+                // message, after every result of the turn.
+                let mut shown =
+                    vec![json!({ "type": "text", "text": "The images the tool calls above returned:" })];
                 for result in message.tool_results() {
                     let content = tool_result_text(result);
                     out.push(json!({ "role": "tool", "tool_call_id": result.call_id, "content": content }));
+                    let (_, images) = keel_core::message::tool_output_images(&result.output);
+                    shown.extend(images.iter().map(|image| {
+                        json!({ "type": "image_url", "image_url": {
+                            "url": format!("data:{};base64,{}", image.media_type, image.data),
+                        } })
+                    }));
+                }
+                if shown.len() > 1 {
+                    out.push(json!({ "role": "user", "content": shown }));
                 }
             }
         }
@@ -235,7 +248,8 @@ pub(crate) fn function_tools(tools: &[ToolSpec]) -> Vec<Value> {
 /// A tool result as the content of a `tool` message; the wire has no error flag, so an error
 /// says so in its text.
 pub(crate) fn tool_result_text(result: &ToolResult) -> String {
-    let text = output_to_text(&result.output);
+    let (readable, _) = keel_core::message::tool_output_images(&result.output);
+    let text = output_to_text(&readable);
     if result.is_error { format!("Error: {text}") } else { text }
 }
 

@@ -741,3 +741,70 @@ async fn ollama_errors_are_classified() {
     let cut = call(&provider, request(&user("x"), &[])).await.0.unwrap_err();
     assert!(cut.message.contains("done"), "{}", cut.message);
 }
+
+// ---------------------------------------------------------------- Images in tool results
+
+/// A turn whose tool (an MCP server's, say) returned an image beside its text.
+fn image_tool_turn() -> Vec<Arc<Message>> {
+    vec![
+        Arc::new(Message::user("Show me the chart.")),
+        Arc::new(Message { role: Role::Assistant, parts: vec![call_part("call_1", "chart", json!({}))] }),
+        Arc::new(Message {
+            role: Role::Tool,
+            parts: vec![Part::ToolResult(ToolResult {
+                call_id: "call_1".into(),
+                name: "chart".into(),
+                output: json!([
+                    { "type": "text", "text": "sales by month" },
+                    { "type": "image", "mimeType": "image/png", "data": "iVBORw0KGgo=" },
+                ]),
+                is_error: false,
+            })],
+        }),
+    ]
+}
+
+#[tokio::test]
+async fn images_a_tool_returned_reach_each_provider_as_images() {
+    let readable =
+        r#"[{"text":"sales by month","type":"text"},{"mimeType":"image/png","shown":true,"type":"image"}]"#;
+    let history = image_tool_turn();
+
+    // OpenAI: the tool message is text; the image follows in a user message.
+    let server =
+        WireServer::start(vec![Reply::sse(transcript("openai-chat-stream-text-with-usage.sse"))]).await;
+    call(&openai(&server, Flavor::OpenAi), request(&history, &[])).await.0.unwrap();
+    let body = server.only_request().json();
+    assert_eq!(body["messages"][3], json!({"role": "tool", "tool_call_id": "call_1", "content": readable}));
+    assert_eq!(
+        body["messages"][4],
+        json!({"role": "user", "content": [
+            {"type": "text", "text": "The images the tool calls above returned:"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        ]})
+    );
+    assert_eq!(body["messages"].as_array().unwrap().len(), 5);
+
+    // Anthropic: the image is a block of the tool result.
+    let server =
+        WireServer::start(vec![Reply::sse(transcript("anthropic-messages-thinking-tool-use.sse"))]).await;
+    call(&anthropic(&server), request(&history, &[])).await.0.unwrap();
+    let body = server.only_request().json();
+    assert_eq!(
+        body["messages"][2]["content"][0]["content"],
+        json!([
+            {"type": "text", "text": readable},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+        ])
+    );
+
+    // Ollama: the tool message carries the image as base64.
+    let server = WireServer::start(vec![Reply::ndjson(transcript("ollama-chat-text.ndjson"))]).await;
+    let ollama = OllamaChat::new(&server.url(), None, ProviderSettings::default());
+    call(&ollama, request(&history, &[])).await.0.unwrap();
+    let body = server.only_request().json();
+    assert_eq!(
+        body["messages"][3],
+        json!({"role": "tool", "tool_name": "chart", "content": readable, "images": ["iVBORw0KGgo="]})
+    );
+}

@@ -318,6 +318,12 @@ fn long_outputs_are_cut_with_a_marker() {
         cap_output(json!({"a": 1}), 6),
         json!("{\"a\":1\n[output truncated: showing the first 6 of 7 characters]")
     );
+    // An image a tool returned is not text the model reads: its data does not count.
+    let image = json!([{ "type": "text", "text": "chart" }, { "type": "image", "mimeType": "image/png", "data": "A".repeat(10_000) }]);
+    assert_eq!(cap_output(image.clone(), 200), image);
+    // The text beside it still does.
+    let long = json!([{ "type": "text", "text": "x".repeat(300) }, { "type": "image", "mimeType": "image/png", "data": "AAAA" }]);
+    assert!(cap_output(long, 200).as_str().unwrap().contains("[output truncated"));
 }
 
 #[test]
