@@ -77,7 +77,7 @@ env_vars! {
         "where sessions, runs and journals live: `memory`, `sqlite:<path>` or `postgres://user@host:port/database` (same as `--store`)";
     /// The log filter.
     LOG = "KEEL_LOG", Cli, "`warn` (`info` for `keel serve`)",
-        "what is logged to stderr, as a tracing filter (`debug`, `keel_runtime=debug,warn`...)";
+        "what is logged to stderr, as a tracing filter (`debug`, `keel_runtime=debug,warn`...); the MCP SDK's own logs only when named (`rmcp=debug`)";
     /// The log format.
     LOG_FORMAT = "KEEL_LOG_FORMAT", Cli, "text", "`json` logs one JSON object per line, for log collectors";
     /// The PostgreSQL pool size.

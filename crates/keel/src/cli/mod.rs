@@ -348,8 +348,10 @@ pub(crate) fn main() -> ExitCode {
 /// Logs go to stderr, filtered by `KEEL_LOG` (default: warnings; `keel serve`: info), as
 /// text, or as one JSON object per line with `KEEL_LOG_FORMAT=json` (for log collectors).
 fn init_logging(default: &str) {
+    // rmcp logs, as errors, what keel reports itself with a code (an MCP server that did not
+    // start, a line it dropped): unless asked for (`KEEL_LOG=rmcp=debug`), it stays quiet.
     let filter = tracing_subscriber::EnvFilter::try_from_env(keel_core::env::LOG.name)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},rmcp=off")));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = if std::env::var(keel_core::env::LOG_FORMAT.name).is_ok_and(|f| f == "json") {
         builder.json().with_current_span(true).with_span_list(false).try_init()
