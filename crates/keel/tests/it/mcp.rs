@@ -720,3 +720,46 @@ fn a_garbled_answer_fails_the_call_at_once_and_the_run_goes_on() {
     // Not the 20 s tool timeout.
     assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
 }
+
+#[test]
+fn on_mcp_a_jwt_subject_reaches_its_own_sessions_only() {
+    let dir = helper_agent(false);
+    let secret = "a-shared-secret-for-hs256";
+    let served = crate::serve::Served::start(dir.path(), "memory", &[("KEEL_JWT_SECRET", secret)]);
+    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes());
+    let token = |sub: &str| {
+        crate::serve::jwt(
+            jsonwebtoken::Algorithm::HS256,
+            None,
+            &key,
+            serde_json::json!({"sub": sub, "exp": crate::serve::in_an_hour()}),
+        )
+    };
+    let (alice, bob) = (token("alice"), token("bob"));
+    let url = served.url("/mcp");
+    let calls =
+        serde_json::json!([["agent_helper", {"input": "What day is it?", "sessionId": "shared-name"}]]);
+    let lines = python_client(&["--url", &url, "--token", &alice], &calls).unwrap();
+    // Alice is told the session id she named...
+    assert_answered(&lines[2], "shared-name");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let http = reqwest::Client::new();
+    let status = |token: &str| {
+        runtime.block_on(async {
+            http.get(served.url("/chat/shared-name"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+    // ...which is hers, as on /chat: Bob, naming the same id, finds nothing of hers.
+    assert_eq!(status(&alice), 200);
+    assert_eq!(status(&bob), 404);
+    // Bob's own session of that name is his own: his turn starts a fresh conversation.
+    let lines = python_client(&["--url", &url, "--token", &bob], &calls).unwrap();
+    assert_answered(&lines[2], "shared-name");
+    assert_eq!(status(&bob), 200);
+}
