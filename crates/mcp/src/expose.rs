@@ -111,7 +111,7 @@ impl AgentServer {
             return Err(ErrorData::invalid_params("`input` must be a string: what to ask the agent", None));
         };
         let named = match arguments.get("sessionId") {
-            None | Some(Value::Null) => SessionId::new(format!("mcp-{}", random_suffix())),
+            None | Some(Value::Null) => SessionId::new(format!("mcp-{:016x}", fastrand::u64(..))),
             Some(Value::String(id)) => SessionId::new(id.as_str()),
             Some(_) => return Err(ErrorData::invalid_params("`sessionId` must be a string", None)),
         }
@@ -199,12 +199,6 @@ fn tool_error(message: &str) -> CallToolResult {
 /// Builds an rmcp result from its wire JSON (the types are `non_exhaustive`).
 fn from_json<T: serde::de::DeserializeOwned>(value: Value) -> T {
     serde_json::from_value(value).expect("a result built from its documented wire form")
-}
-
-fn random_suffix() -> String {
-    let nanos =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    format!("{:x}{:08x}", nanos, fastrand::u32(..))
 }
 
 impl ServerHandler for AgentServer {

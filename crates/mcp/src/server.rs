@@ -83,7 +83,8 @@ struct Shared {
     tools: Mutex<Vec<RemoteTool>>,
     /// Bumped each time the tool list changes.
     changes: watch::Sender<u64>,
-    stderr: Arc<Mutex<VecDeque<String>>>,
+    /// The last lines a stdio server wrote to stderr, to explain why it would not start.
+    stderr: Mutex<VecDeque<String>>,
     /// Signalled when the server sends `notifications/tools/list_changed`.
     list_changed: Notify,
     /// Signalled when the server wrote a line rmcp drops (over the size limit, not JSON): the
@@ -110,7 +111,7 @@ impl McpServer {
             link,
             tools: Mutex::new(Vec::new()),
             changes: watch::channel(0).0,
-            stderr: Arc::default(),
+            stderr: Mutex::default(),
             list_changed: Notify::new(),
             broken: Notify::new(),
             broken_why: Mutex::new(String::new()),
@@ -147,11 +148,6 @@ impl McpServer {
     /// restart that lists other tools).
     pub fn changes(&self) -> watch::Receiver<u64> {
         self.inner.shared.changes.subscribe()
-    }
-
-    /// The last lines the server wrote to stderr (stdio servers).
-    pub fn stderr_tail(&self) -> Vec<String> {
-        lock(&self.inner.shared.stderr).iter().cloned().collect()
     }
 
     /// Calls `tool` (the server's name for it).
@@ -238,7 +234,7 @@ fn call_error(server: &str, error: ServiceError) -> ToolError {
             unavailable(server, &format!("the request could not be sent: {error}"))
         }
         ServiceError::Timeout { timeout } => {
-            unavailable(server, &format!("no answer within {}", humantime_secs(timeout)))
+            unavailable(server, &format!("no answer within {}", seconds(timeout)))
         }
         ServiceError::UnexpectedResponse => {
             protocol(server, "it answered the call with something else".into())
@@ -247,7 +243,7 @@ fn call_error(server: &str, error: ServiceError) -> ToolError {
     }
 }
 
-fn humantime_secs(duration: Duration) -> String {
+fn seconds(duration: Duration) -> String {
     format!("{:.1} s", duration.as_secs_f64())
 }
 
@@ -350,7 +346,7 @@ async fn open(def: &McpServerDef, shared: &Arc<Shared>) -> Result<Connection, Mc
                     format!("MCP server `{name}`: no pipes"),
                 ));
             };
-            tokio::spawn(keep_stderr(stderr, Arc::clone(&shared.stderr), name.clone()));
+            tokio::spawn(keep_stderr(stderr, Arc::clone(shared)));
             let stdout = LineLimit::new(stdout, Arc::clone(shared));
             let serving = handler.serve((stdout, stdin));
             match tokio::time::timeout(def.startup_timeout, serving).await {
@@ -415,7 +411,7 @@ async fn open(def: &McpServerDef, shared: &Arc<Shared>) -> Result<Connection, Mc
         Err(_) => Err(start_failed(
             def,
             shared,
-            &format!("no answer to `initialize` within {}", humantime_secs(def.startup_timeout)),
+            &format!("no answer to `initialize` within {}", seconds(def.startup_timeout)),
         )),
     }
 }
@@ -473,9 +469,11 @@ async fn list_tools(def: &McpServerDef, peer: &Peer<RoleClient>) -> Result<Vec<R
     })?;
     let prefix = def.tool_prefix();
     let mut tools: Vec<RemoteTool> = Vec::with_capacity(listed.len());
+    let mut offered: Vec<String> = Vec::with_capacity(listed.len());
     for tool in listed {
         let json = serde_json::to_value(&tool).unwrap_or(Value::Null);
         let remote_name = json.get("name").and_then(Value::as_str).unwrap_or_default().to_owned();
+        offered.push(remote_name.clone());
         if def.only.as_ref().is_some_and(|only| !only.contains(&remote_name)) {
             continue;
         }
@@ -502,13 +500,6 @@ async fn list_tools(def: &McpServerDef, peer: &Peer<RoleClient>) -> Result<Vec<R
             .filter(|name| !tools.iter().any(|t| t.remote_name == *name))
             .collect();
         if !missing.is_empty() {
-            let offered: Vec<String> = serde_json::to_value(peer.list_all_tools().await.unwrap_or_default())
-                .ok()
-                .and_then(|v| v.as_array().cloned())
-                .unwrap_or_default()
-                .iter()
-                .filter_map(|t| t.get("name").and_then(Value::as_str).map(str::to_owned))
-                .collect();
             return Err(McpError::new(
                 ErrorCode::McpStartFailed,
                 format!(
@@ -588,15 +579,11 @@ fn replace_tools(shared: &Shared, tools: Vec<RemoteTool>) {
 }
 
 /// Reads a server's stderr into the tail kept for errors, and into keel's log.
-async fn keep_stderr(
-    stderr: tokio::process::ChildStderr,
-    tail: Arc<Mutex<VecDeque<String>>>,
-    server: String,
-) {
+async fn keep_stderr(stderr: tokio::process::ChildStderr, shared: Arc<Shared>) {
     let mut lines = BufReader::new(stderr).lines();
     while let Ok(Some(line)) = lines.next_line().await {
-        tracing::debug!(server = %server, "stderr: {line}");
-        let mut tail = lock(&tail);
+        tracing::debug!(server = %shared.name, "stderr: {line}");
+        let mut tail = lock(&shared.stderr);
         if tail.len() == STDERR_LINES {
             tail.pop_front();
         }
@@ -642,14 +629,12 @@ impl LineLimit {
     }
 
     /// A whole line came: is it JSON?
-    fn check_line(&mut self) {
+    fn check_line(&self) {
         let line = self.line.trim_ascii();
         if !line.is_empty() && serde_json::from_slice::<serde::de::IgnoredAny>(line).is_err() {
             let shown: String = String::from_utf8_lossy(line).chars().take(120).collect();
             self.broken(format!("the server wrote a line that is not JSON-RPC: `{shown}`"));
         }
-        self.line.clear();
-        self.length = 0;
     }
 }
 
@@ -671,8 +656,8 @@ impl AsyncRead for LineLimit {
             this.length += piece.len();
             if this.length <= MAX_MESSAGE_BYTES {
                 this.line.extend_from_slice(piece);
-            } else if !this.line.is_empty() || this.length - piece.len() <= MAX_MESSAGE_BYTES {
-                // Over the limit: rmcp drops the line; so does this, once.
+            } else if this.length - piece.len() <= MAX_MESSAGE_BYTES {
+                // This piece took the line over the limit: rmcp drops it; so does this.
                 this.line = Vec::new();
                 this.broken(format!(
                     "the server sent a message over {} MiB; it was dropped",
@@ -683,6 +668,10 @@ impl AsyncRead for LineLimit {
             if newline {
                 if this.length <= MAX_MESSAGE_BYTES {
                     this.check_line();
+                }
+                // A large message's buffer is not kept for the small ones after it.
+                if this.line.capacity() > 64 * 1024 {
+                    this.line = Vec::new();
                 }
                 this.line.clear();
                 this.length = 0;

@@ -18,7 +18,7 @@ use serde_json::{Map, Value, json};
 
 use crate::framing::NdjsonDecoder;
 use crate::http;
-use crate::openai::{function_tools, text_file, tool_result_text};
+use crate::openai::{function_tools, text_file, tool_result_parts};
 use crate::reply::{ReplyBuilder, Text};
 
 /// Where Ollama listens when `OLLAMA_HOST` is not set.
@@ -159,9 +159,8 @@ fn push_message(message: &Message, out: &mut Vec<Value>) -> Result<(), ProviderE
         }
         Role::Tool => {
             for result in message.tool_results() {
-                let mut tool =
-                    json!({ "role": "tool", "tool_name": result.name, "content": tool_result_text(result) });
-                let (_, images) = keel_core::message::tool_output_images(&result.output);
+                let (content, images) = tool_result_parts(result);
+                let mut tool = json!({ "role": "tool", "tool_name": result.name, "content": content });
                 if !images.is_empty() {
                     // Ollama takes images on any message, as base64.
                     tool["images"] = images.iter().map(|image| json!(image.data)).collect();

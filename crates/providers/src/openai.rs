@@ -11,7 +11,7 @@
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use keel_core::event::Usage;
-use keel_core::message::{ToolResult, output_to_text};
+use keel_core::message::{ToolImage, ToolResult, output_to_text};
 use keel_core::provider::ProviderErrorKind;
 use keel_core::tool::ToolSpec;
 use keel_core::{
@@ -185,9 +185,8 @@ impl OpenAiChat {
                 let mut shown =
                     vec![json!({ "type": "text", "text": "The images the tool calls above returned:" })];
                 for result in message.tool_results() {
-                    let content = tool_result_text(result);
+                    let (content, images) = tool_result_parts(result);
                     out.push(json!({ "role": "tool", "tool_call_id": result.call_id, "content": content }));
-                    let (_, images) = keel_core::message::tool_output_images(&result.output);
                     shown.extend(images.iter().map(|image| {
                         json!({ "type": "image_url", "image_url": {
                             "url": format!("data:{};base64,{}", image.media_type, image.data),
@@ -245,12 +244,12 @@ pub(crate) fn function_tools(tools: &[ToolSpec]) -> Vec<Value> {
         .collect()
 }
 
-/// A tool result as the content of a `tool` message; the wire has no error flag, so an error
-/// says so in its text.
-pub(crate) fn tool_result_text(result: &ToolResult) -> String {
-    let (readable, _) = keel_core::message::tool_output_images(&result.output);
+/// A tool result as the text of a `tool` message (the wire has no error flag, so an error says
+/// so in its text), and the images it holds, which the caller sends as the wire allows.
+pub(crate) fn tool_result_parts(result: &ToolResult) -> (String, Vec<ToolImage<'_>>) {
+    let (readable, images) = keel_core::message::tool_output_images(&result.output);
     let text = output_to_text(&readable);
-    if result.is_error { format!("Error: {text}") } else { text }
+    (if result.is_error { format!("Error: {text}") } else { text }, images)
 }
 
 /// The text of a text-like file (`text/*`, JSON, XML, YAML), when it is UTF-8.

@@ -83,7 +83,8 @@ async fn check_mcp(spec: keel_spec::AgentSpec) -> std::io::Result<u8> {
     for name in approvals {
         missing += 1;
         eprintln!(
-            "error[KEEL_SPEC_INVALID]: `approvals.tools` names `{name}`, which no MCP server of the agent offers"
+            "error[{}]: `approvals.tools` names `{name}`, which no MCP server of the agent offers",
+            keel::ErrorCode::SpecInvalid.as_str()
         );
     }
     Ok(if missing == 0 { exit::OK } else { exit::INVALID_AGENT })
