@@ -36,6 +36,9 @@ pub struct AgentDef {
     /// How long an approval or a question waits for a human before it is decided for them
     /// (an approval is rejected, a question gets no answer). Spec key `approvals.timeout`.
     pub approval_timeout: Duration,
+    /// Cron schedules that start runs on their own (spec key `triggers`, `schedules/`): a
+    /// server fires them.
+    pub schedules: Vec<crate::schedule::ScheduleDef>,
 }
 
 impl AgentDef {

@@ -109,6 +109,20 @@ impl RunId {
         RunId::from_suffix(&format!("sub{high:016x}{low:016x}"))
     }
 
+    /// The prefix of delayed runs' ids (a delayed run, or a schedule's fire): stored before
+    /// they start, they are the runs whose start the store checks against their timer.
+    pub const DELAYED_PREFIX: &'static str = "run_at_";
+
+    /// A delayed run's id, from a unique suffix.
+    pub fn delayed(suffix: &str) -> RunId {
+        RunId(format!("{}{suffix}", Self::DELAYED_PREFIX).into())
+    }
+
+    /// Whether this is a delayed run's id ([`RunId::delayed`]).
+    pub fn is_delayed(&self) -> bool {
+        self.0.starts_with(Self::DELAYED_PREFIX)
+    }
+
     /// Parses a run id as printed by [`RunId`]'s `Display`.
     pub fn parse(id: &str) -> Option<RunId> {
         let suffix = id.strip_prefix(Self::PREFIX)?;

@@ -8,6 +8,7 @@
 //!   out, so it can be tested by asserting actions and replayed from a journal;
 //! - the step journal and its versioned record format ([`journal`]);
 //! - the seams the runtime drives: the [`Provider`], [`Tool`] and [`Store`] traits;
+//! - cron schedules and their fire times ([`schedule`]);
 //! - errors with stable codes ([`ErrorCode`]).
 //!
 //! The traits return boxed futures ([`BoxFuture`]) rather than using an async runtime, so that
@@ -27,6 +28,7 @@ pub mod message;
 pub mod owner;
 pub mod persist;
 pub mod provider;
+pub mod schedule;
 pub mod store;
 pub mod tool;
 pub mod wire;
@@ -45,8 +47,8 @@ pub use ids::{RunId, SessionId, StepName};
 pub use message::{Message, Part, Role};
 pub use provider::{DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind};
 pub use store::{
-    Claim, Committed, DecidedInput, Fence, LeaseStatus, OpenRun, RunRecord, RunState, SessionSnapshot,
-    SessionSummary, StepCommit, Store, StoreError,
+    Claim, Committed, DecidedInput, DelayedRun, DelayedRunRecord, DelayedState, Fence, LeaseStatus, OpenRun,
+    RunRecord, RunState, SessionSnapshot, SessionSummary, StepCommit, Store, StoreError,
 };
 pub use tool::{ApprovalRule, SessionState, Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
 

@@ -72,6 +72,68 @@ pub struct RunRecord {
     pub state: RunState,
 }
 
+/// A run that starts later: a delayed run (`POST /runs`, `keel run --after`) or a schedule's
+/// fire. Stored before it starts, it starts once, whichever process takes it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DelayedRun {
+    /// The run it becomes ([`RunId::delayed`]).
+    pub run_id: RunId,
+    /// Its session.
+    pub session_id: SessionId,
+    /// Its input.
+    pub input: Message,
+    /// When it is due, in milliseconds since the Unix epoch.
+    pub due_ms: u64,
+    /// Who asked for it: `POST /runs`, `keel run --after`, `schedule <agent>/<name>`.
+    pub source: String,
+}
+
+/// Where a delayed run is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DelayedState {
+    /// Not started yet: it can be cancelled.
+    Waiting,
+    /// Its run was created (see the run for how it went).
+    Started,
+    /// Cancelled before it started.
+    Cancelled,
+}
+
+impl DelayedState {
+    /// The persisted name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DelayedState::Waiting => "waiting",
+            DelayedState::Started => "started",
+            DelayedState::Cancelled => "cancelled",
+        }
+    }
+
+    /// The state a persisted name stands for.
+    pub fn parse(name: &str) -> Option<DelayedState> {
+        [DelayedState::Waiting, DelayedState::Started, DelayedState::Cancelled]
+            .into_iter()
+            .find(|state| state.as_str() == name)
+    }
+}
+
+/// A delayed run as stored: what it runs, and where it is.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DelayedRunRecord {
+    /// The run to start.
+    pub run: DelayedRun,
+    /// Where it is.
+    pub state: DelayedState,
+    /// When it was stored, in milliseconds since the Unix epoch.
+    pub created_ms: u64,
+    /// No process takes it before this time (one took it, or its session was busy).
+    pub held_until_ms: u64,
+    /// How many times a process took it to start it.
+    pub attempts: u32,
+    /// Why its last start did not happen (its session was busy...), or who cancelled it.
+    pub note: Option<String>,
+}
+
 /// A store failure.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -515,13 +577,55 @@ pub trait Store: Send + Sync {
     fn compact_journals(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
 
     /// Records that schedule `name` fires for the tick at `tick_ms` (milliseconds since the Unix
-    /// epoch), unless that tick (or a later one) was already recorded. Returns whether this call
-    /// recorded it: of several processes sharing a store, exactly one fires each tick.
+    /// epoch), unless that tick (or a later one) was already recorded, and stores `run`, the
+    /// fire's delayed run, in the same transaction: a process that dies right after still
+    /// leaves the fire to start. Without `run`, only records the tick (a tick skipped, or the
+    /// point a new schedule counts from). Returns whether this call recorded it: of several
+    /// processes sharing a store, exactly one fires each tick.
     fn claim_schedule_tick<'a>(
         &'a self,
         name: &'a str,
         tick_ms: u64,
+        run: Option<&'a DelayedRun>,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Stores a delayed run, waiting for its time. Storing the same run again changes nothing
+    /// and returns it as stored; another run under its id is a [`StoreError::Conflict`].
+    fn schedule_run<'a>(&'a self, run: &'a DelayedRun)
+    -> BoxFuture<'a, Result<DelayedRunRecord, StoreError>>;
+
+    /// A delayed run, whatever its state.
+    fn delayed_run<'a>(
+        &'a self,
+        run: &'a RunId,
+    ) -> BoxFuture<'a, Result<Option<DelayedRunRecord>, StoreError>>;
+
+    /// Takes up to `limit` waiting delayed runs that are due, oldest first, holding each for
+    /// `hold` (no other process takes it meanwhile): the caller starts them. A run whose start
+    /// never happens (its process died) is taken again once the hold ends. The run's first
+    /// commit marks it started; a cancelled one can no longer start.
+    fn take_due_runs<'a>(
+        &'a self,
+        hold: std::time::Duration,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<DelayedRun>, StoreError>>;
+
+    /// Puts off a waiting delayed run until `until_ms`, saying why (its session was busy).
+    fn defer_delayed_run<'a>(
+        &'a self,
+        run: &'a RunId,
+        until_ms: u64,
+        note: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Cancels a waiting delayed run (`by` whom, for the record). Returns the record as it is
+    /// after the call: `Cancelled` (now, or before), or `Started` when it was too late; `None`
+    /// for an unknown id.
+    fn cancel_delayed_run<'a>(
+        &'a self,
+        run: &'a RunId,
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DelayedRunRecord>, StoreError>>;
 
     /// The last tick schedule `name` fired for, if any.
     fn schedule_last_fire<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;

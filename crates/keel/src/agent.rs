@@ -174,6 +174,9 @@ impl Agent {
         for server in spec.mcp {
             builder = builder.mcp(server);
         }
+        for schedule in spec.schedules {
+            builder = builder.schedule(schedule);
+        }
         builder.build_async().await.map_err(LoadError::Setup)
     }
 
@@ -283,6 +286,7 @@ pub struct AgentBuilder {
     store: Option<Arc<dyn Store>>,
     clock: Option<Arc<dyn keel_core::Clock>>,
     mcp: Vec<keel_core::McpServerDef>,
+    schedules: Vec<keel_core::schedule::ScheduleDef>,
 }
 
 impl AgentBuilder {
@@ -427,6 +431,13 @@ impl AgentBuilder {
         self
     }
 
+    /// Adds a cron schedule: `keel serve` (or [`crate::triggers`] in your own server) starts a
+    /// run at each of its ticks, once across every process sharing the store.
+    pub fn schedule(mut self, schedule: keel_core::schedule::ScheduleDef) -> Self {
+        self.schedules.push(schedule);
+        self
+    }
+
     /// Adds the tools of an MCP server (a stdio command or a Streamable HTTP URL), named
     /// `<prefix><tool>` (default prefix `<name>_`). The agent connects to it in
     /// [`Self::build_async`]; approvals may name its tools by their final names.
@@ -515,6 +526,7 @@ impl AgentBuilder {
             stop_on_tools: self.stop_on_tools,
             concurrency: self.concurrency,
             approval_timeout: self.approval_timeout.unwrap_or(AgentDef::DEFAULT_APPROVAL_TIMEOUT),
+            schedules: self.schedules,
         };
         let store = self.store.unwrap_or_else(|| Arc::new(MemoryStore::new()));
         let mut options = keel_runtime::EngineOptions::default();
@@ -599,6 +611,7 @@ async fn refresh_on_change(
                     stop_on_tools: current.stop_on_tools.clone(),
                     concurrency: current.concurrency,
                     approval_timeout: current.approval_timeout,
+                    schedules: current.schedules.clone(),
                 }));
                 tracing::info!(agent = %current.name, tools = ?names, "an MCP server's tools changed; new runs use the new list");
             }

@@ -37,8 +37,10 @@ use crate::shared::{Shared, nobody_drives};
 
 /// How a run begins.
 pub(crate) enum Plan {
-    /// A new run of `session` answering `input`.
-    Fresh { run_id: RunId, session: SessionId, input: Message, admission: Admission },
+    /// A new run of `session` answering `input`; `mode` says what it does when the session is
+    /// busy in another process (the agent's `concurrency`, or `reject` for inputs nobody waits
+    /// on).
+    Fresh { run_id: RunId, session: SessionId, input: Message, admission: Admission, mode: Concurrency },
     /// Re-drive a stored run from its journal. `session_held`: the caller already holds the
     /// run's session in this process (a new input finishing the session's unfinished run
     /// first). `takeover`: the run's lease holder, proven dead by the caller.
@@ -244,8 +246,8 @@ async fn settle_session(
     session: &SessionId,
     cancel: &CancellationToken,
     admitted: &mut Admitted,
+    mode: Concurrency,
 ) -> Result<SessionSnapshot, RunFailure> {
-    let mode = shared.agent().concurrency;
     let mut asked_to_cancel = false;
     loop {
         let snapshot = shared.store.load_session(session).await.map_err(store_failure)?;
@@ -314,7 +316,7 @@ async fn prepare(
 ) -> Result<Prepared, RunFailure> {
     let store = &shared.store;
     match plan {
-        Plan::Fresh { run_id, session, input, admission } => {
+        Plan::Fresh { run_id, session, input, admission, mode } => {
             let claim = match admission {
                 Admission::Now(claim) => claim,
                 // Queued (or replacing the run in flight): accepted, and waits for the session.
@@ -331,7 +333,7 @@ async fn prepare(
                 }
             };
             let SessionSnapshot { messages: history, state, .. } =
-                settle_session(shared, &session, cancel, admitted).await?;
+                settle_session(shared, &session, cancel, admitted, mode).await?;
             let state = state.unwrap_or_default();
             // Each completed model call appends exactly one assistant message.
             let call_base = history.iter().filter(|m| m.role == Role::Assistant).count() as u64;

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_core::{
-    AgentDef, Clock, Decision, ErrorCode, Message, OpenRun, PendingInput, Provider, RunFailure, RunId,
+    AgentDef, Clock, Concurrency, Decision, ErrorCode, Message, OpenRun, PendingInput, Provider, RunFailure, RunId,
     RunState, SessionId, Store,
 };
 use tokio::sync::{mpsc, oneshot};
@@ -93,6 +93,12 @@ fn new_run_id() -> RunId {
     let id = uuid::Builder::from_unix_timestamp_millis(millis, &random_bytes).into_uuid();
     let mut buffer = uuid::Uuid::encode_buffer();
     RunId::from_suffix(id.simple().encode_lower(&mut buffer))
+}
+
+/// A new delayed run's id ([`RunId::delayed`]): unique like [`Engine::start`]'s run ids.
+pub fn new_delayed_run_id() -> RunId {
+    let id = new_run_id();
+    RunId::delayed(&id.as_str()[RunId::PREFIX.len()..])
 }
 
 /// Who does something, for the record (decisions, cancellations): `what (pid N on host H)`.
@@ -185,6 +191,10 @@ impl Engine {
         *self.shared.agent.write().unwrap_or_else(std::sync::PoisonError::into_inner) = agent;
     }
 
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
     /// The store.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.shared.store
@@ -225,10 +235,32 @@ impl Engine {
         session: SessionId,
         input: Message,
     ) -> Result<RunHandle, RunFailure> {
+        self.start_in_mode(run_id, session, input, self.shared.agent().concurrency)
+    }
+
+    /// [`Engine::start_with_id`] for an input nobody waits on (a delayed run, a schedule's
+    /// fire, a channel's event): refused with `KEEL_SESSION_BUSY` while the session has a run
+    /// in flight anywhere, whatever the agent's `concurrency` says, so that the caller decides
+    /// what to do (try again later, or tell the sender).
+    pub fn start_exclusive(
+        &self,
+        run_id: RunId,
+        session: SessionId,
+        input: Message,
+    ) -> Result<RunHandle, RunFailure> {
+        self.start_in_mode(run_id, session, input, Concurrency::Reject)
+    }
+
+    fn start_in_mode(
+        &self,
+        run_id: RunId,
+        session: SessionId,
+        input: Message,
+        mode: Concurrency,
+    ) -> Result<RunHandle, RunFailure> {
         let cancel = CancellationToken::new();
-        let shared = &self.shared;
-        let admission = shared.sessions.admit(&session, &run_id, &cancel, shared.agent().concurrency)?;
-        Ok(self.spawn(run_id.clone(), Plan::Fresh { run_id, session, input, admission }, cancel))
+        let admission = self.shared.sessions.admit(&session, &run_id, &cancel, mode)?;
+        Ok(self.spawn(run_id.clone(), Plan::Fresh { run_id, session, input, admission, mode }, cancel))
     }
 
     /// Re-drives a run from its journal (after a crash, a restart, or to replay it). Journaled

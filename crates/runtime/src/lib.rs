@@ -9,7 +9,8 @@
 //! - model calls get a timeout and retries with backoff for transient errors;
 //! - the tool calls of one turn run in parallel, each in its own task, with a timeout, and a
 //!   panicking or hanging tool becomes a tool error while the run goes on;
-//! - a run can be cancelled; one session runs one run at a time.
+//! - a run can be cancelled; one session runs one run at a time;
+//! - [`Triggers`] fire the agent's cron schedules and start delayed runs when they are due.
 //!
 //! [`Provider`]: keel_core::Provider
 //! [`Tool`]: keel_core::Tool
@@ -22,7 +23,9 @@ mod fault;
 mod handle;
 mod process;
 mod shared;
+pub mod triggers;
 
-pub use engine::{Cancellation, Engine, EngineOptions, record_decision, who};
+pub use engine::{Cancellation, Engine, EngineOptions, new_delayed_run_id, record_decision, who};
+pub use triggers::{TriggerStats, Triggers};
 pub use handle::{RunHandle, RunResult};
 pub use process::is_provably_dead;

@@ -106,6 +106,7 @@ fn agent(tools: Vec<Arc<dyn Tool>>, edit: impl FnOnce(&mut AgentDef)) -> Arc<Age
         stop_on_tools: Vec::new(),
         concurrency: keel_core::Concurrency::Reject,
         approval_timeout: AgentDef::DEFAULT_APPROVAL_TIMEOUT,
+        schedules: Vec::new(),
     };
     edit(&mut def);
     Arc::new(def)

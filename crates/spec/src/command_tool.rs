@@ -19,7 +19,7 @@ use keel_core::{CommandToolDef, ErrorCode};
 use serde_json::json;
 
 use crate::CommandToolSpec;
-use crate::decode::Decoder;
+use crate::decode::{Decoder, map_lacks};
 use crate::diagnostic::{Diagnostic, Pos, read_text};
 use crate::tree::{self, Format, Kind};
 
@@ -151,10 +151,6 @@ fn pass_through(node: &tree::Node, d: &mut Decoder<'_>) -> Option<Vec<String>> {
         }
     }
     Some(names)
-}
-
-fn map_lacks(root: &tree::Node, key: &str) -> bool {
-    matches!(&root.kind, Kind::Map(entries) if !entries.iter().any(|(k, _, _)| k == key))
 }
 
 fn command(node: &tree::Node, d: &mut Decoder<'_>, working_dir: &Path) -> Option<Vec<String>> {

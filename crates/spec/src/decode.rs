@@ -196,6 +196,12 @@ impl<'n> MapReader<'n> {
     }
 }
 
+/// Whether `node` is a mapping without `key` (a missing key is reported once, not twice when
+/// the key is there with a value of the wrong type).
+pub(crate) fn map_lacks(node: &Node, key: &str) -> bool {
+    matches!(&node.kind, Kind::Map(entries) if !entries.iter().any(|(k, _, _)| k == key))
+}
+
 /// The candidate closest to `word`, when it is close enough to be a likely typo.
 pub fn did_you_mean<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
     candidates

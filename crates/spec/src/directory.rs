@@ -14,7 +14,7 @@ use crate::tree::{self, Kind};
 use crate::{AgentSpec, CommandToolSpec, LoadOptions, SPEC_FILE_NAMES};
 
 /// Directories of the design this build does not read yet.
-pub const NOT_YET_DIRS: &[&str] = &["schedules", "channels", "memory"];
+pub const NOT_YET_DIRS: &[&str] = &["channels", "memory"];
 
 const SKILL_KEYS: &[&str] =
     &["name", "description", "license", "allowed-tools", "metadata", "compatibility", "version"];
@@ -148,6 +148,7 @@ pub(crate) fn load_with_spec_file(
     let requested = spec.as_ref().and_then(|s| s.skills.clone());
     let skills = load_skills(dir, &absolute, requested.as_deref(), file, diagnostics);
     let subagents = load_subagents(dir, &absolute, options, diagnostics);
+    let schedule_files = crate::schedule::load_dir(&dir.join("schedules"), diagnostics);
 
     for name in NOT_YET_DIRS {
         let path = dir.join(name);
@@ -161,7 +162,27 @@ pub(crate) fn load_with_spec_file(
         }
     }
 
-    let spec = spec?;
+    let mut spec = spec?;
+    for (schedule, path) in schedule_files {
+        if let Some((_, pos)) = spec.triggers.iter().find(|(other, _)| other.name == schedule.name) {
+            diagnostics.push(
+                Diagnostic::error(
+                    ErrorCode::SpecInvalid,
+                    &path,
+                    Pos::default(),
+                    format!(
+                        "schedule `{}` is also a trigger of {} (line {})",
+                        schedule.name,
+                        file_name(file),
+                        pos.line
+                    ),
+                )
+                .with_hint("keep one of them, or rename the file"),
+            );
+            continue;
+        }
+        spec.triggers.push((schedule, Pos::default()));
+    }
     let default_name = absolute.file_name().and_then(|n| n.to_str()).unwrap_or("agent").to_owned();
     let mut instructions = dir_instructions.unwrap_or_default();
     let mut skill_names = Vec::new();
@@ -519,6 +540,7 @@ pub(crate) fn finish(
         mock,
         skills,
         mcp: spec.mcp.into_iter().map(|(server, _)| server).collect(),
+        schedules: spec.triggers.into_iter().map(|(schedule, _)| schedule).collect(),
         source: file.to_owned(),
     })
 }

@@ -19,6 +19,7 @@ mod command_tool;
 mod decode;
 mod diagnostic;
 mod directory;
+mod schedule;
 mod spec_file;
 mod tree;
 
@@ -70,6 +71,8 @@ pub struct AgentSpec {
     pub output_schema: Option<Value>,
     /// The mock provider's script (`mock.script`).
     pub mock: Option<MockScript>,
+    /// Cron schedules (`triggers`, and `schedules/<name>.yaml` of a directory).
+    pub schedules: Vec<keel_core::schedule::ScheduleDef>,
     /// The MCP servers whose tools the agent uses (`mcp`). Their tools are known once connected:
     /// approvals and mock calls naming `<prefix><tool>` are checked then.
     pub mcp: Vec<keel_core::McpServerDef>,

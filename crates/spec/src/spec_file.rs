@@ -42,7 +42,7 @@ pub(crate) const KEYS: &[&str] = &[
 /// Keys of the design this build does not implement yet: refusing them is safer than ignoring
 /// them (an ignored `approvals` would run risky tools without asking). `docs/errors.md` lists
 /// them under `KEEL_SPEC_UNSUPPORTED` (a tidy test checks it).
-pub const NOT_YET: &[&str] = &["compaction", "triggers", "memory"];
+pub const NOT_YET: &[&str] = &["compaction", "memory"];
 
 const LIMIT_KEYS: &[&str] = &[
     "max_turns",
@@ -104,6 +104,8 @@ pub(crate) struct FileSpec {
     pub(crate) skills: Option<Vec<(String, Pos)>>,
     /// `mcp`: the servers, each with the position of its entry.
     pub(crate) mcp: Vec<(McpServerDef, Pos)>,
+    /// `triggers`: the schedules, each with the position of its entry.
+    pub(crate) triggers: Vec<(keel_core::schedule::ScheduleDef, Pos)>,
 }
 
 /// Reads and decodes a spec file.
@@ -154,6 +156,7 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         mock: None,
         skills: None,
         mcp: Vec::new(),
+        triggers: Vec::new(),
     };
     if let Some(node) = map.take("name") {
         spec.name = d.text(node, "name");
@@ -249,6 +252,9 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     }
     if let Some(node) = map.take("mcp") {
         spec.mcp = mcp(node, d, &base_dir);
+    }
+    if let Some(node) = map.take("triggers") {
+        spec.triggers = crate::schedule::triggers(node, d);
     }
     for key in NOT_YET {
         if let Some(pos) = map.key_pos(key) {

@@ -335,12 +335,87 @@ fn skills_problems() {
 #[test]
 fn features_of_later_versions_are_refused_not_ignored() {
     check(
-        &[("a.yaml", "model: mock\ntriggers: [ { type: cron, cron: '@daily' } ]\nconcurrency: queue\n")],
+        &[("a.yaml", "model: mock\nmemory: { kind: episodic }\nconcurrency: queue\n")],
         "a.yaml",
         expect![[r#"
-            error[KEEL_SPEC_UNSUPPORTED]: `triggers` is not supported by this version of keel yet
+            error[KEEL_SPEC_UNSUPPORTED]: `memory` is not supported by this version of keel yet
               --> a.yaml:2:1
-              hint: remove `triggers` to run the agent with this version
+              hint: remove `memory` to run the agent with this version
+        "#]],
+    );
+}
+
+#[test]
+fn schedules_load_from_triggers_and_from_the_schedules_directory() {
+    let dir = tree(&[
+        (
+            "a/agent.yaml",
+            "model: mock\ntriggers:\n  - { type: cron, name: weekly, cron: \"0 9 * * MON\", timezone: Europe/Paris, input: Summarise last week. }\n",
+        ),
+        ("a/schedules/nightly.yaml", "cron: \"@daily\"\ninput: Tidy up.\nsession: nightly-work\nmissed: skip\n"),
+    ]);
+    let loaded = load(&dir.path().join("a"), &OPTIONS);
+    assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
+    let schedules = loaded.spec.unwrap().schedules;
+    let summary: Vec<_> = schedules
+        .iter()
+        .map(|s| {
+            (
+                s.name.as_str(),
+                s.cron.expression(),
+                s.cron.timezone(),
+                s.input.as_str(),
+                s.session.as_ref().map(|id| id.as_str()),
+                s.missed,
+            )
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            ("weekly", "0 9 * * MON", "Europe/Paris", "Summarise last week.", None, keel_core::schedule::Missed::Latest),
+            ("nightly", "@daily", "UTC", "Tidy up.", Some("nightly-work"), keel_core::schedule::Missed::Skip),
+        ]
+    );
+}
+
+#[test]
+fn a_bad_cron_or_time_zone_is_pointed_at_with_a_hint() {
+    check(
+        &[
+            (
+                "a/agent.yaml",
+                "model: mock\ntriggers:\n  - { name: weekly, cron: \"0 9 * * FUNDAY\", input: x }\n  - { name: paris, cron: \"@daily\", timezone: Europe/Pariss, input: x }\n  - { name: ok, cron: \"@daily\", input: x }\n  - { name: ok, cron: \"@hourly\", input: y }\n  - { type: slack, name: s, cron: \"@daily\", input: x }\n  - { name: no-input, cron: \"61 * * * *\" }\n",
+            ),
+            ("a/schedules/bad name.yaml", "cron: '@daily'\ninput: x\n"),
+            ("a/schedules/paris.yaml", "cron: '@daily'\ninput: x\nmissed: never\n"),
+        ],
+        "a",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: invalid cron expression `0 9 * * FUNDAY`: CronPattern contains illegal character 'F' in part 'FUNDAY'
+              --> a/agent.yaml:3:27
+              hint: write 5 fields (minute hour day-of-month month day-of-week), or 6 with seconds first, or a macro (@hourly, @daily, @weekly, @monthly, @yearly); for example `0 9 * * MON-FRI` or `*/15 * * * *`
+            error[KEEL_SPEC_INVALID]: unknown time zone `Europe/Pariss`
+              --> a/agent.yaml:4:46
+              hint: did you mean `Europe/Paris`? use an IANA time zone name such as `Europe/Paris`, `America/New_York` or `UTC`
+            error[KEEL_SPEC_INVALID]: two triggers are named `ok` (the first at line 5)
+              --> a/agent.yaml:6:5
+              hint: give each trigger its own `name`
+            error[KEEL_SPEC_INVALID]: unknown trigger type `slack`
+              --> a/agent.yaml:7:13
+              hint: channels are defined in `channels/<name>.yaml` of an agent directory
+            error[KEEL_SPEC_INVALID]: a trigger needs `input`
+              --> a/agent.yaml:8:5
+              hint: write what each run is asked, e.g. `input: Summarise yesterday's tickets.`
+            error[KEEL_SPEC_INVALID]: invalid cron expression `61 * * * *`: Number out of bounds
+              --> a/agent.yaml:8:29
+              hint: write 5 fields (minute hour day-of-month month day-of-week), or 6 with seconds first, or a macro (@hourly, @daily, @weekly, @monthly, @yearly); for example `0 9 * * MON-FRI` or `*/15 * * * *`
+            error[KEEL_SPEC_INVALID]: invalid schedule name "bad name" (from the file name)
+              --> a/schedules/bad name.yaml
+              hint: name schedule files with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`, then `.yaml`
+            error[KEEL_SPEC_INVALID]: `missed` must be `latest` or `skip`, not `never`
+              --> a/schedules/paris.yaml:3:9
+              hint: `latest`: after downtime the latest missed tick fires once; `skip`: it does not
         "#]],
     );
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use keel_core::journal::JournalEntry;
 use keel_core::{
-    BoxFuture, Clock, DecidedInput, Message, PendingInput, RunId, RunRecord, RunState, SessionId,
+    BoxFuture, Clock, DecidedInput, DelayedRunRecord, DelayedState, Message, PendingInput, RunId, RunRecord, RunState, SessionId,
     SessionSummary, StepName, StoreError, Usage,
 };
 
@@ -116,6 +116,19 @@ pub trait Tx {
     fn schedule_last_fire(&mut self, name: &str) -> Result<Option<u64>, StoreError>;
     /// Records a schedule's last tick.
     fn set_schedule_last_fire(&mut self, name: &str, tick_ms: u64) -> Result<(), StoreError>;
+
+    /// A delayed run (in a write, locked until the commit: the rules decide on it).
+    fn delayed_run(&mut self, run: &RunId) -> Result<Option<DelayedRunRecord>, StoreError>;
+    /// Stores a delayed run, inserting it or replacing it.
+    fn put_delayed_run(&mut self, record: &DelayedRunRecord) -> Result<(), StoreError>;
+    /// The waiting delayed runs due at `now_ms` and not held then, earliest due first, at most
+    /// `limit`.
+    fn due_delayed_runs(&mut self, now_ms: u64, limit: usize) -> Result<Vec<RunId>, StoreError>;
+}
+
+/// The persisted name of a delayed run's state, read back.
+pub(crate) fn stored_delayed_state(name: &str) -> Result<DelayedState, StoreError> {
+    DelayedState::parse(name).ok_or_else(|| StoreError::Corrupt(format!("unknown delayed run state {name:?}")))
 }
 
 /// Work done inside a transaction. `FnMut`: a backend whose transactions can fail for reasons

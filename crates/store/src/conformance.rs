@@ -11,7 +11,7 @@ use std::time::Duration;
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, MAX_REDRIVES};
 use keel_core::{
-    Claim, Committed, Decision, Fence, LeaseStatus, ManualClock, Message, ModelReply, Part, PendingInput,
+    Claim, Committed, Decision, DelayedRun, DelayedState, Fence, LeaseStatus, ManualClock, Message, ModelReply, Part, PendingInput,
     PendingKind, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, Store, StoreError, Usage,
 };
 use serde_json::json;
@@ -30,6 +30,7 @@ pub async fn run_all(store: &dyn Store, clock: &ManualClock) {
     finished_runs_journals_compact(store).await;
     one_unfinished_run_per_session(store, clock).await;
     schedule_ticks_fire_once(store).await;
+    delayed_runs_start_once_unless_cancelled_first(store, clock).await;
     pending_inputs_are_decided_once_and_remember_who_decided(store).await;
     a_paused_run_holds_its_session(store).await;
     a_finished_run_closes_what_it_waited_for(store).await;
@@ -426,15 +427,109 @@ pub async fn one_unfinished_run_per_session(store: &dyn Store, clock: &ManualClo
     assert_eq!(store.load_session(&session).await.unwrap().open_run, None, "a finished run is not open");
 }
 
-/// Each schedule tick is claimed once; an older tick never wins after a newer one.
+/// Each schedule tick is claimed once; an older tick never wins after a newer one; a fire's
+/// delayed run is stored with its tick.
 pub async fn schedule_ticks_fire_once(store: &dyn Store) {
     assert_eq!(store.schedule_last_fire("conformance-weekly").await.unwrap(), None);
-    assert!(store.claim_schedule_tick("conformance-weekly", 1_000).await.unwrap());
-    assert!(!store.claim_schedule_tick("conformance-weekly", 1_000).await.unwrap(), "a tick fired twice");
-    assert!(!store.claim_schedule_tick("conformance-weekly", 500).await.unwrap(), "an older tick fired");
-    assert!(store.claim_schedule_tick("conformance-weekly", 2_000).await.unwrap());
+    let fire = delayed("cronweekly1000", "conformance-fire", 1_000);
+    assert!(store.claim_schedule_tick("conformance-weekly", 1_000, Some(&fire)).await.unwrap());
+    let stored = store.delayed_run(&fire.run_id).await.unwrap().expect("the fire's run is stored with its tick");
+    assert_eq!((stored.run, stored.state), (fire.clone(), DelayedState::Waiting));
+    assert!(
+        !store.claim_schedule_tick("conformance-weekly", 1_000, Some(&fire)).await.unwrap(),
+        "a tick fired twice"
+    );
+    assert!(!store.claim_schedule_tick("conformance-weekly", 500, None).await.unwrap(), "an older tick fired");
+    assert!(store.claim_schedule_tick("conformance-weekly", 2_000, None).await.unwrap());
     assert_eq!(store.schedule_last_fire("conformance-weekly").await.unwrap(), Some(2_000));
-    assert!(store.claim_schedule_tick("conformance-daily", 1_000).await.unwrap(), "schedules share ticks");
+    assert!(store.claim_schedule_tick("conformance-daily", 1_000, None).await.unwrap(), "schedules share ticks");
+    // A fire whose run id is taken records nothing, not even its tick.
+    let error = store.claim_schedule_tick("conformance-weekly", 3_000, Some(&fire)).await.unwrap_err();
+    assert!(matches!(error, StoreError::Conflict(_)), "{error:?}");
+    assert_eq!(store.schedule_last_fire("conformance-weekly").await.unwrap(), Some(2_000));
+    // A fire is a delayed run like any other: cancelled, it never starts.
+    store.cancel_delayed_run(&fire.run_id, "conformance").await.unwrap();
+}
+
+fn delayed(suffix: &str, session: &str, due_ms: u64) -> DelayedRun {
+    DelayedRun {
+        run_id: RunId::delayed(suffix),
+        session_id: SessionId::new(session).unwrap(),
+        input: Message::user("later"),
+        due_ms,
+        source: "conformance".into(),
+    }
+}
+
+/// A delayed run waits for its time, is taken by one process at a time (again once a hold
+/// lapses), starts once with its run's first commit, and can be cancelled only until then.
+pub async fn delayed_runs_start_once_unless_cancelled_first(store: &dyn Store, clock: &ManualClock) {
+    let now = clock_now(clock);
+    let later = delayed("later1", "conformance-delayed", now + 60_000);
+    let stored = store.schedule_run(&later).await.unwrap();
+    assert_eq!((stored.state, stored.attempts), (DelayedState::Waiting, 0));
+    assert_eq!(store.schedule_run(&later).await.unwrap(), stored, "storing it again changes nothing");
+    let other = DelayedRun { input: Message::user("something else"), ..later.clone() };
+    assert!(matches!(store.schedule_run(&other).await, Err(StoreError::Conflict(_))), "an id is one run");
+    assert!(store.take_due_runs(MINUTE, 10).await.unwrap().is_empty(), "taken before its time");
+
+    clock.advance(Duration::from_secs(61));
+    let taken = store.take_due_runs(MINUTE, 10).await.unwrap();
+    assert_eq!(taken, vec![later.clone()]);
+    assert!(store.take_due_runs(MINUTE, 10).await.unwrap().is_empty(), "taken twice while held");
+    // Its process died before starting it: the hold lapses and it is taken again.
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(store.take_due_runs(MINUTE, 10).await.unwrap(), vec![later.clone()]);
+    assert_eq!(store.delayed_run(&later.run_id).await.unwrap().unwrap().attempts, 2);
+    // Its session was busy: put off, with the reason.
+    let until = clock_now(clock) + 5_000;
+    store.defer_delayed_run(&later.run_id, until, "session busy").await.unwrap();
+    let deferred = store.delayed_run(&later.run_id).await.unwrap().unwrap();
+    assert_eq!((deferred.held_until_ms, deferred.note.as_deref()), (until, Some("session busy")));
+
+    // The run's first commit starts it; then it can no longer be cancelled.
+    let record = RunRecord {
+        run_id: later.run_id.clone(),
+        session_id: later.session_id.clone(),
+        input: later.input.clone(),
+        history_len: 0,
+        call_base: 0,
+        state: RunState::Running,
+    };
+    create_run(store, &record).await.unwrap();
+    assert_eq!(store.delayed_run(&later.run_id).await.unwrap().unwrap().state, DelayedState::Started);
+    let too_late = store.cancel_delayed_run(&later.run_id, "conformance").await.unwrap().unwrap();
+    assert_eq!(too_late.state, DelayedState::Started);
+    clock.advance(Duration::from_secs(61));
+    assert!(store.take_due_runs(MINUTE, 10).await.unwrap().is_empty(), "a started run was taken");
+
+    // Cancelled first: its run can no longer start.
+    let cancelled = delayed("later2", "conformance-delayed-2", clock_now(clock));
+    store.schedule_run(&cancelled).await.unwrap();
+    let record = store.cancel_delayed_run(&cancelled.run_id, "tester").await.unwrap().unwrap();
+    assert_eq!(record.state, DelayedState::Cancelled);
+    assert!(record.note.unwrap().contains("tester"));
+    assert!(store.take_due_runs(MINUTE, 10).await.unwrap().is_empty(), "a cancelled run was taken");
+    let start = RunRecord {
+        run_id: cancelled.run_id.clone(),
+        session_id: cancelled.session_id.clone(),
+        input: cancelled.input.clone(),
+        history_len: 0,
+        call_base: 0,
+        state: RunState::Running,
+    };
+    let refused = create_run(store, &start).await.unwrap_err();
+    assert!(matches!(refused, StoreError::Conflict(_)), "a cancelled delayed run started: {refused:?}");
+    assert!(store.load_run(&cancelled.run_id).await.unwrap().is_none());
+    assert_eq!(store.cancel_delayed_run(&RunId::delayed("nobody"), "tester").await.unwrap(), None);
+
+    // Earliest due first, at most `limit`.
+    let base = clock_now(clock);
+    for (suffix, due) in [("order-b", base - 1_000), ("order-a", base - 2_000), ("order-c", base - 500)] {
+        store.schedule_run(&delayed(suffix, &format!("conformance-{suffix}"), due)).await.unwrap();
+    }
+    let ids: Vec<_> = store.take_due_runs(MINUTE, 2).await.unwrap().into_iter().map(|r| r.run_id).collect();
+    assert_eq!(ids, vec![RunId::delayed("order-a"), RunId::delayed("order-b")]);
 }
 
 fn pending(id: &str, record: &RunRecord, call_id: &str, kind: PendingKind) -> PendingInput {

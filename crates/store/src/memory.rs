@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use keel_core::journal::JournalEntry;
 use keel_core::{
-    BoxFuture, Clock, DecidedInput, Message, PendingInput, RunId, RunRecord, SessionId, SessionSummary,
-    StepName, StoreError, Usage,
+    BoxFuture, Clock, DecidedInput, DelayedRunRecord, DelayedState, Message, PendingInput, RunId, RunRecord,
+    SessionId, SessionSummary, StepName, StoreError, Usage,
 };
 
 use crate::backend::{Backend, Ruled, RunControl, Tx, Work};
@@ -49,6 +49,8 @@ struct Inner {
     decided: HashMap<String, DecidedInput>,
     /// Each schedule's last fired tick.
     schedules: HashMap<String, u64>,
+    /// Delayed runs, by run id.
+    delayed: HashMap<RunId, DelayedRunRecord>,
 }
 
 impl Inner {
@@ -297,6 +299,26 @@ impl Tx for Inner {
     fn set_schedule_last_fire(&mut self, name: &str, tick_ms: u64) -> Result<(), StoreError> {
         self.schedules.insert(name.to_owned(), tick_ms);
         Ok(())
+    }
+
+    fn delayed_run(&mut self, run: &RunId) -> Result<Option<DelayedRunRecord>, StoreError> {
+        Ok(self.delayed.get(run).cloned())
+    }
+
+    fn put_delayed_run(&mut self, record: &DelayedRunRecord) -> Result<(), StoreError> {
+        self.delayed.insert(record.run.run_id.clone(), record.clone());
+        Ok(())
+    }
+
+    fn due_delayed_runs(&mut self, now_ms: u64, limit: usize) -> Result<Vec<RunId>, StoreError> {
+        let mut due: Vec<_> = self
+            .delayed
+            .values()
+            .filter(|r| r.state == DelayedState::Waiting && r.run.due_ms <= now_ms && r.held_until_ms <= now_ms)
+            .map(|r| (r.run.due_ms, r.run.run_id.clone()))
+            .collect();
+        due.sort();
+        Ok(due.into_iter().take(limit).map(|(_, id)| id).collect())
     }
 }
 

@@ -41,14 +41,16 @@ use keel_core::persist::{
     decode_message, decode_pending_kind, decode_record, encode_message, encode_pending_kind, encode_record,
 };
 use keel_core::{
-    BoxFuture, Clock, DecidedInput, Message, PendingInput, RunId, RunRecord, SessionId, SessionSummary,
-    StepName, StoreError, Usage,
+    BoxFuture, Clock, DecidedInput, DelayedRun, DelayedRunRecord, Message, PendingInput, RunId, RunRecord,
+    SessionId, SessionSummary, StepName, StoreError, Usage,
 };
 use postgres::error::SqlState;
 use postgres::types::{FromSql, ToSql};
 use postgres::{Client, IsolationLevel, NoTls, Row, Statement};
 
-use crate::backend::{Backend, Ruled, RunControl, Tx, Work, corrupt, stored_run_id, stored_state};
+use crate::backend::{
+    Backend, Ruled, RunControl, Tx, Work, corrupt, stored_delayed_state, stored_run_id, stored_state,
+};
 
 mod events;
 
@@ -140,6 +142,21 @@ const MIGRATIONS: &[&str] = &[
         id BIGINT PRIMARY KEY,
         at TIMESTAMPTZ NOT NULL DEFAULT now()
     );"#,
+    // Version 3: delayed runs (`POST /runs`, `keel run --after`, schedules' fires), stored
+    // until they start.
+    r#"CREATE TABLE delayed_runs (
+        run_id TEXT COLLATE "C" PRIMARY KEY,
+        session_id TEXT COLLATE "C" NOT NULL,
+        input TEXT NOT NULL,
+        due_at BIGINT NOT NULL,
+        source TEXT NOT NULL,
+        state TEXT COLLATE "C" NOT NULL,
+        created_at BIGINT NOT NULL,
+        held_until BIGINT NOT NULL,
+        attempts BIGINT NOT NULL,
+        note TEXT
+    );
+    CREATE INDEX delayed_due ON delayed_runs (state, due_at);"#,
 ];
 
 /// The schema version this build writes.
@@ -1222,6 +1239,63 @@ impl Tx for PgTx<'_, '_> {
             &[&name, &signed(tick_ms)],
         )
         .map(drop)
+    }
+
+    fn delayed_run(&mut self, run: &RunId) -> Result<Option<DelayedRunRecord>, StoreError> {
+        self.lock(format!("delayed:{run}"))?;
+        let row = self.query_opt(
+            "SELECT session_id, input, due_at, source, state, created_at, held_until, attempts, note
+             FROM delayed_runs WHERE run_id = $1",
+            &[&run.as_str()],
+        )?;
+        let Some(row) = row else { return Ok(None) };
+        Ok(Some(DelayedRunRecord {
+            run: DelayedRun {
+                run_id: run.clone(),
+                session_id: session_id(get(&row, 0)?)?,
+                input: decode_message(get(&row, 1)?).map_err(corrupt)?,
+                due_ms: count(&row, 2)?,
+                source: get(&row, 3)?,
+            },
+            state: stored_delayed_state(get(&row, 4)?)?,
+            created_ms: count(&row, 5)?,
+            held_until_ms: count(&row, 6)?,
+            attempts: u32::try_from(count(&row, 7)?).unwrap_or(u32::MAX),
+            note: get(&row, 8)?,
+        }))
+    }
+
+    fn put_delayed_run(&mut self, record: &DelayedRunRecord) -> Result<(), StoreError> {
+        let run = &record.run;
+        self.lock(format!("delayed:{}", run.run_id))?;
+        self.execute(
+            "INSERT INTO delayed_runs (run_id, session_id, input, due_at, source, state, created_at, held_until,
+             attempts, note) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+             ON CONFLICT (run_id) DO UPDATE SET state = EXCLUDED.state, held_until = EXCLUDED.held_until,
+             attempts = EXCLUDED.attempts, note = EXCLUDED.note",
+            &[
+                &run.run_id.as_str(),
+                &run.session_id.as_str(),
+                &encode_message(&run.input),
+                &signed(run.due_ms),
+                &run.source,
+                &record.state.as_str(),
+                &signed(record.created_ms),
+                &signed(record.held_until_ms),
+                &i64::from(record.attempts),
+                &record.note,
+            ],
+        )
+        .map(drop)
+    }
+
+    fn due_delayed_runs(&mut self, now_ms: u64, limit: usize) -> Result<Vec<RunId>, StoreError> {
+        let rows = self.query(
+            "SELECT run_id FROM delayed_runs WHERE state = 'waiting' AND due_at <= $1 AND held_until <= $1
+             ORDER BY due_at, run_id LIMIT $2",
+            &[&signed(now_ms), &signed(limit as u64)],
+        )?;
+        rows.iter().map(|row| stored_run_id(get(row, 0)?)).collect()
     }
 }
 

@@ -14,6 +14,9 @@
 //!   remembered with who took it; a decided input is never asked again.
 //! - **A finished run drops its pending inputs** (remembered as closed), and a run whose
 //!   cancellation was requested asks for nothing more.
+//! - **A delayed run starts once, unless cancelled first.** Its run's first commit marks it
+//!   started; a cancelled one refuses that commit. A schedule's tick is recorded with its
+//!   fire's delayed run, in one transaction.
 //! - **Poison runs end.** A claim counts the claims since the run last committed; past
 //!   [`MAX_CLAIMS_WITHOUT_PROGRESS`] the claim itself fails the run.
 //!
@@ -25,7 +28,7 @@ use std::time::Duration;
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, decision_outcome};
 use keel_core::{
-    BoxFuture, Claim, Committed, DecidedInput, Decision, Fence, LeaseStatus, Message, OpenRun, PendingInput,
+    BoxFuture, Claim, Committed, DecidedInput, Decision, DelayedRun, DelayedRunRecord, DelayedState, Fence, LeaseStatus, Message, OpenRun, PendingInput,
     RunId, RunRecord, RunState, SessionId, SessionSnapshot, SessionSummary, StepCommit, Store, StoreError,
 };
 
@@ -214,6 +217,20 @@ fn commit_step(tx: &mut dyn Tx, commit: &StepCommit<'_>, now_ms: u64) -> Result<
             control
         }
     };
+    // A delayed run's first commit starts it, unless it was cancelled first.
+    let delayed = match new_run {
+        Some(_) if run.is_delayed() => match tx.delayed_run(run)? {
+            Some(record) if record.state == DelayedState::Cancelled => {
+                return Err(StoreError::Conflict(format!(
+                    "delayed run {run} was cancelled before it started ({})",
+                    record.note.as_deref().unwrap_or("no reason recorded")
+                )));
+            }
+            Some(record) if record.state == DelayedState::Waiting => Some(record),
+            _ => None,
+        },
+        _ => None,
+    };
     let repeated = check_messages(tx, session, run, first_position, messages.len())?;
 
     // Writes. Whatever is new is progress: the run got past a step, so it is no step closer to
@@ -240,6 +257,11 @@ fn commit_step(tx: &mut dyn Tx, commit: &StepCommit<'_>, now_ms: u64) -> Result<
     }
     if let Some(record) = new_run {
         tx.insert_run(record, &control, now_ms)?;
+    }
+    if let Some(mut record) = delayed {
+        record.state = DelayedState::Started;
+        record.note = None;
+        tx.put_delayed_run(&record)?;
     }
     if let Some(entry) = entry
         && tx.append_journal(run, entry)?
@@ -401,12 +423,96 @@ fn decide(
     Ok(pending)
 }
 
-fn claim_schedule_tick(tx: &mut dyn Tx, name: &str, tick_ms: u64) -> Result<bool, StoreError> {
+fn claim_schedule_tick(
+    tx: &mut dyn Tx,
+    name: &str,
+    tick_ms: u64,
+    run: Option<&DelayedRun>,
+    now_ms: u64,
+) -> Result<bool, StoreError> {
     if tx.schedule_last_fire(name)?.is_some_and(|last| last >= tick_ms) {
         return Ok(false);
     }
+    if let Some(run) = run {
+        check_new_delayed(tx, run)?;
+    }
     tx.set_schedule_last_fire(name, tick_ms)?;
+    if let Some(run) = run {
+        tx.put_delayed_run(&waiting(run, now_ms))?;
+    }
     Ok(true)
+}
+
+/// A delayed run as first stored.
+fn waiting(run: &DelayedRun, now_ms: u64) -> DelayedRunRecord {
+    DelayedRunRecord {
+        run: run.clone(),
+        state: DelayedState::Waiting,
+        created_ms: now_ms,
+        held_until_ms: 0,
+        attempts: 0,
+        note: None,
+    }
+}
+
+/// Refuses a new delayed run whose id is taken (by a run, or by another delayed run).
+fn check_new_delayed(tx: &mut dyn Tx, run: &DelayedRun) -> Result<(), StoreError> {
+    if !run.run_id.is_delayed() {
+        return Err(StoreError::Conflict(format!("{} is not a delayed run's id", run.run_id)));
+    }
+    if tx.delayed_run(&run.run_id)?.is_some() || tx.control(&run.run_id)?.is_some() {
+        return Err(StoreError::Conflict(format!("run {} already exists", run.run_id)));
+    }
+    Ok(())
+}
+
+fn schedule_run(tx: &mut dyn Tx, run: &DelayedRun, now_ms: u64) -> Result<DelayedRunRecord, StoreError> {
+    if let Some(stored) = tx.delayed_run(&run.run_id)?
+        && &stored.run == run
+    {
+        return Ok(stored);
+    }
+    check_new_delayed(tx, run)?;
+    let record = waiting(run, now_ms);
+    tx.put_delayed_run(&record)?;
+    Ok(record)
+}
+
+fn take_due_runs(tx: &mut dyn Tx, hold: Duration, limit: usize, now_ms: u64) -> Result<Vec<DelayedRun>, StoreError> {
+    let mut taken = Vec::new();
+    for id in tx.due_delayed_runs(now_ms, limit)? {
+        // Read again, locked: another process may have taken it since the list was read.
+        let Some(mut record) = tx.delayed_run(&id)? else { continue };
+        if record.state != DelayedState::Waiting || record.held_until_ms > now_ms || record.run.due_ms > now_ms {
+            continue;
+        }
+        record.held_until_ms = now_ms.saturating_add(millis(hold));
+        record.attempts = record.attempts.saturating_add(1);
+        tx.put_delayed_run(&record)?;
+        taken.push(record.run);
+    }
+    Ok(taken)
+}
+
+fn defer_delayed_run(tx: &mut dyn Tx, run: &RunId, until_ms: u64, note: &str) -> Result<(), StoreError> {
+    if let Some(mut record) = tx.delayed_run(run)?
+        && record.state == DelayedState::Waiting
+    {
+        record.held_until_ms = until_ms;
+        record.note = Some(note.to_owned());
+        tx.put_delayed_run(&record)?;
+    }
+    Ok(())
+}
+
+fn cancel_delayed_run(tx: &mut dyn Tx, run: &RunId, by: &str) -> Result<Option<DelayedRunRecord>, StoreError> {
+    let Some(mut record) = tx.delayed_run(run)? else { return Ok(None) };
+    if record.state == DelayedState::Waiting {
+        record.state = DelayedState::Cancelled;
+        record.note = Some(format!("cancelled by {by}"));
+        tx.put_delayed_run(&record)?;
+    }
+    Ok(Some(record))
 }
 
 impl<B: Backend> Ruled<B> {
@@ -578,9 +684,48 @@ impl<B: Backend> Store for Ruled<B> {
         &'a self,
         name: &'a str,
         tick_ms: u64,
+        run: Option<&'a DelayedRun>,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         let name = name.to_owned();
-        self.write(move |tx, _| claim_schedule_tick(tx, &name, tick_ms))
+        let run = run.cloned();
+        self.write(move |tx, now| claim_schedule_tick(tx, &name, tick_ms, run.as_ref(), now))
+    }
+
+    fn schedule_run<'a>(&'a self, run: &'a DelayedRun) -> BoxFuture<'a, Result<DelayedRunRecord, StoreError>> {
+        let run = run.clone();
+        self.write(move |tx, now| schedule_run(tx, &run, now))
+    }
+
+    fn delayed_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<DelayedRunRecord>, StoreError>> {
+        let run = run.clone();
+        self.read(move |tx| tx.delayed_run(&run))
+    }
+
+    fn take_due_runs<'a>(
+        &'a self,
+        hold: Duration,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<DelayedRun>, StoreError>> {
+        self.write(move |tx, now| take_due_runs(tx, hold, limit, now))
+    }
+
+    fn defer_delayed_run<'a>(
+        &'a self,
+        run: &'a RunId,
+        until_ms: u64,
+        note: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let (run, note) = (run.clone(), note.to_owned());
+        self.write(move |tx, _| defer_delayed_run(tx, &run, until_ms, &note))
+    }
+
+    fn cancel_delayed_run<'a>(
+        &'a self,
+        run: &'a RunId,
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DelayedRunRecord>, StoreError>> {
+        let (run, by) = (run.clone(), by.to_owned());
+        self.write(move |tx, _| cancel_delayed_run(tx, &run, &by))
     }
 
     fn schedule_last_fire<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {

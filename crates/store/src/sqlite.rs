@@ -34,12 +34,14 @@ use keel_core::persist::{
     decode_message, decode_pending_kind, decode_record, encode_message, encode_pending_kind, encode_record,
 };
 use keel_core::{
-    BoxFuture, Clock, DecidedInput, Message, PendingInput, RunId, RunRecord, SessionId, SessionSummary,
-    StepName, StoreError, Usage,
+    BoxFuture, Clock, DecidedInput, DelayedRun, DelayedRunRecord, Message, PendingInput, RunId, RunRecord,
+    SessionId, SessionSummary, StepName, StoreError, Usage,
 };
 use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
 
-use crate::backend::{Backend, Ruled, RunControl, Tx, Work, corrupt, stored_run_id, stored_state};
+use crate::backend::{
+    Backend, Ruled, RunControl, Tx, Work, corrupt, stored_delayed_state, stored_run_id, stored_state,
+};
 
 /// The schema, one migration per version (index 0 makes version 1).
 const MIGRATIONS: &[&str] = &[
@@ -122,6 +124,21 @@ const MIGRATIONS: &[&str] = &[
         at INTEGER NOT NULL
     ) WITHOUT ROWID;
     CREATE INDEX decided_by_session ON decided_inputs (session_id);",
+    // Version 8: delayed runs (`POST /runs`, `keel run --after`, schedules' fires), stored
+    // until they start.
+    "CREATE TABLE delayed_runs (
+        run_id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        input TEXT NOT NULL,
+        due_at INTEGER NOT NULL,
+        source TEXT NOT NULL,
+        state TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        held_until INTEGER NOT NULL,
+        attempts INTEGER NOT NULL,
+        note TEXT
+    ) WITHOUT ROWID;
+    CREATE INDEX delayed_due ON delayed_runs (state, due_at);",
 ];
 
 /// The schema version this build writes.
@@ -888,6 +905,87 @@ impl Tx for SqliteTx<'_> {
         )
         .map(drop)
     }
+
+    fn delayed_run(&mut self, run: &RunId) -> Result<Option<DelayedRunRecord>, StoreError> {
+        let row = self
+            .c
+            .prepare_cached(
+                "SELECT session_id, input, due_at, source, state, created_at, held_until, attempts, note
+                 FROM delayed_runs WHERE run_id = ?1",
+            )
+            .and_then(|mut s| {
+                s.query_row([run.as_str()], |row| {
+                    Ok((
+                        row.get::<_, String>(0)?,
+                        row.get::<_, String>(1)?,
+                        row.get::<_, i64>(2)?,
+                        row.get::<_, String>(3)?,
+                        row.get::<_, String>(4)?,
+                        row.get::<_, i64>(5)?,
+                        row.get::<_, i64>(6)?,
+                        row.get::<_, i64>(7)?,
+                        row.get::<_, Option<String>>(8)?,
+                    ))
+                })
+                .optional()
+            })
+            .map_err(map_error)?;
+        let Some((session, input, due, source, state, created, held, attempts, note)) = row else {
+            return Ok(None);
+        };
+        Ok(Some(DelayedRunRecord {
+            run: DelayedRun {
+                run_id: run.clone(),
+                session_id: SessionId::from_store(session).map_err(corrupt)?,
+                input: decode_message(&input).map_err(corrupt)?,
+                due_ms: due.max(0) as u64,
+                source,
+            },
+            state: stored_delayed_state(&state)?,
+            created_ms: created.max(0) as u64,
+            held_until_ms: held.max(0) as u64,
+            attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+            note,
+        }))
+    }
+
+    fn put_delayed_run(&mut self, record: &DelayedRunRecord) -> Result<(), StoreError> {
+        let run = &record.run;
+        self.execute(
+            "INSERT INTO delayed_runs (run_id, session_id, input, due_at, source, state, created_at, held_until,
+             attempts, note) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+             ON CONFLICT (run_id) DO UPDATE SET state = excluded.state, held_until = excluded.held_until,
+             attempts = excluded.attempts, note = excluded.note",
+            params![
+                run.run_id.as_str(),
+                run.session_id.as_str(),
+                encode_message(&run.input),
+                run.due_ms as i64,
+                run.source,
+                record.state.as_str(),
+                record.created_ms as i64,
+                record.held_until_ms as i64,
+                i64::from(record.attempts),
+                record.note,
+            ],
+        )
+        .map(drop)
+    }
+
+    fn due_delayed_runs(&mut self, now_ms: u64, limit: usize) -> Result<Vec<RunId>, StoreError> {
+        let mut statement = self
+            .c
+            .prepare_cached(
+                "SELECT run_id FROM delayed_runs WHERE state = 'waiting' AND due_at <= ?1 AND held_until <= ?1
+                 ORDER BY due_at, run_id LIMIT ?2",
+            )
+            .map_err(map_error)?;
+        let ids = statement
+            .query_map(params![now_ms as i64, limit as i64], |row| row.get::<_, String>(0))
+            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+            .map_err(map_error)?;
+        ids.iter().map(|id| stored_run_id(id)).collect()
+    }
 }
 
 /// Every unfinished run, with its control columns, oldest first.
@@ -997,7 +1095,7 @@ mod tests {
                     let mut won = 0;
                     for tick in 1..=200u64 {
                         won += u64::from(
-                            store.claim_schedule_tick("every-minute", tick * 60_000).await.unwrap(),
+                            store.claim_schedule_tick("every-minute", tick * 60_000, None).await.unwrap(),
                         );
                     }
                     won

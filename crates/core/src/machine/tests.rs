@@ -59,6 +59,7 @@ fn agent(edit: impl FnOnce(&mut AgentDef)) -> Arc<AgentDef> {
         stop_on_tools: Vec::new(),
         concurrency: crate::agent::Concurrency::Reject,
         approval_timeout: AgentDef::DEFAULT_APPROVAL_TIMEOUT,
+        schedules: Vec::new(),
     };
     edit(&mut def);
     Arc::new(def)
