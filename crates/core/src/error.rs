@@ -45,6 +45,8 @@ error_codes! {
     SessionBusy = "KEEL_SESSION_BUSY",
     /// No run with this id exists in the store.
     RunNotFound = "KEEL_RUN_NOT_FOUND",
+    /// A delayed run cannot be cancelled as such: it already started.
+    RunStarted = "KEEL_RUN_STARTED",
     /// No session with this id exists in the store.
     SessionNotFound = "KEEL_SESSION_NOT_FOUND",
     /// The model provider failed (server error, bad reply); may be transient.

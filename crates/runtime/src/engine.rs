@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_core::{
-    AgentDef, Clock, Concurrency, Decision, ErrorCode, Message, OpenRun, PendingInput, Provider, RunFailure, RunId,
-    RunState, SessionId, Store,
+    AgentDef, Clock, Concurrency, Decision, ErrorCode, Message, OpenRun, PendingInput, Provider, RunFailure,
+    RunId, RunState, SessionId, Store,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;

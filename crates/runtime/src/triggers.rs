@@ -92,7 +92,12 @@ impl Triggers {
         let schedules = agent
             .schedules
             .iter()
-            .map(|def| Tracked { key: def.store_key(&agent.name), def: def.clone(), next_ms: None, ready: false })
+            .map(|def| Tracked {
+                key: def.store_key(&agent.name),
+                def: def.clone(),
+                next_ms: None,
+                ready: false,
+            })
             .collect();
         Triggers { engine: engine.clone(), schedules, stats: Arc::default(), on_run: Arc::new(on_run) }
     }
@@ -156,42 +161,75 @@ impl Triggers {
         if next > now {
             return Ok(());
         }
-        let def = &tracked.def;
-        let latest = def.cron.latest_at_or_before(now).unwrap_or(next).max(next);
-        // Ticks after `next` and before `latest` were missed (no process was running).
-        let mut missed = 0;
+        let def = tracked.def.clone();
+        let key = tracked.key.clone();
+        // The ticks since the last one recorded: those of the last `ON_TIME` fire, each in turn
+        // (a loop a little late still fires every tick); older ones passed while no process ran.
+        let on_time_from = now.saturating_sub(ON_TIME.as_millis() as u64);
+        let mut recent = Vec::new();
+        let mut old = 0u64;
+        let mut latest_old = None;
         let mut tick = next;
-        while tick < latest && missed < MAX_COUNTED_MISSES {
-            missed += 1;
+        while tick <= now {
+            if tick >= on_time_from {
+                recent.push(tick);
+            } else if old < MAX_COUNTED_MISSES {
+                old += 1;
+                latest_old = Some(tick);
+            } else {
+                // Too many to count one by one: jump to the last old one.
+                let last = def.cron.latest_at_or_before(on_time_from.saturating_sub(1)).unwrap_or(tick);
+                latest_old = Some(last.max(tick));
+                tick = latest_old.unwrap_or(tick);
+            }
             match def.cron.next_after(tick) {
                 Some(following) => tick = following,
                 None => break,
             }
         }
-        let late = now - latest > ON_TIME.as_millis() as u64;
-        let fire = !(late && def.missed == Missed::Skip);
-        let run = fire.then(|| DelayedRun {
-            run_id: ScheduleDef::run_id_for(&tracked.key, latest),
-            session_id: def.session_for(latest),
-            input: keel_core::Message::user(def.input.clone()),
-            due_ms: latest,
-            source: format!("schedule {}", tracked.key),
-        });
-        let claimed = store.claim_schedule_tick(&tracked.key, latest, run.as_ref()).await?;
-        let local = def.cron.local_time(latest);
-        match (&run, claimed) {
-            (Some(run), true) => {
-                self.stats.count(&def.name, 1, missed);
-                tracing::info!(schedule = %tracked.key, tick = %local, run = %run.run_id, session = %run.session_id, missed, "schedule fired");
+        // After downtime with nothing on time, the latest missed tick fires once (`latest`) or
+        // none does (`skip`); with a tick on time, that one fires and the old ones are missed.
+        let mut fires: Vec<(u64, bool)> = recent.iter().map(|&tick| (tick, true)).collect();
+        let mut missed = old;
+        if let (true, Some(last)) = (fires.is_empty(), latest_old) {
+            fires.push((last, def.missed == Missed::Latest));
+            if def.missed == Missed::Latest {
+                missed -= 1;
             }
-            (None, true) => {
-                self.stats.count(&def.name, 0, missed + 1);
-                tracing::info!(schedule = %tracked.key, tick = %local, missed = missed + 1, "missed ticks skipped (`missed: skip`)");
-            }
-            // Another process recorded this tick (or a later one) first.
-            (_, false) => {}
+        } else if let Some(last) = latest_old {
+            // Record the old ones as passed before the first recent one fires.
+            store.claim_schedule_tick(&key, last, None).await?;
         }
-        tracked.next_ms = def.cron.next_after(latest);
+        let mut counted_missed = false;
+        for (tick, fire) in fires {
+            let run = fire.then(|| DelayedRun {
+                run_id: ScheduleDef::run_id_for(&key, tick),
+                session_id: def.session_for(tick),
+                input: keel_core::Message::user(def.input.clone()),
+                due_ms: tick,
+                source: format!("schedule {key}"),
+            });
+            let claimed = store.claim_schedule_tick(&key, tick, run.as_ref()).await?;
+            self.schedules[index].next_ms = def.cron.next_after(tick);
+            if !claimed {
+                // Another process recorded this tick (or a later one) first.
+                continue;
+            }
+            let missed_now = if counted_missed { 0 } else { missed };
+            counted_missed = true;
+            let local = def.cron.local_time(tick);
+            match &run {
+                Some(run) => {
+                    crate::fault::point_here("after_schedule_claim");
+                    self.stats.count(&def.name, 1, missed_now);
+                    tracing::info!(schedule = %key, tick = %local, run = %run.run_id, session = %run.session_id, missed = missed_now, "schedule fired");
+                }
+                None => {
+                    self.stats.count(&def.name, 0, missed_now);
+                    tracing::info!(schedule = %key, tick = %local, missed = missed_now, "missed ticks skipped (`missed: skip`)");
+                }
+            }
+        }
         Ok(())
     }
 
@@ -229,8 +267,50 @@ impl Triggers {
     }
 }
 
+/// The latest a delayed run may be set for: a year from now.
+pub const MAX_DELAY: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// When a delayed run asked for `at` (an RFC 3339 time with its offset) or `after` (a duration
+/// such as `10m`, `2h` or `3d`) from `now_ms` is due, in milliseconds since the Unix epoch.
+/// Exactly one of them; a time in the past is due at once; at most [`MAX_DELAY`] ahead.
+pub fn due_time(at: Option<&str>, after: Option<&str>, now_ms: u64) -> Result<u64, String> {
+    let due = match (at, after) {
+        (Some(_), Some(_)) => return Err("give `at` or `after`, not both".into()),
+        (None, None) => {
+            return Err("say when: `at` (an RFC 3339 time such as 2026-12-24T09:00:00+01:00) or `after` (a duration such as 10m)".into());
+        }
+        (Some(at), None) => {
+            let at: jiff::Timestamp = at.trim().parse().map_err(|error| {
+                format!(
+                    "`at` {at:?} is not an RFC 3339 time with an offset, such as 2026-12-24T09:00:00+01:00 or \
+                     2026-12-24T08:00:00Z ({error})"
+                )
+            })?;
+            u64::try_from(at.as_millisecond()).unwrap_or(0)
+        }
+        (None, Some(after)) => {
+            let after = humantime::parse_duration(after.trim()).map_err(|error| {
+                format!("`after` {after:?} is not a duration such as 30s, 10m, 2h or 3d ({error})")
+            })?;
+            if after > MAX_DELAY {
+                return Err(format!("`after` is more than a year ({})", humantime::format_duration(after)));
+            }
+            now_ms.saturating_add(after.as_millis() as u64)
+        }
+    };
+    if due > now_ms.saturating_add(MAX_DELAY.as_millis() as u64) {
+        return Err("a delayed run can be set at most a year ahead".into());
+    }
+    Ok(due.max(now_ms))
+}
+
 /// A delayed run that could not start now: tried again later, unless it can never start.
-async fn defer(engine: &Engine, stats: &TriggerStats, run: &keel_core::RunId, failure: &keel_core::RunFailure) {
+async fn defer(
+    engine: &Engine,
+    stats: &TriggerStats,
+    run: &keel_core::RunId,
+    failure: &keel_core::RunFailure,
+) {
     let store = engine.store();
     // A start refused because the run already started (a lost answer) or was cancelled
     // meanwhile is not tried again: the store says so.

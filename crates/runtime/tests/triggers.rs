@@ -182,7 +182,8 @@ async fn a_delayed_run_waits_for_its_time_for_a_busy_session_and_not_after_a_can
     assert_eq!(triggers.stats().delayed_deferred.load(std::sync::atomic::Ordering::Relaxed), 1);
 
     // Cancelled in time: never started.
-    let cancelled = DelayedRun { run_id: RunId::delayed("test-cancelled"), due_ms: START_MS + 700_000, ..run };
+    let cancelled =
+        DelayedRun { run_id: RunId::delayed("test-cancelled"), due_ms: START_MS + 700_000, ..run };
     setup.store.schedule_run(&cancelled).await.unwrap();
     setup.store.cancel_delayed_run(&cancelled.run_id, "test").await.unwrap();
     setup.advance(Duration::from_secs(3600));
@@ -190,4 +191,27 @@ async fn a_delayed_run_waits_for_its_time_for_a_busy_session_and_not_after_a_can
     settle().await;
     assert!(setup.finished().await.is_empty());
     assert!(setup.store.load_run(&cancelled.run_id).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn a_loop_that_wakes_late_still_fires_every_tick_in_turn() {
+    let setup = setup(vec![schedule("secondly", "* * * * * *", Missed::Skip)]);
+    let mut triggers = setup.triggers();
+    triggers.pass().await;
+    // Four seconds late (a stalled process, a busy machine): still on time, none is dropped.
+    setup.advance(Duration::from_secs(4));
+    triggers.pass().await;
+    settle().await;
+    let mut fired: Vec<String> = setup.finished().await.into_iter().map(|(session, _)| session).collect();
+    fired.sort();
+    assert_eq!(
+        fired,
+        [
+            "schedule-secondly-20261201T090031Z",
+            "schedule-secondly-20261201T090032Z",
+            "schedule-secondly-20261201T090033Z",
+            "schedule-secondly-20261201T090034Z",
+        ]
+    );
+    assert_eq!(triggers.stats().schedules(), [("secondly".to_owned(), 4, 0)]);
 }

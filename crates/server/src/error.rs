@@ -47,7 +47,7 @@ pub(crate) fn status_of(code: ErrorCode) -> StatusCode {
             StatusCode::NOT_FOUND
         }
         ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-        ErrorCode::SessionBusy | ErrorCode::RunLeased => StatusCode::CONFLICT,
+        ErrorCode::SessionBusy | ErrorCode::RunLeased | ErrorCode::RunStarted => StatusCode::CONFLICT,
         ErrorCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::ShuttingDown | ErrorCode::StoreLocked => StatusCode::SERVICE_UNAVAILABLE,
         ErrorCode::RequestTimeout => StatusCode::GATEWAY_TIMEOUT,

@@ -18,6 +18,7 @@
 
 mod auth;
 mod connections;
+mod delayed;
 mod error;
 mod feed;
 mod guard;
@@ -165,6 +166,8 @@ impl Server {
             .route("/openapi.json", get(routes::openapi))
             .route("/chat/{session}", get(routes::transcript))
             .route("/chat/{session}/run", delete(routes::cancel))
+            .route("/runs", post(delayed::create))
+            .route("/runs/{run}", get(delayed::status).delete(delayed::cancel))
             .route_layer(axum::middleware::from_fn_with_state(Arc::clone(state), observe::timeout));
         let streaming = Router::new()
             .route("/chat", post(routes::chat))
@@ -205,6 +208,12 @@ impl Server {
         let feeds = Arc::clone(&self.state.feeds);
         let recovery =
             engine.recover_periodically(self.options.recover_every, move |run| feeds.forward_recovered(run));
+        // Schedules fire and delayed runs start here, once across the instances sharing the store.
+        let feeds = Arc::clone(&self.state.feeds);
+        let triggers = keel_runtime::Triggers::new(&engine, move |run| feeds.forward_recovered(run));
+        self.state.metrics.watch_triggers(triggers.stats());
+        log_schedules(&engine);
+        let triggers = triggers.spawn();
         let feeds = Arc::clone(&self.state.feeds);
         let swept = Arc::clone(&self.state);
         let sweeper = tokio::spawn(async move {
@@ -249,6 +258,7 @@ impl Server {
         // Whether the server stopped on the signal or failed, runs end at a step boundary.
         closing.cancel();
         recovery.abort();
+        triggers.abort();
         sweeper.abort();
         jwks_refresh.abort();
         let left = engine.shutdown(self.options.shutdown_grace).await;
@@ -259,6 +269,22 @@ impl Server {
             );
         }
         result
+    }
+}
+
+/// Says which schedules this server fires, and when each fires next.
+fn log_schedules(engine: &Engine) {
+    let agent = engine.agent();
+    let now = engine.clock().now_ms();
+    for schedule in &agent.schedules {
+        let next = schedule.cron.next_after(now);
+        tracing::info!(
+            schedule = %schedule.name,
+            cron = %schedule.cron.expression(),
+            timezone = %schedule.cron.timezone(),
+            next = %next.map_or_else(|| "never".to_owned(), |at| schedule.cron.local_time(at)),
+            "schedule mounted"
+        );
     }
 }
 

@@ -1,9 +1,12 @@
 //! `/metrics`: what the server did, in the Prometheus (OpenMetrics) text format.
 //!
 //! Runs by outcome and their duration, model and tool calls, tokens, HTTP requests by route and
-//! status with their latency, the streams open now, and the shared event log's backlog. Counted from the runs' events as the
-//! server forwards them, and from each request as it is answered.
+//! status with their latency, the streams open now, the shared event log's backlog, schedule
+//! fires and missed ticks, and delayed runs started and put off. Counted from the runs' events
+//! as the server forwards them, from each request as it is answered, and from the trigger
+//! loop's counters when the metrics are read.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_core::Event;
@@ -34,6 +37,12 @@ pub(crate) struct Metrics {
     connections_cut: Family<Labels, Counter>,
     events_waiting: Gauge,
     event_append_failures: Counter,
+    schedule_fires: Family<Labels, Counter>,
+    schedule_missed: Family<Labels, Counter>,
+    delayed_started: Counter,
+    delayed_deferred: Counter,
+    /// The trigger loop's counters, copied into the ones above when the metrics are read.
+    triggers: Mutex<Option<Arc<keel_runtime::TriggerStats>>>,
 }
 
 fn latency_buckets() -> Histogram {
@@ -107,8 +116,37 @@ impl Metrics {
             "Appends to the shared event log that failed and were tried again",
             event_append_failures.clone(),
         );
+        let schedule_fires = Family::<Labels, Counter>::default();
+        registry.register(
+            "schedule_fires",
+            "Schedule ticks this instance fired, by schedule",
+            schedule_fires.clone(),
+        );
+        let schedule_missed = Family::<Labels, Counter>::default();
+        registry.register(
+            "schedule_missed_ticks",
+            "Schedule ticks that passed while no instance ran (not fired, or only the latest fired), by schedule",
+            schedule_missed.clone(),
+        );
+        let delayed_started = Counter::default();
+        registry.register(
+            "delayed_runs_started",
+            "Delayed runs (and schedule fires) this instance started",
+            delayed_started.clone(),
+        );
+        let delayed_deferred = Counter::default();
+        registry.register(
+            "delayed_runs_deferred",
+            "Delayed run starts put off because their session was busy",
+            delayed_deferred.clone(),
+        );
         Metrics {
             registry,
+            schedule_fires,
+            schedule_missed,
+            delayed_started,
+            delayed_deferred,
+            triggers: Mutex::new(None),
             runs,
             run_seconds,
             model_calls,
@@ -197,8 +235,31 @@ impl Metrics {
         StreamGuard(self.open_streams.clone())
     }
 
+    /// Reports the counters of a trigger loop from now on.
+    pub(crate) fn watch_triggers(&self, stats: Arc<keel_runtime::TriggerStats>) {
+        *self.triggers.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(stats);
+    }
+
+    /// Brings the trigger counters up to the loop's (counters only grow: each gets the
+    /// difference).
+    fn copy_triggers(&self) {
+        let stats = self.triggers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let Some(stats) = stats else { return };
+        let catch_up = |counter: &Counter, value: u64| {
+            counter.inc_by(value.saturating_sub(counter.get()));
+        };
+        for (schedule, fires, missed) in stats.schedules() {
+            let labels = vec![("schedule", schedule)];
+            catch_up(&self.schedule_fires.get_or_create(&labels), fires);
+            catch_up(&self.schedule_missed.get_or_create(&labels), missed);
+        }
+        catch_up(&self.delayed_started, stats.delayed_started.load(std::sync::atomic::Ordering::Relaxed));
+        catch_up(&self.delayed_deferred, stats.delayed_deferred.load(std::sync::atomic::Ordering::Relaxed));
+    }
+
     /// The text exposition.
     pub(crate) fn render(&self) -> String {
+        self.copy_triggers();
         let mut text = String::new();
         // Writing to a String cannot fail.
         let _ = encode(&mut text, &self.registry);

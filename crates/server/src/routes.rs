@@ -101,7 +101,7 @@ fn session_id(path: Result<Path<String>, PathRejection>) -> Result<SessionId, Ap
 }
 
 /// A string field of a JSON object body.
-fn string_field<'a>(body: &'a Value, name: &str) -> Result<Option<&'a str>, ApiError> {
+pub(crate) fn string_field<'a>(body: &'a Value, name: &str) -> Result<Option<&'a str>, ApiError> {
     match body.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(text)) => Ok(Some(text)),
@@ -109,7 +109,7 @@ fn string_field<'a>(body: &'a Value, name: &str) -> Result<Option<&'a str>, ApiE
     }
 }
 
-fn json_type(value: &Value) -> &'static str {
+pub(crate) fn json_type(value: &Value) -> &'static str {
     match value {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -120,7 +120,7 @@ fn json_type(value: &Value) -> &'static str {
     }
 }
 
-fn require_object(body: &Value) -> Result<(), ApiError> {
+pub(crate) fn require_object(body: &Value) -> Result<(), ApiError> {
     if body.is_object() {
         Ok(())
     } else {
@@ -129,7 +129,7 @@ fn require_object(body: &Value) -> Result<(), ApiError> {
 }
 
 /// `input`: a string, or an array of content parts (text, image or file with base64 data).
-fn parse_input(input: &Value) -> Result<Message, ApiError> {
+pub(crate) fn parse_input(input: &Value) -> Result<Message, ApiError> {
     let parts = match input {
         Value::String(text) if text.is_empty() => return Err(ApiError::invalid("`input` is empty")),
         Value::String(text) => vec![Part::Text(text.clone())],

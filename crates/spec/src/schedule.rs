@@ -28,7 +28,8 @@ pub(crate) fn triggers(node: &Node, d: &mut Decoder<'_>) -> Vec<(ScheduleDef, Po
     for item in items {
         let Some(schedule) = schedule(item, d, None) else { continue };
         if let Some((_, first)) = schedules.iter().find(|(other, _)| other.name == schedule.name) {
-            let message = format!("two triggers are named `{}` (the first at line {})", schedule.name, first.line);
+            let message =
+                format!("two triggers are named `{}` (the first at line {})", schedule.name, first.line);
             d.error(item.pos, message).hint = Some("give each trigger its own `name`".into());
             continue;
         }
@@ -59,7 +60,9 @@ pub(crate) fn load_dir(dir: &Path, diagnostics: &mut Vec<Diagnostic>) -> Vec<(Sc
                     Pos::default(),
                     format!("invalid schedule name {name:?} (from the file name)"),
                 )
-                .with_hint("name schedule files with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`, then `.yaml`"),
+                .with_hint(
+                    "name schedule files with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`, then `.yaml`",
+                ),
             );
             continue;
         }
@@ -132,8 +135,10 @@ fn schedule(node: &Node, d: &mut Decoder<'_>, file_name: Option<String>) -> Opti
             "latest" => Missed::Latest,
             "skip" => Missed::Skip,
             other => {
-                d.error(n.pos, format!("`{}` must be `latest` or `skip`, not `{other}`", key("missed"))).hint =
-                    Some("`latest`: after downtime the latest missed tick fires once; `skip`: it does not".into());
+                d.error(n.pos, format!("`{}` must be `latest` or `skip`, not `{other}`", key("missed")))
+                    .hint = Some(
+                    "`latest`: after downtime the latest missed tick fires once; `skip`: it does not".into(),
+                );
                 return None;
             }
         },
@@ -152,13 +157,13 @@ fn schedule(node: &Node, d: &mut Decoder<'_>, file_name: Option<String>) -> Opti
         return None;
     }
     let Some((cron_node, cron)) = cron else {
-        d.error(node.pos, format!("{} needs `cron`", if in_file { "a schedule" } else { "a trigger" })).hint =
-            Some("write when it fires, e.g. `cron: \"0 9 * * MON-FRI\"` (09:00 on weekdays)".into());
+        d.error(node.pos, format!("{} needs `cron`", if in_file { "a schedule" } else { "a trigger" }))
+            .hint = Some("write when it fires, e.g. `cron: \"0 9 * * MON-FRI\"` (09:00 on weekdays)".into());
         return None;
     };
     if input.is_none() && map_lacks(node, "input") {
-        d.error(node.pos, format!("{} needs `input`", if in_file { "a schedule" } else { "a trigger" })).hint =
-            Some("write what each run is asked, e.g. `input: Summarise yesterday's tickets.`".into());
+        d.error(node.pos, format!("{} needs `input`", if in_file { "a schedule" } else { "a trigger" }))
+            .hint = Some("write what each run is asked, e.g. `input: Summarise yesterday's tickets.`".into());
     }
     let zone_text = match &zone {
         Some((_, Some(zone))) => Some(zone.as_str()),

@@ -352,7 +352,10 @@ fn schedules_load_from_triggers_and_from_the_schedules_directory() {
             "a/agent.yaml",
             "model: mock\ntriggers:\n  - { type: cron, name: weekly, cron: \"0 9 * * MON\", timezone: Europe/Paris, input: Summarise last week. }\n",
         ),
-        ("a/schedules/nightly.yaml", "cron: \"@daily\"\ninput: Tidy up.\nsession: nightly-work\nmissed: skip\n"),
+        (
+            "a/schedules/nightly.yaml",
+            "cron: \"@daily\"\ninput: Tidy up.\nsession: nightly-work\nmissed: skip\n",
+        ),
     ]);
     let loaded = load(&dir.path().join("a"), &OPTIONS);
     assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
@@ -373,7 +376,14 @@ fn schedules_load_from_triggers_and_from_the_schedules_directory() {
     assert_eq!(
         summary,
         [
-            ("weekly", "0 9 * * MON", "Europe/Paris", "Summarise last week.", None, keel_core::schedule::Missed::Latest),
+            (
+                "weekly",
+                "0 9 * * MON",
+                "Europe/Paris",
+                "Summarise last week.",
+                None,
+                keel_core::schedule::Missed::Latest
+            ),
             ("nightly", "@daily", "UTC", "Tidy up.", Some("nightly-work"), keel_core::schedule::Missed::Skip),
         ]
     );

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use keel_core::journal::JournalEntry;
 use keel_core::{
-    BoxFuture, Clock, DecidedInput, DelayedRunRecord, DelayedState, Message, PendingInput, RunId, RunRecord, RunState, SessionId,
-    SessionSummary, StepName, StoreError, Usage,
+    BoxFuture, Clock, DecidedInput, DelayedRunRecord, DelayedState, Message, PendingInput, RunId, RunRecord,
+    RunState, SessionId, SessionSummary, StepName, StoreError, Usage,
 };
 
 /// What a backend keeps about a run besides its [`RunRecord`]: where it is, who drives it, and
@@ -128,7 +128,8 @@ pub trait Tx {
 
 /// The persisted name of a delayed run's state, read back.
 pub(crate) fn stored_delayed_state(name: &str) -> Result<DelayedState, StoreError> {
-    DelayedState::parse(name).ok_or_else(|| StoreError::Corrupt(format!("unknown delayed run state {name:?}")))
+    DelayedState::parse(name)
+        .ok_or_else(|| StoreError::Corrupt(format!("unknown delayed run state {name:?}")))
 }
 
 /// Work done inside a transaction. `FnMut`: a backend whose transactions can fail for reasons

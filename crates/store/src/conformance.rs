@@ -11,8 +11,9 @@ use std::time::Duration;
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, MAX_REDRIVES};
 use keel_core::{
-    Claim, Committed, Decision, DelayedRun, DelayedState, Fence, LeaseStatus, ManualClock, Message, ModelReply, Part, PendingInput,
-    PendingKind, RunId, RunRecord, RunState, SessionId, StepCommit, StepName, Store, StoreError, Usage,
+    Claim, Committed, Decision, DelayedRun, DelayedState, Fence, LeaseStatus, ManualClock, Message,
+    ModelReply, Part, PendingInput, PendingKind, RunId, RunRecord, RunState, SessionId, StepCommit, StepName,
+    Store, StoreError, Usage,
 };
 use serde_json::json;
 
@@ -433,16 +434,23 @@ pub async fn schedule_ticks_fire_once(store: &dyn Store) {
     assert_eq!(store.schedule_last_fire("conformance-weekly").await.unwrap(), None);
     let fire = delayed("cronweekly1000", "conformance-fire", 1_000);
     assert!(store.claim_schedule_tick("conformance-weekly", 1_000, Some(&fire)).await.unwrap());
-    let stored = store.delayed_run(&fire.run_id).await.unwrap().expect("the fire's run is stored with its tick");
+    let stored =
+        store.delayed_run(&fire.run_id).await.unwrap().expect("the fire's run is stored with its tick");
     assert_eq!((stored.run, stored.state), (fire.clone(), DelayedState::Waiting));
     assert!(
         !store.claim_schedule_tick("conformance-weekly", 1_000, Some(&fire)).await.unwrap(),
         "a tick fired twice"
     );
-    assert!(!store.claim_schedule_tick("conformance-weekly", 500, None).await.unwrap(), "an older tick fired");
+    assert!(
+        !store.claim_schedule_tick("conformance-weekly", 500, None).await.unwrap(),
+        "an older tick fired"
+    );
     assert!(store.claim_schedule_tick("conformance-weekly", 2_000, None).await.unwrap());
     assert_eq!(store.schedule_last_fire("conformance-weekly").await.unwrap(), Some(2_000));
-    assert!(store.claim_schedule_tick("conformance-daily", 1_000, None).await.unwrap(), "schedules share ticks");
+    assert!(
+        store.claim_schedule_tick("conformance-daily", 1_000, None).await.unwrap(),
+        "schedules share ticks"
+    );
     // A fire whose run id is taken records nothing, not even its tick.
     let error = store.claim_schedule_tick("conformance-weekly", 3_000, Some(&fire)).await.unwrap_err();
     assert!(matches!(error, StoreError::Conflict(_)), "{error:?}");

@@ -314,7 +314,9 @@ impl Tx for Inner {
         let mut due: Vec<_> = self
             .delayed
             .values()
-            .filter(|r| r.state == DelayedState::Waiting && r.run.due_ms <= now_ms && r.held_until_ms <= now_ms)
+            .filter(|r| {
+                r.state == DelayedState::Waiting && r.run.due_ms <= now_ms && r.held_until_ms <= now_ms
+            })
             .map(|r| (r.run.due_ms, r.run.run_id.clone()))
             .collect();
         due.sort();

@@ -28,8 +28,9 @@ use std::time::Duration;
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, decision_outcome};
 use keel_core::{
-    BoxFuture, Claim, Committed, DecidedInput, Decision, DelayedRun, DelayedRunRecord, DelayedState, Fence, LeaseStatus, Message, OpenRun, PendingInput,
-    RunId, RunRecord, RunState, SessionId, SessionSnapshot, SessionSummary, StepCommit, Store, StoreError,
+    BoxFuture, Claim, Committed, DecidedInput, Decision, DelayedRun, DelayedRunRecord, DelayedState, Fence,
+    LeaseStatus, Message, OpenRun, PendingInput, RunId, RunRecord, RunState, SessionId, SessionSnapshot,
+    SessionSummary, StepCommit, Store, StoreError,
 };
 
 use crate::backend::{Backend, Ruled, RunControl, Tx};
@@ -478,12 +479,20 @@ fn schedule_run(tx: &mut dyn Tx, run: &DelayedRun, now_ms: u64) -> Result<Delaye
     Ok(record)
 }
 
-fn take_due_runs(tx: &mut dyn Tx, hold: Duration, limit: usize, now_ms: u64) -> Result<Vec<DelayedRun>, StoreError> {
+fn take_due_runs(
+    tx: &mut dyn Tx,
+    hold: Duration,
+    limit: usize,
+    now_ms: u64,
+) -> Result<Vec<DelayedRun>, StoreError> {
     let mut taken = Vec::new();
     for id in tx.due_delayed_runs(now_ms, limit)? {
         // Read again, locked: another process may have taken it since the list was read.
         let Some(mut record) = tx.delayed_run(&id)? else { continue };
-        if record.state != DelayedState::Waiting || record.held_until_ms > now_ms || record.run.due_ms > now_ms {
+        if record.state != DelayedState::Waiting
+            || record.held_until_ms > now_ms
+            || record.run.due_ms > now_ms
+        {
             continue;
         }
         record.held_until_ms = now_ms.saturating_add(millis(hold));
@@ -505,7 +514,11 @@ fn defer_delayed_run(tx: &mut dyn Tx, run: &RunId, until_ms: u64, note: &str) ->
     Ok(())
 }
 
-fn cancel_delayed_run(tx: &mut dyn Tx, run: &RunId, by: &str) -> Result<Option<DelayedRunRecord>, StoreError> {
+fn cancel_delayed_run(
+    tx: &mut dyn Tx,
+    run: &RunId,
+    by: &str,
+) -> Result<Option<DelayedRunRecord>, StoreError> {
     let Some(mut record) = tx.delayed_run(run)? else { return Ok(None) };
     if record.state == DelayedState::Waiting {
         record.state = DelayedState::Cancelled;
@@ -691,12 +704,18 @@ impl<B: Backend> Store for Ruled<B> {
         self.write(move |tx, now| claim_schedule_tick(tx, &name, tick_ms, run.as_ref(), now))
     }
 
-    fn schedule_run<'a>(&'a self, run: &'a DelayedRun) -> BoxFuture<'a, Result<DelayedRunRecord, StoreError>> {
+    fn schedule_run<'a>(
+        &'a self,
+        run: &'a DelayedRun,
+    ) -> BoxFuture<'a, Result<DelayedRunRecord, StoreError>> {
         let run = run.clone();
         self.write(move |tx, now| schedule_run(tx, &run, now))
     }
 
-    fn delayed_run<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Option<DelayedRunRecord>, StoreError>> {
+    fn delayed_run<'a>(
+        &'a self,
+        run: &'a RunId,
+    ) -> BoxFuture<'a, Result<Option<DelayedRunRecord>, StoreError>> {
         let run = run.clone();
         self.read(move |tx| tx.delayed_run(&run))
     }

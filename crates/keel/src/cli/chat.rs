@@ -19,6 +19,8 @@ pub(crate) fn chat(args: ChatArgs) -> std::io::Result<u8> {
         store: args.store.clone(),
         model: args.model.clone(),
         json: false,
+        after: None,
+        at: None,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let code = runtime.block_on(async {

@@ -12,6 +12,7 @@ mod run;
 mod secrets;
 mod serve;
 mod sessions;
+mod triggers;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -83,6 +84,47 @@ enum Command {
     /// store, paused for a human, or interrupted.
     #[command(after_help = CANCEL_EXIT_CODES)]
     Cancel(CancelArgs),
+    /// Show an agent's cron schedules and when they fire next.
+    #[command(subcommand)]
+    Schedules(SchedulesCommand),
+    /// Show and cancel runs, delayed ones among them (`keel run --after`, `POST /runs`).
+    #[command(subcommand)]
+    Runs(RunsCommand),
+}
+
+/// `keel schedules ...`
+#[derive(Subcommand)]
+pub(crate) enum SchedulesCommand {
+    /// List the agent's schedules with their next fire times, in their time zone and in UTC.
+    List {
+        /// The agent: a directory with agent.yaml, or a spec file (.yaml, .toml, .json).
+        agent: PathBuf,
+        /// How many fire times to show for each.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=100))]
+        next: u16,
+        /// One JSON object per schedule, one per line.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `keel runs ...`
+#[derive(Subcommand)]
+pub(crate) enum RunsCommand {
+    /// Where a run is: a delayed run waiting or cancelled, or a run's state.
+    Show {
+        /// The run id (`run_...`).
+        run: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Cancel a delayed run that has not started (a started run: `keel cancel <session>`).
+    Cancel {
+        /// The delayed run's id (`run_at_...`).
+        run: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
 }
 
 const CANCEL_EXIT_CODES: &str = "\
@@ -254,6 +296,13 @@ pub(crate) struct RunArgs {
     /// Print the run's events as JSON lines on stdout instead of text.
     #[arg(long)]
     pub(crate) json: bool,
+    /// Do not run now: store the run to start after this long (`10m`, `2h`, `3d`), in a store
+    /// that outlives the command; `keel serve` on that store starts it then.
+    #[arg(long, conflicts_with = "at", requires = "input")]
+    pub(crate) after: Option<String>,
+    /// Like `--after`, at this time: RFC 3339 with an offset (`2026-12-24T09:00:00+01:00`).
+    #[arg(long, requires = "input")]
+    pub(crate) at: Option<String>,
 }
 
 /// Arguments of `keel chat`.
@@ -333,6 +382,8 @@ pub(crate) fn main() -> ExitCode {
         Command::Sessions(command) => sessions::sessions(command),
         Command::Approvals(command) => approvals::approvals(command),
         Command::Cancel(args) => cancel::cancel(&args),
+        Command::Schedules(command) => triggers::schedules(command),
+        Command::Runs(command) => triggers::runs(command),
     };
     match code {
         Ok(code) => ExitCode::from(code),

@@ -14,6 +14,9 @@ use super::exit;
 use super::render::{HumanRenderer, JsonRenderer, Render};
 
 pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
+    if args.after.is_some() || args.at.is_some() {
+        return super::triggers::run_later(&args);
+    }
     super::run_async(async {
         let agent = match load_agent(&args.agent, args.model.as_deref(), &args.store).await? {
             Ok(agent) => agent,
