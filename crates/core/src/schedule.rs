@@ -2,13 +2,15 @@
 //! their fire times.
 //!
 //! The cron language is the `croner` crate's (POSIX/Vixie cron: 5 fields, or 6 with seconds
-//! first; `@hourly`-style macros; `MON`/`JAN` names; ranges, lists and steps; day of month and day
-//! of week joined by OR). Time zones are jiff's IANA database. Daylight saving time follows the
-//! Open Cron Pattern Specification, which `croner` implements: a wall clock time skipped when the
-//! clock goes forward fires at the first valid time after it, and a fixed-time job in an hour
-//! that repeats when the clock goes back fires once (an interval job such as `*/5 * * * *` keeps
-//! its interval through both passes). This module only adapts jiff's zoned time to the trait
-//! `croner` searches over; it parses and searches nothing itself.
+//! first; `@hourly`-style macros; `MON`/`JAN` names; ranges, lists and steps). Day of month and
+//! day of week combine as crontab(5) says: when both are restricted (neither starts with `*`), a
+//! day either matches fires; otherwise only a day both match. Time zones are jiff's IANA
+//! database. Daylight saving time follows the Open Cron Pattern Specification, which `croner`
+//! implements: a wall clock time skipped when the clock goes forward fires at the first valid
+//! time after it, and a fixed-time job in an hour that repeats when the clock goes back fires
+//! once (an interval job such as `*/5 * * * *` keeps its interval through both passes). This
+//! module adapts jiff's zoned time to the trait `croner` searches over and picks croner's
+//! day-matching mode; it parses and searches nothing itself.
 
 use std::cmp::Ordering;
 use std::str::FromStr;
@@ -146,6 +148,7 @@ impl CronSchedule {
         let cron = CronParser::builder()
             .seconds(Seconds::Optional)
             .year(Year::Disallowed)
+            .dom_and_dow(either_day_field_is_a_star(expression))
             .build()
             .parse(expression)
             .map_err(|error| ScheduleError::Cron {
@@ -214,6 +217,21 @@ impl FromStr for CronSchedule {
 /// Every time zone name the database knows, for "did you mean".
 pub fn time_zone_names() -> Vec<String> {
     jiff::tz::db().available().map(|name| name.as_str().to_owned()).collect()
+}
+
+/// Whether the day-of-month or the day-of-week field starts with `*` (`*`, `*/2`): crontab(5)
+/// then fires only on days both match; when both are restricted, on days either matches.
+/// (croner's default counts `*/2` as restricted; keel follows crontab, as cron daemons do.)
+fn either_day_field_is_a_star(expression: &str) -> bool {
+    let fields: Vec<&str> = expression.split_whitespace().collect();
+    // Day of month, then (after the month) day of week.
+    let (day_of_month, day_of_week) = match fields.len() {
+        5 => (fields[2], fields[4]),
+        6 => (fields[3], fields[5]),
+        // A macro, or a count of fields the parser refuses: nothing to decide.
+        _ => return false,
+    };
+    day_of_month.starts_with('*') || day_of_week.starts_with('*')
 }
 
 fn describe(error: &CronError) -> String {
@@ -314,6 +332,9 @@ mod tests {
         assert_eq!(next("*/15 * * JAN *", "UTC", "2026-12-01T10:00:00Z"), "2027-01-01T00:00:00Z");
         assert_eq!(next("*/10 * * * * *", "UTC", "2026-12-01T10:00:05Z"), "2026-12-01T10:00:10Z");
         assert_eq!(next("0 9 * * MON", "Europe/Paris", "2026-12-01T00:00:00Z"), "2026-12-07T08:00:00Z");
+        // Both days restricted: either fires (the 19th, or a Sunday); one starting with `*`: both.
+        assert_eq!(next("0 7 19 * SUN", "UTC", "2026-12-01T00:00:00Z"), "2026-12-06T07:00:00Z");
+        assert_eq!(next("0 7 */11 * FRI", "UTC", "2026-12-01T00:00:00Z"), "2027-01-01T07:00:00Z");
     }
 
     #[test]
@@ -324,6 +345,40 @@ mod tests {
         let first = schedule.next_after(ms("2026-10-24T23:00:00Z")).unwrap();
         assert_eq!(utc(first), "2026-10-25T00:30:00Z");
         assert_eq!(utc(schedule.next_after(first).unwrap()), "2026-10-26T01:30:00Z");
+    }
+
+    #[test]
+    fn a_half_hour_change_lord_howe() {
+        // Australia/Lord_Howe puts its clock back half an hour at 02:00 on 2026-04-05.
+        assert_eq!(
+            next("* 14 * * SUN", "Australia/Lord_Howe", "2026-04-04T14:45:00Z"),
+            "2026-04-05T03:30:00Z"
+        );
+        assert_eq!(
+            next("* 2 * * SUN", "Australia/Lord_Howe", "2026-04-04T14:45:00Z"),
+            "2026-04-04T15:30:00Z"
+        );
+        // 01:45 happens twice; a fixed time fires on its first pass only.
+        let schedule = CronSchedule::parse("45 1 * * *", Some("Australia/Lord_Howe")).unwrap();
+        let first = schedule.next_after(ms("2026-04-04T14:00:00Z")).unwrap();
+        assert_eq!(utc(first), "2026-04-04T14:45:00Z");
+        assert_eq!(utc(schedule.next_after(first).unwrap()), "2026-04-05T15:15:00Z");
+    }
+
+    #[test]
+    fn changes_at_midnight_and_at_a_quarter_to() {
+        // America/Santiago skips 00:00-01:00 on 2026-09-06: 01:00 is valid and fires.
+        assert_eq!(
+            next("* 1 */5 */4 */3", "America/Santiago", "2026-08-01T22:32:10Z"),
+            "2026-09-06T04:00:00Z"
+        );
+        // Pacific/Chatham skips 02:45-03:45 on 2026-09-27: 03:45-03:59 is valid and fires.
+        assert_eq!(
+            next("* 3 15-28/4 * */2", "Pacific/Chatham", "2026-09-26T13:50:00Z"),
+            "2026-09-26T14:00:00Z"
+        );
+        // A fixed time in the skipped hour fires at the first valid time after it.
+        assert_eq!(next("15 3 * * *", "Pacific/Chatham", "2026-09-26T13:50:00Z"), "2026-09-26T14:00:00Z");
     }
 
     #[test]

@@ -15,3 +15,4 @@ mod snapshots;
 mod support;
 mod tidy;
 mod tools;
+mod triggers;
