@@ -431,8 +431,9 @@ impl AgentBuilder {
         self
     }
 
-    /// Adds a cron schedule: `keel serve` (or [`crate::triggers`] in your own server) starts a
-    /// run at each of its ticks, once across every process sharing the store.
+    /// Adds a cron schedule: `keel serve` (or [`crate::Triggers`] in your own server) starts a
+    /// run at each of its ticks, once across every process sharing the store. Names must be
+    /// unique ([`Self::build`] refuses a second schedule of the same name).
     pub fn schedule(mut self, schedule: keel_core::schedule::ScheduleDef) -> Self {
         self.schedules.push(schedule);
         self
@@ -485,6 +486,20 @@ impl AgentBuilder {
     /// recipe of its tool set too.
     fn build_with(self, servers: Vec<keel_mcp::McpServer>) -> Result<(Agent, ToolRecipe), RunFailure> {
         let invalid = |message: String| RunFailure::new(ErrorCode::SpecInvalid, message);
+        for (index, schedule) in self.schedules.iter().enumerate() {
+            if !keel_core::schedule::ScheduleDef::valid_name(&schedule.name) {
+                return Err(invalid(format!(
+                    "invalid schedule name {:?}: use 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`",
+                    schedule.name
+                )));
+            }
+            if self.schedules[..index].iter().any(|other| other.name == schedule.name) {
+                return Err(invalid(format!(
+                    "two schedules are named `{}`; give each its own name",
+                    schedule.name
+                )));
+            }
+        }
         let model = match (self.model, &self.provider) {
             (Some(model), _) => model,
             (None, Some(_)) => "custom".to_owned(),

@@ -51,6 +51,7 @@ mod subagent;
 
 pub use agent::{Agent, AgentBuilder, LoadError, load_spec};
 pub use keel_core::machine::RunOutcome;
+pub use keel_core::schedule::{CronSchedule, Missed, ScheduleDef};
 pub use keel_core::wire::{event_to_json, event_type};
 pub use keel_core::{
     AgentDef, BoxFuture, Clock, CommandToolDef, Concurrency, DecidedInput, Decision, DeltaSink, ErrorCode,
@@ -60,7 +61,7 @@ pub use keel_core::{
     SystemClock, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec, Usage,
 };
 pub use keel_providers::MockProvider;
-pub use keel_runtime::{RunHandle, RunResult, record_decision, who};
+pub use keel_runtime::{RunHandle, RunResult, Triggers, record_decision, who};
 pub use keel_spec::{AgentSpec, Diagnostic, Severity};
 pub use keel_store::{MemoryStore, PostgresStore, SqliteStore};
 pub use keel_tools::{AskQuestion, CommandTool, function_tool, function_tool_with_context};

@@ -1,6 +1,7 @@
 //! `/runs`: delayed runs (DESIGN.md §8). `POST /runs` stores a run that starts later, `GET
 //! /runs/:id` says where a run is (delayed or not), `DELETE /runs/:id` cancels a delayed run
-//! that has not started. The server's trigger loop starts them when they are due, whichever
+//! that has not started: it is gone then (`404`, saying who cancelled it), as a deleted
+//! resource is. The server's trigger loop starts them when they are due, whichever
 //! instance sharing the store gets there first.
 
 use std::sync::Arc;
@@ -34,9 +35,12 @@ pub(crate) async fn create(
     let after = match body.get("after") {
         None | Some(Value::Null) => None,
         Some(Value::String(text)) => Some(text.clone()),
-        Some(Value::Number(seconds)) => match seconds.as_u64() {
-            Some(seconds) => Some(format!("{seconds}s")),
-            None => {
+        // Whole seconds, also when written `90.0`.
+        Some(Value::Number(seconds)) => match seconds.as_f64() {
+            Some(seconds) if seconds >= 0.0 && seconds.fract() == 0.0 && seconds <= 1e12 => {
+                Some(format!("{}s", seconds as u64))
+            }
+            _ => {
                 return Err(ApiError::invalid(
                     "`after` must be a whole number of seconds or a duration such as 10m",
                 ));
@@ -85,6 +89,8 @@ pub(crate) async fn status(
             }
             body
         }
+        // Cancelled before it started: there is no such run, and there never will be.
+        (Some(delayed), None) if delayed.state == DelayedState::Cancelled => return Err(cancelled(&delayed)),
         (Some(delayed), None) => delayed_json(&delayed),
         (None, None) => return Err(not_found(&run)),
     };
@@ -101,6 +107,11 @@ pub(crate) async fn cancel(
     let store = state.engine.store();
     // Someone else's run is not found, not forbidden: its existence is not told.
     match store.delayed_run(&run).await? {
+        Some(record)
+            if record.state == DelayedState::Cancelled && owns(&identity, &record.run.session_id) =>
+        {
+            return Err(cancelled(&record));
+        }
         Some(record) if owns(&identity, &record.run.session_id) => {}
         _ => return Err(not_found(&run)),
     }
@@ -137,6 +148,15 @@ fn owns(identity: &Identity, session: &SessionId) -> bool {
 
 fn not_found(run: &RunId) -> ApiError {
     ApiError::new(ErrorCode::RunNotFound, format!("no run {run}"))
+}
+
+/// A delayed run cancelled before it started: gone, saying who cancelled it.
+fn cancelled(record: &DelayedRunRecord) -> ApiError {
+    let by = record.note.as_deref().unwrap_or("cancelled");
+    ApiError::new(
+        ErrorCode::RunNotFound,
+        format!("delayed run {} never started: it was {by}", record.run.run_id),
+    )
 }
 
 fn delayed_json(record: &DelayedRunRecord) -> Value {

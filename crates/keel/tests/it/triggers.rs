@@ -180,7 +180,11 @@ async fn a_delayed_run_starts_once_after_a_restart_and_can_be_cancelled_until_th
     let late = client().delete(served.url(&format!("/runs/{id}"))).send().await.unwrap();
     assert_eq!(late.status(), 409);
     assert_eq!(late.json::<Value>().await.unwrap()["error"]["code"], "KEEL_RUN_STARTED");
-    assert_eq!(run_state(&served, &cancelled_id, "cancelled").await["state"], "cancelled");
+    let gone = client().get(served.url(&format!("/runs/{cancelled_id}"))).send().await.unwrap();
+    assert_eq!(gone.status(), 404);
+    let gone: Value = gone.json().await.unwrap();
+    let says = gone["error"]["message"].as_str().unwrap();
+    assert!(says.contains("never started: it was cancelled by HTTP API"), "{gone}");
     let never = client().get(served.url("/chat/never")).send().await.unwrap();
     assert_eq!(never.status(), 404);
 
@@ -194,6 +198,7 @@ async fn a_delayed_run_starts_once_after_a_restart_and_can_be_cancelled_until_th
         (json!({"sessionId": "x", "input": "y", "after": "soon"}), "not a duration"),
         (json!({"sessionId": "x", "input": "y", "at": "tomorrow"}), "RFC 3339"),
         (json!({"sessionId": "x", "input": "y", "after": "400d"}), "more than a year"),
+        (json!({"sessionId": "x", "input": "y", "after": 1.5}), "whole number of seconds"),
     ] {
         let response = client().post(served.url("/runs")).json(&body).send().await.unwrap();
         assert_eq!(response.status(), 400, "{body}");
@@ -402,4 +407,22 @@ fn keel_cron_agrees_with_cronsim_over_random_expressions_and_time_zones() {
         compared += 1;
     }
     assert_eq!(compared, cases.len());
+}
+
+#[test]
+fn a_rust_agent_refuses_two_schedules_of_one_name() {
+    let schedule = |cron: &str| keel::ScheduleDef {
+        name: "daily".into(),
+        cron: keel::CronSchedule::parse(cron, Some("Europe/Paris")).unwrap(),
+        input: "go".into(),
+        session: None,
+        missed: keel::Missed::Latest,
+    };
+    let built = keel::Agent::builder()
+        .model("mock")
+        .schedule(schedule("@daily"))
+        .schedule(schedule("@hourly"))
+        .build();
+    let failure = built.err().expect("two schedules of one name were accepted");
+    assert!(failure.message.contains("two schedules are named `daily`"), "{failure:?}");
 }
