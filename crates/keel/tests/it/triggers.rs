@@ -423,6 +423,6 @@ fn a_rust_agent_refuses_two_schedules_of_one_name() {
         .schedule(schedule("@daily"))
         .schedule(schedule("@hourly"))
         .build();
-    let failure = built.err().expect("two schedules of one name were accepted");
+    let Err(failure) = built else { panic!("two schedules of one name were accepted") };
     assert!(failure.message.contains("two schedules are named `daily`"), "{failure:?}");
 }
