@@ -39,6 +39,8 @@ pub struct AgentDef {
     /// Cron schedules that start runs on their own (spec key `triggers`, `schedules/`): a
     /// server fires them.
     pub schedules: Vec<crate::schedule::ScheduleDef>,
+    /// Inbound webhooks that start runs (`channels/<name>.yaml`): a server mounts them.
+    pub channels: Vec<crate::channel::ChannelDef>,
 }
 
 impl AgentDef {

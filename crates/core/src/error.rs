@@ -45,6 +45,10 @@ error_codes! {
     SessionBusy = "KEEL_SESSION_BUSY",
     /// No run with this id exists in the store.
     RunNotFound = "KEEL_RUN_NOT_FOUND",
+    /// An inbound webhook's signature is missing, wrong, or too old.
+    SignatureInvalid = "KEEL_SIGNATURE_INVALID",
+    /// No channel of this name is mounted.
+    ChannelNotFound = "KEEL_CHANNEL_NOT_FOUND",
     /// A delayed run cannot be cancelled as such: it already started.
     RunStarted = "KEEL_RUN_STARTED",
     /// No session with this id exists in the store.

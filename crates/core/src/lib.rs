@@ -15,6 +15,7 @@
 //! this crate stays runtime-agnostic and the traits stay object safe.
 
 pub mod agent;
+pub mod channel;
 pub mod clock;
 pub mod env;
 pub mod error;

@@ -177,6 +177,9 @@ impl Agent {
         for schedule in spec.schedules {
             builder = builder.schedule(schedule);
         }
+        for channel in spec.channels {
+            builder = builder.channel(channel);
+        }
         builder.build_async().await.map_err(LoadError::Setup)
     }
 
@@ -287,6 +290,7 @@ pub struct AgentBuilder {
     clock: Option<Arc<dyn keel_core::Clock>>,
     mcp: Vec<keel_core::McpServerDef>,
     schedules: Vec<keel_core::schedule::ScheduleDef>,
+    channels: Vec<keel_core::channel::ChannelDef>,
 }
 
 impl AgentBuilder {
@@ -439,6 +443,12 @@ impl AgentBuilder {
         self
     }
 
+    /// Adds an inbound webhook: `keel serve` mounts it at `POST /channels/<name>`.
+    pub fn channel(mut self, channel: keel_core::channel::ChannelDef) -> Self {
+        self.channels.push(channel);
+        self
+    }
+
     /// Adds the tools of an MCP server (a stdio command or a Streamable HTTP URL), named
     /// `<prefix><tool>` (default prefix `<name>_`). The agent connects to it in
     /// [`Self::build_async`]; approvals may name its tools by their final names.
@@ -542,6 +552,7 @@ impl AgentBuilder {
             concurrency: self.concurrency,
             approval_timeout: self.approval_timeout.unwrap_or(AgentDef::DEFAULT_APPROVAL_TIMEOUT),
             schedules: self.schedules,
+            channels: self.channels,
         };
         let store = self.store.unwrap_or_else(|| Arc::new(MemoryStore::new()));
         let mut options = keel_runtime::EngineOptions::default();
@@ -627,6 +638,7 @@ async fn refresh_on_change(
                     concurrency: current.concurrency,
                     approval_timeout: current.approval_timeout,
                     schedules: current.schedules.clone(),
+                    channels: current.channels.clone(),
                 }));
                 tracing::info!(agent = %current.name, tools = ?names, "an MCP server's tools changed; new runs use the new list");
             }

@@ -107,6 +107,7 @@ fn agent(tools: Vec<Arc<dyn Tool>>, edit: impl FnOnce(&mut AgentDef)) -> Arc<Age
         concurrency: keel_core::Concurrency::Reject,
         approval_timeout: AgentDef::DEFAULT_APPROVAL_TIMEOUT,
         schedules: Vec::new(),
+        channels: Vec::new(),
     };
     edit(&mut def);
     Arc::new(def)

@@ -49,6 +49,7 @@ fn setup(schedules: Vec<ScheduleDef>) -> Setup {
         concurrency: keel_core::Concurrency::Queue,
         approval_timeout: AgentDef::DEFAULT_APPROVAL_TIMEOUT,
         schedules,
+        channels: Vec::new(),
     };
     let entries = vec![MockEntry { text: Some("done".into()), delay_ms: 200, ..MockEntry::default() }];
     let provider = Arc::new(MockProvider::new(MockScript { entries }));

@@ -40,12 +40,14 @@ pub(crate) fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::RequestInvalid | ErrorCode::SessionIdInvalid | ErrorCode::DecisionInvalid => {
             StatusCode::BAD_REQUEST
         }
-        ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+        ErrorCode::Unauthorized | ErrorCode::SignatureInvalid => StatusCode::UNAUTHORIZED,
         ErrorCode::HostNotAllowed | ErrorCode::OriginNotAllowed => StatusCode::FORBIDDEN,
         ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-        ErrorCode::NotFound | ErrorCode::SessionNotFound | ErrorCode::RunNotFound | ErrorCode::NotPending => {
-            StatusCode::NOT_FOUND
-        }
+        ErrorCode::NotFound
+        | ErrorCode::SessionNotFound
+        | ErrorCode::RunNotFound
+        | ErrorCode::NotPending
+        | ErrorCode::ChannelNotFound => StatusCode::NOT_FOUND,
         ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
         ErrorCode::SessionBusy | ErrorCode::RunLeased | ErrorCode::RunStarted => StatusCode::CONFLICT,
         ErrorCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,

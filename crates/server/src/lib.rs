@@ -17,6 +17,7 @@
 //! ```
 
 mod auth;
+mod channels;
 mod connections;
 mod delayed;
 mod error;
@@ -111,6 +112,8 @@ pub(crate) struct AppState {
     pub(crate) jwt: Option<auth::JwtVerifier>,
     pub(crate) rate_limiter: Option<auth::RateLimiter>,
     pub(crate) browser: guard::BrowserPolicy,
+    /// The agent's channels (`POST /channels/:name`), with their secrets.
+    pub(crate) channels: Vec<channels::Channel>,
     legacy_sessions: AtomicU64,
 }
 
@@ -139,7 +142,9 @@ impl Server {
         let has_auth = api_token.is_some() || options.jwt.is_some();
         let feeds =
             feed::Feeds::new(Arc::clone(&metrics), engine.store().event_log(), options.event_retention);
+        let channels = channels::load(&engine.agent())?;
         let state = AppState {
+            channels,
             engine,
             feeds: Arc::new(feeds),
             closing: CancellationToken::new(),
@@ -168,6 +173,7 @@ impl Server {
             .route("/chat/{session}/run", delete(routes::cancel))
             .route("/runs", post(delayed::create))
             .route("/runs/{run}", get(delayed::status).delete(delayed::cancel))
+            .route("/channels/{name}", post(channels::deliver))
             .route_layer(axum::middleware::from_fn_with_state(Arc::clone(state), observe::timeout));
         let streaming = Router::new()
             .route("/chat", post(routes::chat))
@@ -213,6 +219,9 @@ impl Server {
         let triggers = keel_runtime::Triggers::new(&engine, move |run| feeds.forward_recovered(run));
         self.state.metrics.watch_triggers(triggers.stats());
         log_schedules(&engine);
+        for channel in channels::describe(&self.state.channels) {
+            tracing::info!(%channel, "channel mounted");
+        }
         let triggers = triggers.spawn();
         let feeds = Arc::clone(&self.state.feeds);
         let swept = Arc::clone(&self.state);

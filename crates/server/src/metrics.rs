@@ -41,6 +41,7 @@ pub(crate) struct Metrics {
     schedule_missed: Family<Labels, Counter>,
     delayed_started: Counter,
     delayed_deferred: Counter,
+    deliveries: Family<Labels, Counter>,
     /// The trigger loop's counters, copied into the ones above when the metrics are read.
     triggers: Mutex<Option<Arc<keel_runtime::TriggerStats>>>,
 }
@@ -140,8 +141,15 @@ impl Metrics {
             "Delayed run starts put off because their session was busy",
             delayed_deferred.clone(),
         );
+        let deliveries = Family::<Labels, Counter>::default();
+        registry.register(
+            "channel_deliveries",
+            "Webhook deliveries by channel and outcome (claimed, duplicate, declined, handshake, bad_signature, busy, invalid)",
+            deliveries.clone(),
+        );
         Metrics {
             registry,
+            deliveries,
             schedule_fires,
             schedule_missed,
             delayed_started,
@@ -233,6 +241,13 @@ impl Metrics {
     pub(crate) fn stream_opened(&self) -> StreamGuard {
         self.open_streams.inc();
         StreamGuard(self.open_streams.clone())
+    }
+
+    /// A channel's delivery and what became of it.
+    pub(crate) fn delivery(&self, channel: &str, outcome: &str) {
+        self.deliveries
+            .get_or_create(&vec![("channel", channel.to_owned()), ("outcome", outcome.to_owned())])
+            .inc();
     }
 
     /// Reports the counters of a trigger loop from now on.

@@ -14,7 +14,7 @@ use crate::tree::{self, Kind};
 use crate::{AgentSpec, CommandToolSpec, LoadOptions, SPEC_FILE_NAMES};
 
 /// Directories of the design this build does not read yet.
-pub const NOT_YET_DIRS: &[&str] = &["channels", "memory"];
+pub const NOT_YET_DIRS: &[&str] = &["memory"];
 
 const SKILL_KEYS: &[&str] =
     &["name", "description", "license", "allowed-tools", "metadata", "compatibility", "version"];
@@ -149,6 +149,7 @@ pub(crate) fn load_with_spec_file(
     let skills = load_skills(dir, &absolute, requested.as_deref(), file, diagnostics);
     let subagents = load_subagents(dir, &absolute, options, diagnostics);
     let schedule_files = crate::schedule::load_dir(&dir.join("schedules"), diagnostics);
+    let channels = crate::channel::load_dir(&dir.join("channels"), diagnostics);
 
     for name in NOT_YET_DIRS {
         let path = dir.join(name);
@@ -210,7 +211,7 @@ pub(crate) fn load_with_spec_file(
         append_skill(&mut instructions, &skill.name, &skill.description, &skill.body);
         skill_names.push(skill.name);
     }
-    finish(
+    let mut agent = finish(
         spec,
         default_name,
         instructions,
@@ -220,7 +221,9 @@ pub(crate) fn load_with_spec_file(
         file,
         options,
         diagnostics,
-    )
+    )?;
+    agent.channels = channels;
+    Some(agent)
 }
 
 /// A path under `dir` written relative, made absolute under `absolute`.
@@ -541,6 +544,7 @@ pub(crate) fn finish(
         skills,
         mcp: spec.mcp.into_iter().map(|(server, _)| server).collect(),
         schedules: spec.triggers.into_iter().map(|(schedule, _)| schedule).collect(),
+        channels: Vec::new(),
         source: file.to_owned(),
     })
 }

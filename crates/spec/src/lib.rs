@@ -15,6 +15,7 @@
 //!   skills/<name>/SKILL.md  # front matter (name, description) + instructions; tools/ beside it
 //! ```
 
+mod channel;
 mod command_tool;
 mod decode;
 mod diagnostic;
@@ -71,6 +72,8 @@ pub struct AgentSpec {
     pub output_schema: Option<Value>,
     /// The mock provider's script (`mock.script`).
     pub mock: Option<MockScript>,
+    /// Inbound webhooks (`channels/<name>.yaml` of a directory).
+    pub channels: Vec<keel_core::channel::ChannelDef>,
     /// Cron schedules (`triggers`, and `schedules/<name>.yaml` of a directory).
     pub schedules: Vec<keel_core::schedule::ScheduleDef>,
     /// The MCP servers whose tools the agent uses (`mcp`). Their tools are known once connected:

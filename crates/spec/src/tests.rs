@@ -755,3 +755,53 @@ fn subagents_load_as_named_agents_and_loops_are_refused() {
     "#]]
     .assert_eq(&diagnostics(dir.path(), "a"));
 }
+
+#[test]
+fn channels_load_from_their_directory_and_bad_ones_are_pointed_at() {
+    let dir = tree(&[
+        ("a/agent.yaml", "model: mock\n"),
+        (
+            "a/channels/issues.yaml",
+            "type: github\nsecret_env: GH_SECRET\nevents: [issues.opened]\nsession: \"gh-{{payload.issue.number}}\"\n",
+        ),
+    ]);
+    let loaded = load(&dir.path().join("a"), &OPTIONS);
+    assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
+    let channels = loaded.spec.unwrap().channels;
+    assert_eq!(channels.len(), 1);
+    assert_eq!(
+        (channels[0].name.as_str(), channels[0].kind),
+        ("issues", keel_core::channel::ChannelKind::Github)
+    );
+    assert_eq!(channels[0].input, keel_core::channel::ChannelDef::DEFAULT_INPUT);
+    check(
+        &[
+            ("a/agent.yaml", "model: mock\n"),
+            ("a/channels/mail.yaml", "type: email\nsecret_env: X\n"),
+            ("a/channels/nosecret.yaml", "type: slack\n"),
+            ("a/channels/template.yaml", "type: webhook\nsecret_env: 9LIVES\ninput: \"{{payload.x\"\n"),
+            ("a/channels/typo.yaml", "type: discrod\nsecret_env: K\nevent: [x]\n"),
+        ],
+        "a",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: unknown channel type `email`
+              --> a/channels/mail.yaml:1:7
+              hint: the email channel is not built yet
+            error[KEEL_SPEC_INVALID]: a channel needs `secret_env`
+              --> a/channels/nosecret.yaml:1:1
+              hint: name the environment variable holding the signing secret (Discord: the application's public key); the secret itself never goes in a file
+            error[KEEL_SPEC_INVALID]: `secret_env` "9LIVES" is not an environment variable name
+              --> a/channels/template.yaml:2:13
+              hint: name the variable that holds the secret, e.g. `secret_env: GITHUB_WEBHOOK_SECRET`
+            error[KEEL_SPEC_INVALID]: `input`: a `{{` has no closing `}}`
+              --> a/channels/template.yaml:3:8
+              hint: templates read `{{event}}`, `{{sender}}`, `{{delivery}}`, `{{channel}}` and `{{payload.<path>}}`
+            error[KEEL_SPEC_INVALID]: unknown channel type `discrod`
+              --> a/channels/typo.yaml:1:7
+              hint: did you mean `discord`?
+            error[KEEL_SPEC_INVALID]: unknown key `event`
+              --> a/channels/typo.yaml:3:1
+              hint: did you mean `events`?
+        "#]],
+    );
+}

@@ -60,6 +60,7 @@ fn agent(edit: impl FnOnce(&mut AgentDef)) -> Arc<AgentDef> {
         concurrency: crate::agent::Concurrency::Reject,
         approval_timeout: AgentDef::DEFAULT_APPROVAL_TIMEOUT,
         schedules: Vec::new(),
+        channels: Vec::new(),
     };
     edit(&mut def);
     Arc::new(def)

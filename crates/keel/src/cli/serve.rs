@@ -90,6 +90,20 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
                 }
             }
         }
+        let auth = match (options.api_token.is_some(), options.jwt.is_some()) {
+            (_, true) => ", JWT auth",
+            (true, false) => ", bearer token required",
+            (false, false) => "",
+        };
+        // Set up before listening: a setting that cannot work (a channel's secret not set)
+        // stops keel before anything can connect.
+        let server = match keel_server::Server::new(agent.engine().clone(), options) {
+            Ok(server) => server,
+            Err(message) => {
+                eprintln!("error: {message}");
+                return Ok(exit::INVALID_AGENT);
+            }
+        };
         let listener = match tokio::net::TcpListener::bind(address).await {
             Ok(listener) => listener,
             Err(error) => {
@@ -99,22 +113,10 @@ pub(crate) fn serve(args: ServeArgs) -> std::io::Result<u8> {
         };
         let bound = listener.local_addr()?;
         eprintln!(
-            "keel serve: agent {} on http://{bound} (store {}{})",
+            "keel serve: agent {} on http://{bound} (store {}{auth})",
             agent.definition().name,
-            args.store,
-            match (options.api_token.is_some(), options.jwt.is_some()) {
-                (_, true) => ", JWT auth",
-                (true, false) => ", bearer token required",
-                (false, false) => "",
-            }
+            args.store
         );
-        let server = match keel_server::Server::new(agent.engine().clone(), options) {
-            Ok(server) => server,
-            Err(message) => {
-                eprintln!("error: {message}");
-                return Ok(exit::INVALID_AGENT);
-            }
-        };
         server.serve(listener, shutdown_signal()).await?;
         eprintln!("keel serve: stopped");
         Ok(exit::OK)

@@ -2,6 +2,7 @@
 
 mod api;
 mod approvals;
+mod channels;
 mod cli;
 mod durability;
 mod instances;

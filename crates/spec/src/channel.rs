@@ -1,0 +1,150 @@
+//! Channels: the `channels/<name>.yaml` files of an agent directory, one inbound webhook each.
+//!
+//! ```yaml
+//! type: github                       # slack | github | discord | webhook
+//! secret_env: GITHUB_WEBHOOK_SECRET  # the variable holding the secret (Discord: public key)
+//! events: [issues.opened]            # optional: the event types accepted (default: all)
+//! input: "New issue: {{payload.issue.title}}"
+//! session: "gh-{{payload.issue.number}}"
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use keel_core::ErrorCode;
+use keel_core::channel::{ChannelDef, ChannelKind, check_template};
+
+use crate::decode::{Decoder, map_lacks};
+use crate::diagnostic::{Diagnostic, Pos, read_text};
+use crate::tree::{self, Format, Node};
+
+const KEYS: &[&str] = &["type", "secret_env", "events", "input", "session"];
+
+/// Every `*.yaml` (or `.yml`) of `dir`, sorted by name: one channel each.
+pub(crate) fn load_dir(dir: &Path, diagnostics: &mut Vec<Diagnostic>) -> Vec<ChannelDef> {
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml") && p.is_file())
+            .collect(),
+        Err(_) => return Vec::new(),
+    };
+    files.sort();
+    let mut channels = Vec::new();
+    for file in files {
+        let name = file.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_owned();
+        if !keel_core::tool::validate_tool_name(&name) {
+            diagnostics.push(
+                Diagnostic::error(
+                    ErrorCode::SpecInvalid,
+                    &file,
+                    Pos::default(),
+                    format!("invalid channel name {name:?} (from the file name)"),
+                )
+                .with_hint(
+                    "name channel files with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`, then `.yaml`",
+                ),
+            );
+            continue;
+        }
+        let Some(text) = read_text(&file, "channel", diagnostics) else { continue };
+        let root = match tree::parse(&text, Format::Yaml, &file) {
+            Ok(root) => root,
+            Err(diagnostic) => {
+                diagnostics.push(diagnostic);
+                continue;
+            }
+        };
+        let mut d = Decoder { file: file.clone(), diagnostics };
+        if let Some(channel) = channel(&root, &mut d, name) {
+            channels.push(channel);
+        }
+    }
+    channels
+}
+
+fn channel(root: &Node, d: &mut Decoder<'_>, name: String) -> Option<ChannelDef> {
+    let mut map = d.map(root, "the channel")?;
+    let kind_node = map.take("type");
+    let kind = kind_node.and_then(|n| d.string(n, "type").map(|kind| (n, kind)));
+    let secret = map.take("secret_env").map(|n| (n, d.string(n, "secret_env")));
+    let events = map.take("events").and_then(|n| d.string_list(n, "events"));
+    let input = map.take("input").map(|n| (n, d.text(n, "input")));
+    let session = map.take("session").map(|n| (n, d.text(n, "session")));
+    map.finish(d, "", KEYS);
+    let kinds: Vec<&str> = ChannelKind::ALL.iter().map(|(name, _)| *name).collect();
+    let kind = match kind {
+        Some((n, kind)) => match ChannelKind::ALL.iter().find(|(name, _)| *name == kind) {
+            Some((_, kind)) => Some(*kind),
+            None => {
+                let hint = match crate::decode::did_you_mean(&kind, &kinds) {
+                    _ if kind == "email" => "the email channel is not built yet".to_owned(),
+                    Some(close) => format!("did you mean `{close}`?"),
+                    None => format!("the channel types: {}", kinds.join(", ")),
+                };
+                d.error(n.pos, format!("unknown channel type `{kind}`")).hint = Some(hint);
+                None
+            }
+        },
+        None => {
+            if map_lacks(root, "type") {
+                d.error(root.pos, "a channel needs `type`").hint =
+                    Some(format!("one of {}", kinds.join(", ")));
+            }
+            None
+        }
+    };
+    let secret_env = match secret {
+        Some((n, Some(variable))) => {
+            let valid = !variable.is_empty()
+                && variable.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                && !variable.as_bytes()[0].is_ascii_digit();
+            if !valid {
+                d.error(n.pos, format!("`secret_env` {variable:?} is not an environment variable name"))
+                    .hint = Some(
+                    "name the variable that holds the secret, e.g. `secret_env: GITHUB_WEBHOOK_SECRET`"
+                        .into(),
+                );
+                None
+            } else {
+                Some(variable)
+            }
+        }
+        Some((_, None)) => None,
+        None => {
+            d.error(root.pos, "a channel needs `secret_env`").hint = Some(
+                "name the environment variable holding the signing secret (Discord: the application's public key); \
+                 the secret itself never goes in a file"
+                    .into(),
+            );
+            None
+        }
+    };
+    let mut template = |given: Option<(&Node, Option<String>)>, key: &str, default: &str| -> Option<String> {
+        match given {
+            Some((n, Some(text))) => match check_template(&text) {
+                Ok(()) => Some(text),
+                Err(why) => {
+                    d.error(n.pos, format!("`{key}`: {why}")).hint = Some(
+                        "templates read `{{event}}`, `{{sender}}`, `{{delivery}}`, `{{channel}}` and \
+                         `{{payload.<path>}}`"
+                            .into(),
+                    );
+                    None
+                }
+            },
+            Some((_, None)) => None,
+            None => Some(default.to_owned()),
+        }
+    };
+    let input = template(input, "input", ChannelDef::DEFAULT_INPUT);
+    let session = template(session, "session", ChannelDef::DEFAULT_SESSION);
+    Some(ChannelDef {
+        name,
+        kind: kind?,
+        secret_env: secret_env?,
+        events: events.unwrap_or_default().into_iter().map(|(event, _)| event).collect(),
+        input: input?,
+        session: session?,
+    })
+}
