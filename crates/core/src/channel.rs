@@ -19,15 +19,19 @@ pub enum ChannelKind {
     Discord,
     /// Standard Webhooks (Svix and others): `webhook-id`, `webhook-timestamp`, `webhook-signature`.
     Webhook,
+    /// Inbound email (raw RFC 5322) from a relay that signs as Standard Webhooks do; then the
+    /// gate: the receiving server must vouch for the `From:` domain.
+    Email,
 }
 
 impl ChannelKind {
     /// Every kind, with its spec name.
-    pub const ALL: [(&'static str, ChannelKind); 4] = [
+    pub const ALL: [(&'static str, ChannelKind); 5] = [
         ("slack", ChannelKind::Slack),
         ("github", ChannelKind::Github),
         ("discord", ChannelKind::Discord),
         ("webhook", ChannelKind::Webhook),
+        ("email", ChannelKind::Email),
     ];
 
     /// Its spec name.
@@ -37,6 +41,7 @@ impl ChannelKind {
             ChannelKind::Github => "github",
             ChannelKind::Discord => "discord",
             ChannelKind::Webhook => "webhook",
+            ChannelKind::Email => "email",
         }
     }
 }
@@ -56,11 +61,20 @@ pub struct ChannelDef {
     pub input: String,
     /// The run's session, a template (made a valid session id).
     pub session: String,
+    /// Email: the addresses the channel claims (`to`); a message to none of them is dropped.
+    /// Empty: every message.
+    pub addresses: Vec<String>,
+    /// Email: the authserv-id of the receiving server whose `Authentication-Results` are
+    /// believed; `None`: the topmost header's.
+    pub authserv_id: Option<String>,
 }
 
 impl ChannelDef {
     /// The input when the file gives none.
     pub const DEFAULT_INPUT: &'static str = "{{event}} from {{sender}}:\n{{payload}}";
+    /// An email channel's input when the file gives none.
+    pub const DEFAULT_EMAIL_INPUT: &'static str =
+        "Email from {{sender}}: {{payload.subject}}\n\n{{payload.text}}";
     /// The session when the file gives none: one per channel and sender.
     pub const DEFAULT_SESSION: &'static str = "{{channel}}-{{sender}}";
 
@@ -170,6 +184,8 @@ mod tests {
             events: vec!["issues".into(), "pull_request.opened".into()],
             input: String::new(),
             session: String::new(),
+            addresses: Vec::new(),
+            authserv_id: None,
         };
         assert!(def.accepts("issues.opened"));
         assert!(def.accepts("issues"));

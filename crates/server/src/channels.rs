@@ -61,7 +61,7 @@ pub(crate) fn load(agent: &AgentDef) -> Result<Vec<Channel>, String> {
                         "application's public key (hex, from the Discord developer portal)",
                     ChannelKind::Slack => "app's signing secret",
                     ChannelKind::Github => "webhook's secret",
-                    ChannelKind::Webhook => "endpoint's secret (`whsec_...`)",
+                    ChannelKind::Webhook | ChannelKind::Email => "endpoint's secret (`whsec_...`)",
                 }
             ));
         }
@@ -69,7 +69,7 @@ pub(crate) fn load(agent: &AgentDef) -> Result<Vec<Channel>, String> {
             ChannelKind::Slack | ChannelKind::Github => {
                 Key::Hmac(Box::new(hmac::Key::new(hmac::HMAC_SHA256, secret.as_bytes())))
             }
-            ChannelKind::Webhook => {
+            ChannelKind::Webhook | ChannelKind::Email => {
                 let encoded = secret.strip_prefix("whsec_").unwrap_or(secret);
                 let bytes = base64::engine::general_purpose::STANDARD.decode(encoded).map_err(|_| {
                     format!("{} is not a Standard Webhooks secret (`whsec_` then base64)", def.secret_env)
@@ -124,9 +124,17 @@ pub(crate) async fn deliver(
         tracing::warn!(channel = %channel.def.name, %why, "delivery refused");
         return ApiError::new(ErrorCode::SignatureInvalid, why).into_response();
     }
-    let delivery = match parse(channel.def.kind, &headers, &body) {
+    let parsed = match channel.def.kind {
+        ChannelKind::Email => parse_email(&channel.def, &headers, &body),
+        kind => parse(kind, &headers, &body),
+    };
+    let delivery = match parsed {
         Ok(Parsed::Handshake(answer)) => {
             count("handshake");
+            return answer;
+        }
+        Ok(Parsed::Answered(answer, outcome)) => {
+            count(outcome);
             return answer;
         }
         Ok(Parsed::Delivery(delivery)) => delivery,
@@ -269,7 +277,7 @@ fn verify(channel: &Channel, headers: &HeaderMap, body: &[u8]) -> Result<(), Str
                 .then_some(())
                 .ok_or_else(|| refused("Slack"))
         }
-        (ChannelKind::Webhook, Key::Hmac(key)) => {
+        (ChannelKind::Webhook | ChannelKind::Email, Key::Hmac(key)) => {
             let id = header(headers, "webhook-id")?;
             let timestamp = header(headers, "webhook-timestamp")?;
             let signatures = header(headers, "webhook-signature")?;
@@ -308,7 +316,61 @@ fn verify(channel: &Channel, headers: &HeaderMap, body: &[u8]) -> Result<(), Str
 
 enum Parsed {
     Handshake(Response),
+    /// Answered without a run, counted as this outcome (an email bounced or dropped).
+    Answered(Response, &'static str),
     Delivery(Delivery),
+}
+
+/// The one reason a refused email is bounced with: which check failed is not told.
+pub(crate) const BOUNCE_REASON: &str = "550 5.7.1 Message not accepted";
+
+/// Reads a verified email delivery: raw RFC 5322, or JSON with the message in `raw`. A message
+/// to none of the channel's addresses is dropped (`204`); one the gate refuses is answered
+/// with a bounce and the fixed reason.
+fn parse_email(def: &ChannelDef, headers: &HeaderMap, body: &[u8]) -> Result<Parsed, String> {
+    let json = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.starts_with("application/json"));
+    let raw: Vec<u8> = if json {
+        let value: Value = serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+        value.get("raw").and_then(Value::as_str).ok_or("the JSON has no `raw` message")?.as_bytes().to_vec()
+    } else {
+        body.to_vec()
+    };
+    let bounce = || {
+        Parsed::Answered(
+            (StatusCode::OK, axum::Json(json!({"action": "bounce", "reason": BOUNCE_REASON})))
+                .into_response(),
+            "bounced",
+        )
+    };
+    let Ok(mail) = crate::email::read(&raw) else { return Ok(bounce()) };
+    let claimed = def.addresses.is_empty()
+        || mail.recipients.iter().any(|to| def.addresses.iter().any(|ours| ours.eq_ignore_ascii_case(to)));
+    if !claimed {
+        return Ok(Parsed::Answered(StatusCode::NO_CONTENT.into_response(), "dropped"));
+    }
+    if !crate::email::vouched(&mail, def.authserv_id.as_deref()) {
+        tracing::info!(channel = %def.name, from = %mail.from, "email bounced: its From domain is not vouched for");
+        return Ok(bounce());
+    }
+    let id = match &mail.message_id {
+        Some(id) => id.clone(),
+        None => header(headers, "webhook-id")?.to_owned(),
+    };
+    Ok(Parsed::Delivery(Delivery {
+        event: "email".into(),
+        id,
+        sender: mail.from.clone(),
+        payload: json!({
+            "from": mail.from,
+            "to": mail.recipients,
+            "subject": mail.subject,
+            "text": mail.text,
+            "messageId": mail.message_id,
+        }),
+    }))
 }
 
 /// Reads a verified body: a handshake to answer, or a delivery.
@@ -396,6 +458,7 @@ fn parse(kind: ChannelKind, headers: &HeaderMap, body: &[u8]) -> Result<Parsed, 
             }
             Delivery { event: event.to_owned(), id, sender, payload }
         }
+        ChannelKind::Email => return Err("an email delivery is read by parse_email".into()),
         ChannelKind::Webhook => Delivery {
             event: at(&["type"]),
             id: header(headers, "webhook-id")?.to_owned(),
@@ -450,6 +513,8 @@ mod tests {
             events: Vec::new(),
             input: String::new(),
             session: String::new(),
+            addresses: Vec::new(),
+            authserv_id: None,
         };
         let secret =
             base64::engine::general_purpose::STANDARD.decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();

@@ -20,6 +20,7 @@ mod auth;
 mod channels;
 mod connections;
 mod delayed;
+mod email;
 mod error;
 mod feed;
 mod guard;

@@ -144,7 +144,7 @@ impl Metrics {
         let deliveries = Family::<Labels, Counter>::default();
         registry.register(
             "channel_deliveries",
-            "Webhook deliveries by channel and outcome (claimed, duplicate, declined, handshake, bad_signature, busy, invalid)",
+            "Webhook deliveries by channel and outcome (claimed, duplicate, declined, handshake, bad_signature, busy, invalid; email: bounced, dropped)",
             deliveries.clone(),
         );
         Metrics {

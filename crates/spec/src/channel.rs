@@ -1,7 +1,7 @@
 //! Channels: the `channels/<name>.yaml` files of an agent directory, one inbound webhook each.
 //!
 //! ```yaml
-//! type: github                       # slack | github | discord | webhook
+//! type: github                       # slack | github | discord | webhook | email
 //! secret_env: GITHUB_WEBHOOK_SECRET  # the variable holding the secret (Discord: public key)
 //! events: [issues.opened]            # optional: the event types accepted (default: all)
 //! input: "New issue: {{payload.issue.title}}"
@@ -17,7 +17,7 @@ use crate::decode::{Decoder, map_lacks};
 use crate::diagnostic::{Diagnostic, Pos, read_text};
 use crate::tree::{self, Format, Node};
 
-const KEYS: &[&str] = &["type", "secret_env", "events", "input", "session"];
+const KEYS: &[&str] = &["type", "secret_env", "events", "input", "session", "to", "authserv_id"];
 
 /// Every `*.yaml` (or `.yml`) of `dir`, sorted by name: one channel each.
 pub(crate) fn load_dir(dir: &Path, diagnostics: &mut Vec<Diagnostic>) -> Vec<ChannelDef> {
@@ -71,6 +71,8 @@ fn channel(root: &Node, d: &mut Decoder<'_>, name: String) -> Option<ChannelDef>
     let events = map.take("events").and_then(|n| d.string_list(n, "events"));
     let input = map.take("input").map(|n| (n, d.text(n, "input")));
     let session = map.take("session").map(|n| (n, d.text(n, "session")));
+    let to = map.take("to").map(|n| (n, d.string_list(n, "to")));
+    let authserv_id = map.take("authserv_id").map(|n| (n, d.string(n, "authserv_id")));
     map.finish(d, "", KEYS);
     let kinds: Vec<&str> = ChannelKind::ALL.iter().map(|(name, _)| *name).collect();
     let kind = match kind {
@@ -78,7 +80,6 @@ fn channel(root: &Node, d: &mut Decoder<'_>, name: String) -> Option<ChannelDef>
             Some((_, kind)) => Some(*kind),
             None => {
                 let hint = match crate::decode::did_you_mean(&kind, &kinds) {
-                    _ if kind == "email" => "the email channel is not built yet".to_owned(),
                     Some(close) => format!("did you mean `{close}`?"),
                     None => format!("the channel types: {}", kinds.join(", ")),
                 };
@@ -120,6 +121,14 @@ fn channel(root: &Node, d: &mut Decoder<'_>, name: String) -> Option<ChannelDef>
             None
         }
     };
+    let email = kind == Some(ChannelKind::Email);
+    for (key, node) in [("to", to.as_ref().map(|t| t.0)), ("authserv_id", authserv_id.as_ref().map(|a| a.0))]
+    {
+        if let (Some(n), false, Some(_)) = (node, email, kind) {
+            d.error(n.pos, format!("`{key}` applies to `type: email` channels only"));
+        }
+    }
+    let default_input = if email { ChannelDef::DEFAULT_EMAIL_INPUT } else { ChannelDef::DEFAULT_INPUT };
     let mut template = |given: Option<(&Node, Option<String>)>, key: &str, default: &str| -> Option<String> {
         match given {
             Some((n, Some(text))) => match check_template(&text) {
@@ -137,7 +146,7 @@ fn channel(root: &Node, d: &mut Decoder<'_>, name: String) -> Option<ChannelDef>
             None => Some(default.to_owned()),
         }
     };
-    let input = template(input, "input", ChannelDef::DEFAULT_INPUT);
+    let input = template(input, "input", default_input);
     let session = template(session, "session", ChannelDef::DEFAULT_SESSION);
     Some(ChannelDef {
         name,
@@ -146,5 +155,12 @@ fn channel(root: &Node, d: &mut Decoder<'_>, name: String) -> Option<ChannelDef>
         events: events.unwrap_or_default().into_iter().map(|(event, _)| event).collect(),
         input: input?,
         session: session?,
+        addresses: to
+            .and_then(|(_, list)| list)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(address, _)| address.to_ascii_lowercase())
+            .collect(),
+        authserv_id: authserv_id.and_then(|(_, id)| id),
     })
 }

@@ -777,19 +777,19 @@ fn channels_load_from_their_directory_and_bad_ones_are_pointed_at() {
     check(
         &[
             ("a/agent.yaml", "model: mock\n"),
-            ("a/channels/mail.yaml", "type: email\nsecret_env: X\n"),
+            ("a/channels/mail.yaml", "type: email\nsecret_env: X\nto: [help@example.com]\n"),
+            ("a/channels/slackmail.yaml", "type: slack\nsecret_env: X\nto: [help@example.com]\n"),
             ("a/channels/nosecret.yaml", "type: slack\n"),
             ("a/channels/template.yaml", "type: webhook\nsecret_env: 9LIVES\ninput: \"{{payload.x\"\n"),
             ("a/channels/typo.yaml", "type: discrod\nsecret_env: K\nevent: [x]\n"),
         ],
         "a",
         expect![[r#"
-            error[KEEL_SPEC_INVALID]: unknown channel type `email`
-              --> a/channels/mail.yaml:1:7
-              hint: the email channel is not built yet
             error[KEEL_SPEC_INVALID]: a channel needs `secret_env`
               --> a/channels/nosecret.yaml:1:1
               hint: name the environment variable holding the signing secret (Discord: the application's public key); the secret itself never goes in a file
+            error[KEEL_SPEC_INVALID]: `to` applies to `type: email` channels only
+              --> a/channels/slackmail.yaml:3:5
             error[KEEL_SPEC_INVALID]: `secret_env` "9LIVES" is not an environment variable name
               --> a/channels/template.yaml:2:13
               hint: name the variable that holds the secret, e.g. `secret_env: GITHUB_WEBHOOK_SECRET`

@@ -93,6 +93,10 @@ fn agent(mock_delay_ms: u64) -> tempfile::TempDir {
             "channels/hooks.yaml",
             "type: webhook\nsecret_env: HOOK_SECRET\nevents: [invoice.paid]\ninput: \"Paid: {{payload.data.amount}}\"\n",
         ),
+        (
+            "channels/mail.yaml",
+            "type: email\nsecret_env: HOOK_SECRET\nto: [support@keel.example]\nauthserv_id: mx.keel.example\nsession: \"mail-{{payload.subject}}\"\n",
+        ),
     ])
 }
 
@@ -291,6 +295,78 @@ async fn discord_interactions_signed_with_ed25519_and_standard_webhooks_are_veri
     let huge = vec![b' '; 1024 * 1024 + 1];
     assert_eq!(post(&served, "hooks", &huge, &[]).await.0, 413);
     assert_eq!(post(&served, "nowhere", &paid, &[]).await.0, 404);
+}
+
+/// A raw message from `from`, with the receiving server's `Authentication-Results`.
+fn email(from: &str, to: &str, auth_results: &str, message_id: &str) -> Vec<u8> {
+    format!(
+        "Received: from mail.example.com by mx.keel.example\r\nAuthentication-Results: {auth_results}\r\nFrom: {from}\r\nTo: {to}\r\nSubject: Late order\r\nMessage-ID: <{message_id}>\r\n\r\nWhere is order 7?\r\n"
+    )
+    .into_bytes()
+}
+
+async fn send_email(served: &Served, raw: Vec<u8>, id: &str) -> (u16, Value) {
+    let headers = sign("standard", HOOK_SECRET, &raw, None, id);
+    let mut request = client().post(served.url("/channels/mail")).body(raw);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    let response = request.header("content-type", "message/rfc822").send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json::<Value>().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn email_passes_the_gate_only_when_its_server_vouches_for_the_from_domain() {
+    let dir = agent(0);
+    let served = serve(dir.path());
+    let aligned = email(
+        "Ann <ann@example.com>",
+        "support@keel.example",
+        "mx.keel.example; spf=pass smtp.mailfrom=ann@example.com; dkim=pass header.d=example.com",
+        "m1@example.com",
+    );
+    let (status, answer) = send_email(&served, aligned.clone(), "mail_1").await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["claimed"], true);
+    let transcript = answered(&served, "mail-Late-order").await;
+    let input = transcript["messages"][0]["content"][0]["text"].as_str().unwrap();
+    assert!(
+        input.starts_with("Email from ann@example.com: Late order") && input.contains("Where is order 7?"),
+        "{input}"
+    );
+    // The same message again (the relay retried): not run twice.
+    let (status, again) = send_email(&served, aligned, "mail_2").await;
+    assert_eq!((status, &again["duplicate"]), (200, &json!(true)));
+    // Forged: a pass for a subdomain, and a pass written by another server than the trusted one.
+    for (what, auth) in [
+        ("subdomain", "mx.keel.example; dkim=pass header.d=mail.example.com"),
+        ("another server", "evil.test; dmarc=pass header.from=example.com"),
+    ] {
+        let raw = email("Ann <ann@example.com>", "support@keel.example", auth, "m2@example.com");
+        let (status, bounced) = send_email(&served, raw, "mail_3").await;
+        assert_eq!(status, 200, "{what}");
+        assert_eq!(
+            bounced,
+            json!({"action": "bounce", "reason": "550 5.7.1 Message not accepted"}),
+            "{what}"
+        );
+    }
+    // Not for us: dropped.
+    let other = email(
+        "Ann <ann@example.com>",
+        "sales@keel.example",
+        "mx.keel.example; dmarc=pass header.from=example.com",
+        "m3@example.com",
+    );
+    assert_eq!(send_email(&served, other, "mail_4").await.0, 204);
+    let metrics = client().get(served.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    for line in [
+        "keel_channel_deliveries_total{channel=\"mail\",outcome=\"bounced\"} 2",
+        "keel_channel_deliveries_total{channel=\"mail\",outcome=\"dropped\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line}");
+    }
 }
 
 #[test]
