@@ -67,6 +67,31 @@ pub struct ChannelDef {
     /// Email: the authserv-id of the receiving server whose `Authentication-Results` are
     /// believed; `None`: the topmost header's.
     pub authserv_id: Option<String>,
+    /// Where the run's final answer is posted back, if anywhere (Slack, GitHub, Discord).
+    pub reply: Option<ChannelReply>,
+}
+
+/// Posting a channel run's final answer back to the platform: a Slack message in the event's
+/// channel (thread), a GitHub comment on the issue or pull request, a Discord follow-up.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChannelReply {
+    /// The platform's API (default its public one; tests point it at a local fake).
+    pub base_url: String,
+    /// The variable holding the API token (Slack: a bot token; GitHub: a token that may comment;
+    /// Discord needs none: the interaction's token is enough).
+    pub token_env: Option<String>,
+}
+
+impl ChannelReply {
+    /// The public API of `kind`, when it has one replies go to.
+    pub fn default_base_url(kind: ChannelKind) -> Option<&'static str> {
+        match kind {
+            ChannelKind::Slack => Some("https://slack.com"),
+            ChannelKind::Github => Some("https://api.github.com"),
+            ChannelKind::Discord => Some("https://discord.com"),
+            ChannelKind::Webhook | ChannelKind::Email => None,
+        }
+    }
 }
 
 impl ChannelDef {
@@ -186,6 +211,7 @@ mod tests {
             session: String::new(),
             addresses: Vec::new(),
             authserv_id: None,
+            reply: None,
         };
         assert!(def.accepts("issues.opened"));
         assert!(def.accepts("issues"));

@@ -37,6 +37,14 @@ const WINDOW_SECS: i64 = 300;
 pub(crate) struct Channel {
     def: ChannelDef,
     key: Key,
+    reply: Option<ReplyTarget>,
+}
+
+/// Where a channel's final answers go, with the token read at start-up.
+struct ReplyTarget {
+    base_url: String,
+    token: Option<String>,
+    http: reqwest::Client,
 }
 
 enum Key {
@@ -81,7 +89,32 @@ pub(crate) fn load(agent: &AgentDef) -> Result<Vec<Channel>, String> {
                 _ => return Err(format!("{} is not an Ed25519 public key (64 hex digits)", def.secret_env)),
             },
         };
-        channels.push(Channel { def: def.clone(), key });
+        let reply = match &def.reply {
+            None => None,
+            Some(reply) => {
+                let token = match &reply.token_env {
+                    None => None,
+                    Some(variable) => match std::env::var(variable) {
+                        Ok(token) if !token.trim().is_empty() => Some(token.trim().to_owned()),
+                        _ => {
+                            return Err(format!(
+                                "channel `{}` replies with the token in {variable}, which is not set",
+                                def.name
+                            ));
+                        }
+                    },
+                };
+                let http = reqwest::Client::builder()
+                    .timeout(std::time::Duration::from_secs(30))
+                    .user_agent("keel")
+                    .build()
+                    .map_err(|error| {
+                        format!("channel `{}`: no HTTP client for replies: {error}", def.name)
+                    })?;
+                Some(ReplyTarget { base_url: reply.base_url.clone(), token, http })
+            }
+        };
+        channels.push(Channel { def: def.clone(), key, reply });
     }
     Ok(channels)
 }
@@ -179,7 +212,18 @@ pub(crate) async fn deliver(
         Ok(handle) => {
             count("claimed");
             tracing::info!(channel = %channel.def.name, event = %delivery.event, delivery = %delivery.id, run = %run_id, %session, "delivery claimed");
-            drop(state.feeds.forward(&session, handle));
+            let forwarded = state.feeds.forward(&session, handle);
+            if channel.reply.is_some() {
+                let state = Arc::clone(&state);
+                let name = channel.def.name.clone();
+                let payload = delivery.payload;
+                tokio::spawn(async move {
+                    let Ok(Ok(result)) = forwarded.await else { return };
+                    let Some(channel) = state.channels.iter().find(|c| c.def.name == name) else { return };
+                    let outcome = reply(channel, &payload, &result.text).await;
+                    state.metrics.reply(&name, outcome);
+                });
+            }
             claimed(channel.def.kind, &run_id, false)
         }
         // The same delivery twice at once: the other one started it.
@@ -197,6 +241,78 @@ pub(crate) async fn deliver(
             .into_response()
         }
         Err(failure) => ApiError::from(failure).into_response(),
+    }
+}
+
+/// Posts a run's final answer back where its delivery came from: `sent`, `skipped` (nothing to
+/// say, or nowhere to say it) or `failed` (logged). Not journaled: a process that dies between
+/// the run's end and this post does not post it.
+async fn reply(channel: &Channel, payload: &Value, text: &str) -> &'static str {
+    let Some(target) = &channel.reply else { return "skipped" };
+    if text.trim().is_empty() {
+        return "skipped";
+    }
+    let field = |path: &[&str]| {
+        let mut value = payload;
+        for key in path {
+            value = value.get(key).unwrap_or(&Value::Null);
+        }
+        match value {
+            Value::String(s) => Some(s.clone()),
+            Value::Number(n) => Some(n.to_string()),
+            _ => None,
+        }
+    };
+    let request = match channel.def.kind {
+        ChannelKind::Github => {
+            let number = field(&["issue", "number"]).or_else(|| field(&["pull_request", "number"]));
+            let (Some(repository), Some(number)) = (field(&["repository", "full_name"]), number) else {
+                return "skipped";
+            };
+            target
+                .http
+                .post(format!("{}/repos/{repository}/issues/{number}/comments", target.base_url))
+                .header("accept", "application/vnd.github+json")
+                .json(&json!({"body": text}))
+        }
+        ChannelKind::Slack => {
+            let Some(conversation) = field(&["event", "channel"]).or_else(|| field(&["channel_id"])) else {
+                return "skipped";
+            };
+            let thread = field(&["event", "thread_ts"]).or_else(|| field(&["event", "ts"]));
+            let mut body = json!({"channel": conversation, "text": text});
+            if let Some(thread) = thread {
+                body["thread_ts"] = json!(thread);
+            }
+            target.http.post(format!("{}/api/chat.postMessage", target.base_url)).json(&body)
+        }
+        ChannelKind::Discord => {
+            let (Some(application), Some(token)) = (field(&["application_id"]), field(&["token"])) else {
+                return "skipped";
+            };
+            // A Discord message holds 2,000 characters.
+            let content: String = text.chars().take(2000).collect();
+            target
+                .http
+                .post(format!("{}/api/v10/webhooks/{application}/{token}", target.base_url))
+                .json(&json!({"content": content}))
+        }
+        ChannelKind::Webhook | ChannelKind::Email => return "skipped",
+    };
+    let request = match &target.token {
+        Some(token) => request.bearer_auth(token),
+        None => request,
+    };
+    match request.send().await {
+        Ok(response) if response.status().is_success() => "sent",
+        Ok(response) => {
+            tracing::warn!(channel = %channel.def.name, status = %response.status(), "the platform refused the reply");
+            "failed"
+        }
+        Err(error) => {
+            tracing::warn!(channel = %channel.def.name, %error, "could not post the reply");
+            "failed"
+        }
     }
 }
 
@@ -515,10 +631,12 @@ mod tests {
             session: String::new(),
             addresses: Vec::new(),
             authserv_id: None,
+            reply: None,
         };
         let secret =
             base64::engine::general_purpose::STANDARD.decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
-        let channel = Channel { def, key: Key::Hmac(Box::new(hmac::Key::new(hmac::HMAC_SHA256, &secret))) };
+        let key = Key::Hmac(Box::new(hmac::Key::new(hmac::HMAC_SHA256, &secret)));
+        let channel = Channel { def, key, reply: None };
         let mut context = hmac::Context::with_key(match &channel.key {
             Key::Hmac(key) => key,
             Key::Ed25519(_) => unreachable!(),

@@ -42,6 +42,7 @@ pub(crate) struct Metrics {
     delayed_started: Counter,
     delayed_deferred: Counter,
     deliveries: Family<Labels, Counter>,
+    replies: Family<Labels, Counter>,
     /// The trigger loop's counters, copied into the ones above when the metrics are read.
     triggers: Mutex<Option<Arc<keel_runtime::TriggerStats>>>,
 }
@@ -147,9 +148,16 @@ impl Metrics {
             "Webhook deliveries by channel and outcome (claimed, duplicate, declined, handshake, bad_signature, busy, invalid; email: bounced, dropped)",
             deliveries.clone(),
         );
+        let replies = Family::<Labels, Counter>::default();
+        registry.register(
+            "channel_replies",
+            "Final answers posted back to a channel's platform, by channel and outcome (sent, failed, skipped)",
+            replies.clone(),
+        );
         Metrics {
             registry,
             deliveries,
+            replies,
             schedule_fires,
             schedule_missed,
             delayed_started,
@@ -246,6 +254,13 @@ impl Metrics {
     /// A channel's delivery and what became of it.
     pub(crate) fn delivery(&self, channel: &str, outcome: &str) {
         self.deliveries
+            .get_or_create(&vec![("channel", channel.to_owned()), ("outcome", outcome.to_owned())])
+            .inc();
+    }
+
+    /// A reply to a channel's platform and what became of it.
+    pub(crate) fn reply(&self, channel: &str, outcome: &str) {
+        self.replies
             .get_or_create(&vec![("channel", channel.to_owned()), ("outcome", outcome.to_owned())])
             .inc();
     }

@@ -17,7 +17,8 @@ use crate::decode::{Decoder, map_lacks};
 use crate::diagnostic::{Diagnostic, Pos, read_text};
 use crate::tree::{self, Format, Node};
 
-const KEYS: &[&str] = &["type", "secret_env", "events", "input", "session", "to", "authserv_id"];
+const KEYS: &[&str] = &["type", "secret_env", "events", "input", "session", "to", "authserv_id", "reply"];
+const REPLY_KEYS: &[&str] = &["base_url", "token_env"];
 
 /// Every `*.yaml` (or `.yml`) of `dir`, sorted by name: one channel each.
 pub(crate) fn load_dir(dir: &Path, diagnostics: &mut Vec<Diagnostic>) -> Vec<ChannelDef> {
@@ -73,6 +74,16 @@ fn channel(root: &Node, d: &mut Decoder<'_>, name: String) -> Option<ChannelDef>
     let session = map.take("session").map(|n| (n, d.text(n, "session")));
     let to = map.take("to").map(|n| (n, d.string_list(n, "to")));
     let authserv_id = map.take("authserv_id").map(|n| (n, d.string(n, "authserv_id")));
+    let reply_node = map.take("reply");
+    let mut reply_settings = None;
+    if let Some(node) = reply_node
+        && let Some(mut reply) = d.map(node, "reply")
+    {
+        let base_url = reply.take("base_url").map(|n| (n, d.string(n, "reply.base_url")));
+        let token_env = reply.take("token_env").and_then(|n| d.string(n, "reply.token_env"));
+        reply.finish(d, "reply", REPLY_KEYS);
+        reply_settings = Some((node, base_url, token_env));
+    }
     map.finish(d, "", KEYS);
     let kinds: Vec<&str> = ChannelKind::ALL.iter().map(|(name, _)| *name).collect();
     let kind = match kind {
@@ -128,6 +139,44 @@ fn channel(root: &Node, d: &mut Decoder<'_>, name: String) -> Option<ChannelDef>
             d.error(n.pos, format!("`{key}` applies to `type: email` channels only"));
         }
     }
+    let reply = match (reply_settings, kind) {
+        (Some((node, base_url, token_env)), Some(kind)) => {
+            match keel_core::channel::ChannelReply::default_base_url(kind) {
+                None => {
+                    d.error(
+                        node.pos,
+                        format!(
+                            "`reply` applies to slack, github and discord channels, not {}",
+                            kind.as_str()
+                        ),
+                    );
+                    None
+                }
+                Some(default) => {
+                    let base_url = match base_url {
+                        Some((n, Some(url)))
+                            if !(url.starts_with("http://") || url.starts_with("https://")) =>
+                        {
+                            d.error(n.pos, format!("`reply.base_url` {url:?} is not an http(s) URL"));
+                            None
+                        }
+                        Some((_, Some(url))) => Some(url.trim_end_matches('/').to_owned()),
+                        Some((_, None)) => None,
+                        None => Some(default.to_owned()),
+                    };
+                    if token_env.is_none() && kind != ChannelKind::Discord {
+                        d.error(node.pos, "`reply` needs `token_env`, the variable holding the API token").hint =
+                            Some(match kind {
+                                ChannelKind::Slack => "a bot token that may call chat.postMessage, e.g. `token_env: SLACK_BOT_TOKEN`",
+                                _ => "a token that may comment on issues, e.g. `token_env: GITHUB_TOKEN`",
+                            }.into());
+                    }
+                    base_url.map(|base_url| keel_core::channel::ChannelReply { base_url, token_env })
+                }
+            }
+        }
+        _ => None,
+    };
     let default_input = if email { ChannelDef::DEFAULT_EMAIL_INPUT } else { ChannelDef::DEFAULT_INPUT };
     let mut template = |given: Option<(&Node, Option<String>)>, key: &str, default: &str| -> Option<String> {
         match given {
@@ -162,5 +211,6 @@ fn channel(root: &Node, d: &mut Decoder<'_>, name: String) -> Option<ChannelDef>
             .map(|(address, _)| address.to_ascii_lowercase())
             .collect(),
         authserv_id: authserv_id.and_then(|(_, id)| id),
+        reply,
     })
 }

@@ -387,3 +387,93 @@ fn a_channel_whose_secret_is_not_set_stops_keel_serve_naming_the_variable() {
     assert!(stderr.contains("SLACK_SECRET") && stderr.contains("not set"), "{stderr}");
     assert!(!stderr.contains("http://"), "it listened before refusing: {stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn final_answers_are_posted_back_to_github_slack_and_discord() {
+    let fake = keel_testkit::WireServer::start(
+        (0..3).map(|_| keel_testkit::Reply::json(201, &json!({"ok": true}))).collect(),
+    )
+    .await;
+    let base = fake.url();
+    let dir = agent_dir(&[
+        ("agent.yaml", "model: mock\nmock:\n  script:\n    - { text: handled }\n"),
+        (
+            "channels/gh.yaml",
+            &format!(
+                "type: github\nsecret_env: GH_SECRET\nreply: {{ base_url: \"{base}\", token_env: GH_TOKEN }}\n"
+            ),
+        ),
+        (
+            "channels/slack.yaml",
+            &format!(
+                "type: slack\nsecret_env: SLACK_SECRET\nreply: {{ base_url: \"{base}\", token_env: SLACK_BOT_TOKEN }}\n"
+            ),
+        ),
+        (
+            "channels/discord.yaml",
+            &format!("type: discord\nsecret_env: DISCORD_KEY\nreply: {{ base_url: \"{base}\" }}\n"),
+        ),
+    ]);
+    let served = Served::start(
+        dir.path(),
+        "memory",
+        &[
+            ("GH_SECRET", GITHUB_SECRET),
+            ("SLACK_SECRET", SLACK_SECRET),
+            ("DISCORD_KEY", DISCORD_PUBLIC),
+            ("GH_TOKEN", "gh-token"),
+            ("SLACK_BOT_TOKEN", "xoxb-token"),
+        ],
+    );
+    let issue = serde_json::to_vec(&json!({
+        "action": "opened", "issue": {"number": 42, "title": "t"}, "repository": {"full_name": "acme/app"},
+        "sender": {"login": "octocat"},
+    }))
+    .unwrap();
+    let headers = with(
+        sign("github", GITHUB_SECRET, &issue, None, ""),
+        &[("X-GitHub-Event", "issues"), ("X-GitHub-Delivery", "r-1")],
+    );
+    assert_eq!(post(&served, "gh", &issue, &headers).await.0, 200);
+    let mention = serde_json::to_vec(&json!({
+        "type": "event_callback", "event_id": "EvR",
+        "event": {"type": "app_mention", "user": "U1", "channel": "C1", "ts": "123.4", "text": "hi"},
+    }))
+    .unwrap();
+    assert_eq!(
+        post(&served, "slack", &mention, &sign("slack", SLACK_SECRET, &mention, None, "")).await.0,
+        200
+    );
+    let command = serde_json::to_vec(&json!({
+        "type": 2, "id": "r2", "application_id": "app1", "token": "tok1", "user": {"id": "u9"}, "data": {"name": "ask"},
+    }))
+    .unwrap();
+    assert_eq!(
+        post(&served, "discord", &command, &sign("discord", DISCORD_SEED, &command, None, "")).await.0,
+        200
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fake.requests().len() < 3 {
+        assert!(Instant::now() < deadline, "replies posted: {:?}", fake.requests());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut requests = fake.requests();
+    requests.sort_by(|a, b| a.path.cmp(&b.path));
+    let github = &requests[2];
+    assert_eq!(
+        (github.method.as_str(), github.path.as_str()),
+        ("POST", "/repos/acme/app/issues/42/comments")
+    );
+    assert_eq!(github.header("authorization"), Some("Bearer gh-token"));
+    assert_eq!(github.json(), json!({"body": "handled"}));
+    let slack = &requests[0];
+    assert_eq!(slack.path, "/api/chat.postMessage");
+    assert_eq!(slack.header("authorization"), Some("Bearer xoxb-token"));
+    assert_eq!(slack.json(), json!({"channel": "C1", "text": "handled", "thread_ts": "123.4"}));
+    let discord = &requests[1];
+    assert_eq!(discord.path, "/api/v10/webhooks/app1/tok1");
+    assert_eq!(discord.header("authorization"), None);
+    assert_eq!(discord.json(), json!({"content": "handled"}));
+    let metrics = client().get(served.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("keel_channel_replies_total{channel=\"gh\",outcome=\"sent\"} 1"), "{metrics}");
+}
