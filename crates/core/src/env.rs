@@ -138,8 +138,9 @@ env_vars! {
     CALL_ID = "KEEL_CALL_ID", Tool, "", "the call's id";
     /// Fault injection.
     FAULT = "KEEL_FAULT", Testing, "unset",
-        "`<point>:<step>` aborts the process at that step boundary, for crash tests; only in debug builds or \
-         builds with the `fault-injection` feature";
+        "`<point>:<step>` aborts the process at that step boundary (or `after_schedule_claim`, right after a \
+         schedule's tick is claimed), for crash tests; only in debug builds or builds with the `fault-injection` \
+         feature";
     /// The PostgreSQL server the tests use.
     TEST_POSTGRES = "KEEL_TEST_POSTGRES", Testing, "`postgres://postgres@127.0.0.1:5432/postgres`",
         "the PostgreSQL server tests create (and drop) their own databases on";

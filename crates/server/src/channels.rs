@@ -140,7 +140,16 @@ pub(crate) async fn deliver(
     let Some(channel) = state.channels.iter().find(|c| c.def.name == name) else {
         return ApiError::new(ErrorCode::ChannelNotFound, format!("no channel {name:?}")).into_response();
     };
-    let body: Bytes = match axum::body::to_bytes(body, crate::routes::MAX_BODY).await {
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    // A declared length over the limit is refused before anything is read.
+    let body = match declared {
+        Some(length) if length > crate::routes::MAX_BODY as u64 => Err(()),
+        _ => axum::body::to_bytes(body, crate::routes::MAX_BODY).await.map_err(drop),
+    };
+    let body: Bytes = match body {
         Ok(body) => body,
         Err(_) => {
             state.metrics.delivery(&channel.def.name, "invalid");
