@@ -62,6 +62,13 @@ impl Clock for ManualClock {
     }
 }
 
+/// `at_ms` (milliseconds since the Unix epoch) as an RFC 3339 UTC time, `2026-12-01T09:00:00Z`:
+/// how the API and the CLI write times.
+pub fn rfc3339(at_ms: u64) -> String {
+    jiff::Timestamp::from_millisecond(i64::try_from(at_ms).unwrap_or(i64::MAX))
+        .map_or_else(|_| at_ms.to_string(), |at| at.to_string())
+}
+
 /// "3 s ago", "in 2 min": a time relative to `now`, for messages.
 pub fn relative(at_ms: u64, now_ms: u64) -> String {
     let (seconds, past) = if at_ms <= now_ms {

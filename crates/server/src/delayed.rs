@@ -13,6 +13,8 @@ use axum::response::{IntoResponse, Response};
 use keel_core::{DelayedRun, DelayedRunRecord, DelayedState, ErrorCode, RunId, SessionId};
 use serde_json::{Value, json};
 
+use keel_core::clock::rfc3339;
+
 use crate::AppState;
 use crate::auth::Identity;
 use crate::error::ApiError;
@@ -170,9 +172,4 @@ fn delayed_json(record: &DelayedRunRecord) -> Value {
         body["note"] = json!(note);
     }
     body
-}
-
-fn rfc3339(at_ms: u64) -> String {
-    jiff::Timestamp::from_millisecond(i64::try_from(at_ms).unwrap_or(i64::MAX))
-        .map_or_else(|_| at_ms.to_string(), |at| at.to_string())
 }

@@ -44,7 +44,7 @@ pub(crate) fn schedules(command: SchedulesCommand) -> std::io::Result<u8> {
                 "missed": match schedule.missed { keel_core::schedule::Missed::Latest => "latest", keel_core::schedule::Missed::Skip => "skip" },
                 "next": fires.iter().map(|at| serde_json::json!({
                     "local": schedule.cron.local_time(*at),
-                    "utc": utc(*at),
+                    "utc": keel_core::clock::rfc3339(*at),
                 })).collect::<Vec<_>>(),
             });
             println!("{line}");
@@ -60,7 +60,7 @@ pub(crate) fn schedules(command: SchedulesCommand) -> std::io::Result<u8> {
             println!("  never fires again");
         }
         for at in fires {
-            println!("  {}  =  {}", schedule.cron.local_time(at), utc(at));
+            println!("  {}  =  {}", schedule.cron.local_time(at), keel_core::clock::rfc3339(at));
         }
     }
     Ok(exit::OK)
@@ -103,7 +103,7 @@ pub(crate) fn run_later(args: &RunArgs) -> std::io::Result<u8> {
         match store.schedule_run(&run).await {
             Ok(_) if args.json => {
                 let line = serde_json::json!({
-                    "runId": run.run_id.as_str(), "sessionId": session.as_str(), "at": utc(due_ms), "state": "waiting",
+                    "runId": run.run_id.as_str(), "sessionId": session.as_str(), "at": keel_core::clock::rfc3339(due_ms), "state": "waiting",
                 });
                 println!("{line}");
                 Ok(exit::OK)
@@ -113,7 +113,7 @@ pub(crate) fn run_later(args: &RunArgs) -> std::io::Result<u8> {
                 eprintln!(
                     "stored: session {session} runs at {} (local {}); `keel serve {} --store {}` starts it then. \
                      Cancel it with `keel runs cancel {} --store {}`",
-                    utc(due_ms),
+                    keel_core::clock::rfc3339(due_ms),
                     local(due_ms),
                     args.agent.display(),
                     args.store,
@@ -189,7 +189,7 @@ pub(crate) fn runs(command: RunsCommand) -> std::io::Result<u8> {
         if let Some(delayed) = delayed {
             println!(
                 "  due {} (local {}), from {}",
-                utc(delayed.run.due_ms),
+                keel_core::clock::rfc3339(delayed.run.due_ms),
                 local(delayed.run.due_ms),
                 delayed.run.source
             );
@@ -215,11 +215,6 @@ async fn open(url: &str) -> Option<std::sync::Arc<dyn keel_core::Store>> {
             None
         }
     }
-}
-
-fn utc(at_ms: u64) -> String {
-    jiff::Timestamp::from_millisecond(i64::try_from(at_ms).unwrap_or(i64::MAX))
-        .map_or_else(|_| at_ms.to_string(), |at| at.to_string())
 }
 
 fn local(at_ms: u64) -> String {
