@@ -126,16 +126,20 @@ impl Triggers {
     pub async fn pass(&mut self) -> Duration {
         let clock = Arc::clone(self.engine.clock());
         let now = clock.now_ms();
+        let mut failed = false;
         for index in 0..self.schedules.len() {
             if let Err(error) = self.fire_if_due(index, now).await {
                 let schedule = &self.schedules[index];
                 tracing::warn!(schedule = %schedule.key, %error, "could not fire the schedule; trying again");
+                failed = true;
             }
         }
         self.start_due().await;
         let now = clock.now_ms();
         let next = self.schedules.iter().filter_map(|s| s.next_ms).min();
         match next {
+            // A store that fails is not asked again at once.
+            _ if failed => POLL,
             Some(next) if next <= now => Duration::ZERO,
             Some(next) => POLL.min(Duration::from_millis(next - now)),
             None => POLL,
