@@ -67,9 +67,11 @@ async fn two_processes_fire_each_tick_once(store_url: &str) {
     for (stamp, (runs, _)) in &fired {
         assert_eq!(*runs, 1, "tick {stamp} ran {runs} times: {fired:?}");
     }
-    // No tick in between was dropped: the stamps are consecutive seconds.
+    // No tick in between was dropped: the stamps are consecutive seconds. (Not checked over the
+    // last two: a fire claimed just before the kill may not have started its run yet, while the
+    // next one's did; the crash test covers a claimed fire left behind.)
     let stamps: Vec<i64> = fired.keys().map(|s| seconds(s)).collect();
-    for pair in stamps.windows(2) {
+    for pair in stamps[..stamps.len() - 2].windows(2) {
         assert_eq!(pair[1] - pair[0], 1, "a tick was skipped: {fired:?}");
     }
 }
