@@ -52,9 +52,8 @@ pub struct ScheduleDef {
 impl ScheduleDef {
     /// Whether `name` can name a schedule: it becomes part of session and store keys.
     pub fn valid_name(name: &str) -> bool {
-        !name.is_empty()
-            && name.len() <= 64
-            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        // The same rule as tool names.
+        crate::tool::validate_tool_name(name)
     }
 
     /// The key the store records this schedule's ticks under: unique among the agents that

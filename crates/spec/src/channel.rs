@@ -8,55 +8,22 @@
 //! session: "gh-{{payload.issue.number}}"
 //! ```
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use keel_core::ErrorCode;
 use keel_core::channel::{ChannelDef, ChannelKind, check_template};
 
 use crate::decode::{Decoder, map_lacks};
-use crate::diagnostic::{Diagnostic, Pos, read_text};
-use crate::tree::{self, Format, Node};
+use crate::diagnostic::Diagnostic;
+use crate::tree::Node;
 
 const KEYS: &[&str] = &["type", "secret_env", "events", "input", "session", "to", "authserv_id", "reply"];
 const REPLY_KEYS: &[&str] = &["base_url", "token_env"];
 
 /// Every `*.yaml` (or `.yml`) of `dir`, sorted by name: one channel each.
 pub(crate) fn load_dir(dir: &Path, diagnostics: &mut Vec<Diagnostic>) -> Vec<ChannelDef> {
-    let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
-        Ok(entries) => entries
-            .filter_map(Result::ok)
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml") && p.is_file())
-            .collect(),
-        Err(_) => return Vec::new(),
-    };
-    files.sort();
     let mut channels = Vec::new();
-    for file in files {
-        let name = file.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_owned();
-        if !keel_core::tool::validate_tool_name(&name) {
-            diagnostics.push(
-                Diagnostic::error(
-                    ErrorCode::SpecInvalid,
-                    &file,
-                    Pos::default(),
-                    format!("invalid channel name {name:?} (from the file name)"),
-                )
-                .with_hint(
-                    "name channel files with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`, then `.yaml`",
-                ),
-            );
-            continue;
-        }
-        let Some(text) = read_text(&file, "channel", diagnostics) else { continue };
-        let root = match tree::parse(&text, Format::Yaml, &file) {
-            Ok(root) => root,
-            Err(diagnostic) => {
-                diagnostics.push(diagnostic);
-                continue;
-            }
-        };
-        let mut d = Decoder { file: file.clone(), diagnostics };
+    for (name, file, root) in crate::directory::yaml_files(dir, "channel", diagnostics) {
+        let mut d = Decoder { file, diagnostics };
         if let Some(channel) = channel(&root, &mut d, name) {
             channels.push(channel);
         }

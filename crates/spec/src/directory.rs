@@ -226,6 +226,49 @@ pub(crate) fn load_with_spec_file(
     Some(agent)
 }
 
+/// The `*.yaml` (or `.yml`) files of `dir`, sorted by name, each parsed, with the name it gives
+/// (its stem: 1 to 64 characters of `A-Za-z0-9_-`, else an error naming the file): what
+/// `schedules/` and `channels/` hold, one `what` each.
+pub(crate) fn yaml_files(
+    dir: &Path,
+    what: &str,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Vec<(String, PathBuf, tree::Node)> {
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml") && p.is_file())
+            .collect(),
+        Err(_) => return Vec::new(),
+    };
+    files.sort();
+    let mut parsed = Vec::new();
+    for file in files {
+        let name = file.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_owned();
+        if !keel_core::tool::validate_tool_name(&name) {
+            diagnostics.push(
+                Diagnostic::error(
+                    ErrorCode::SpecInvalid,
+                    &file,
+                    Pos::default(),
+                    format!("invalid {what} name {name:?} (from the file name)"),
+                )
+                .with_hint(format!(
+                    "name {what} files with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`, then `.yaml`"
+                )),
+            );
+            continue;
+        }
+        let Some(text) = read_text(&file, what, diagnostics) else { continue };
+        match tree::parse(&text, tree::Format::Yaml, &file) {
+            Ok(root) => parsed.push((name, file, root)),
+            Err(diagnostic) => diagnostics.push(diagnostic),
+        }
+    }
+    parsed
+}
+
 /// A path under `dir` written relative, made absolute under `absolute`.
 fn rebase(path: &Path, dir: &Path, absolute: &Path) -> PathBuf {
     match path.strip_prefix(dir) {

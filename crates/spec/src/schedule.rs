@@ -11,12 +11,12 @@
 
 use std::path::{Path, PathBuf};
 
+use keel_core::SessionId;
 use keel_core::schedule::{CronSchedule, Missed, ScheduleDef, ScheduleError, time_zone_names};
-use keel_core::{ErrorCode, SessionId};
 
 use crate::decode::{Decoder, did_you_mean, map_lacks};
-use crate::diagnostic::{Diagnostic, Pos, read_text};
-use crate::tree::{self, Format, Node};
+use crate::diagnostic::{Diagnostic, Pos};
+use crate::tree::Node;
 
 const KEYS: &[&str] = &["type", "name", "cron", "timezone", "input", "session", "missed"];
 const FILE_KEYS: &[&str] = &["type", "cron", "timezone", "input", "session", "missed"];
@@ -40,40 +40,8 @@ pub(crate) fn triggers(node: &Node, d: &mut Decoder<'_>) -> Vec<(ScheduleDef, Po
 
 /// Every `*.yaml` (or `.yml`) of `dir`, sorted by name: one schedule each.
 pub(crate) fn load_dir(dir: &Path, diagnostics: &mut Vec<Diagnostic>) -> Vec<(ScheduleDef, PathBuf)> {
-    let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
-        Ok(entries) => entries
-            .filter_map(Result::ok)
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml") && p.is_file())
-            .collect(),
-        Err(_) => return Vec::new(),
-    };
-    files.sort();
     let mut schedules = Vec::new();
-    for file in files {
-        let name = file.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_owned();
-        if !ScheduleDef::valid_name(&name) {
-            diagnostics.push(
-                Diagnostic::error(
-                    ErrorCode::SpecInvalid,
-                    &file,
-                    Pos::default(),
-                    format!("invalid schedule name {name:?} (from the file name)"),
-                )
-                .with_hint(
-                    "name schedule files with 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`, then `.yaml`",
-                ),
-            );
-            continue;
-        }
-        let Some(text) = read_text(&file, "schedule", diagnostics) else { continue };
-        let root = match tree::parse(&text, Format::Yaml, &file) {
-            Ok(root) => root,
-            Err(diagnostic) => {
-                diagnostics.push(diagnostic);
-                continue;
-            }
-        };
+    for (name, file, root) in crate::directory::yaml_files(dir, "schedule", diagnostics) {
         let mut d = Decoder { file: file.clone(), diagnostics };
         if let Some(schedule) = schedule(&root, &mut d, Some(name)) {
             schedules.push((schedule, file));
