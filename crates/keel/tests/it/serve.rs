@@ -74,6 +74,23 @@ impl Drop for Served {
     }
 }
 
+/// `POST path` to `served` declaring a `content-length` of `length` but sending one byte of it:
+/// the server's raw answer. Over a raw socket because the server answers an oversized body
+/// and closes the connection without reading it, and a client still writing it would see a
+/// broken pipe instead of the answer.
+pub(crate) async fn post_declaring(served: &Served, path: &str, length: usize) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let address = served.base.trim_start_matches("http://").to_owned();
+    let mut socket = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n\r\n{{"
+    );
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), socket.read_to_end(&mut answer)).await;
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
 /// One SSE message.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Sse {
@@ -245,19 +262,8 @@ async fn bad_requests_get_json_errors_with_codes_and_never_a_500() {
         let response = request.send().await.unwrap();
         assert_eq!(error_of(response).await, (status, code.to_owned()), "{what}");
     }
-    // Over 1 MB: answered from the declared length, before the body is read. (Over a raw
-    // socket: the server closes the connection after answering, and a client still writing
-    // the body would see a broken pipe instead of the answer.)
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let address = server.base.trim_start_matches("http://").to_owned();
-    let mut socket = tokio::net::TcpStream::connect(&address).await.unwrap();
-    socket
-        .write_all(b"POST /chat HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: 1100000\r\n\r\n{\"sessionId\":")
-        .await
-        .unwrap();
-    let mut answer = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(10), socket.read_to_end(&mut answer)).await;
-    let answer = String::from_utf8_lossy(&answer);
+    // Over 1 MB: answered from the declared length, before the body is read.
+    let answer = post_declaring(&server, "/chat", 1_100_000).await;
     assert!(answer.starts_with("HTTP/1.1 413") && answer.contains("KEEL_BODY_TOO_LARGE"), "{answer}");
 }
 
