@@ -261,6 +261,23 @@ pub(crate) fn run_async<T>(work: impl std::future::Future<Output = T>) -> std::i
     Ok(outcome)
 }
 
+/// Opens a store, off the async threads (opening may block: the PostgreSQL driver runs its own
+/// runtime), printing why it cannot.
+pub(crate) async fn open_store(url: &str) -> Option<std::sync::Arc<dyn keel_core::Store>> {
+    let target = url.to_owned();
+    match tokio::task::spawn_blocking(move || keel_store::open(&target)).await {
+        Ok(Ok(store)) => Some(store),
+        Ok(Err(error)) => {
+            eprintln!("error[{}]: {error}", error.code());
+            None
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            None
+        }
+    }
+}
+
 fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     humantime::parse_duration(text).map_err(|e| format!("{e} (write durations like `30d`, `12h`, `90m`)"))
 }

@@ -50,19 +50,7 @@ pub(crate) async fn load_agent(
     if let Some(model) = model {
         spec.model = model.to_owned();
     }
-    // Opening a store may block (the PostgreSQL driver runs its own runtime): off the async
-    // threads.
-    let target = store.to_owned();
-    let opened = tokio::task::spawn_blocking(move || keel_store::open(&target))
-        .await
-        .map_err(std::io::Error::other)?;
-    let store = match opened {
-        Ok(store) => store,
-        Err(error) => {
-            writeln!(stderr, "error[{}]: {error}", error.code())?;
-            return Ok(Err(exit::INVALID_AGENT));
-        }
-    };
+    let Some(store) = super::open_store(store).await else { return Ok(Err(exit::INVALID_AGENT)) };
     Ok(match Agent::from_spec(spec, store).await {
         Ok(agent) => Ok(agent),
         Err(keel::LoadError::Setup(failure)) => {

@@ -92,7 +92,7 @@ pub(crate) fn run_later(args: &RunArgs) -> std::io::Result<u8> {
         }
     };
     super::run_async(async {
-        let Some(store) = open(&args.store).await else { return Ok(exit::INVALID_AGENT) };
+        let Some(store) = super::open_store(&args.store).await else { return Ok(exit::INVALID_AGENT) };
         let run = DelayedRun {
             run_id: keel_runtime::new_delayed_run_id(),
             session_id: session.clone(),
@@ -142,7 +142,7 @@ pub(crate) fn runs(command: RunsCommand) -> std::io::Result<u8> {
         return Ok(2);
     };
     super::run_async(async {
-        let Some(store) = open(store_url).await else { return Ok(exit::INVALID_AGENT) };
+        let Some(store) = super::open_store(store_url).await else { return Ok(exit::INVALID_AGENT) };
         let failed = |error: keel_core::StoreError| {
             eprintln!("error[{}]: {error}", error.code());
             Ok(exit::RUN_FAILED)
@@ -199,22 +199,6 @@ pub(crate) fn runs(command: RunsCommand) -> std::io::Result<u8> {
         }
         Ok(exit::OK)
     })?
-}
-
-/// Opens a store (off the async threads: the PostgreSQL driver blocks), printing why not.
-async fn open(url: &str) -> Option<std::sync::Arc<dyn keel_core::Store>> {
-    let target = url.to_owned();
-    match tokio::task::spawn_blocking(move || keel_store::open(&target)).await {
-        Ok(Ok(store)) => Some(store),
-        Err(error) => {
-            eprintln!("error: {error}");
-            None
-        }
-        Ok(Err(error)) => {
-            eprintln!("error[{}]: {error}", error.code());
-            None
-        }
-    }
 }
 
 fn local(at_ms: u64) -> String {
