@@ -25,15 +25,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     // What the mock model does: call `add`, then answer with its output. Replace `.model("mock")`
     // and the script with a real model to use a provider.
-    let script = MockScript {
-        entries: vec![
-            MockEntry {
-                tool_calls: vec![MockToolCall { name: "add".into(), input: json!({"a": 2, "b": 3}) }],
-                ..MockEntry::default()
-            },
-            MockEntry { text: Some("2 + 3 = {{last_tool_output}}".into()), ..MockEntry::default() },
-        ],
-    };
+    let script = MockScript::new(vec![
+        MockEntry {
+            tool_calls: vec![MockToolCall { name: "add".into(), input: json!({"a": 2, "b": 3}) }],
+            ..MockEntry::default()
+        },
+        MockEntry { text: Some("2 + 3 = {{last_tool_output}}".into()), ..MockEntry::default() },
+    ]);
     let agent = Agent::builder()
         .name("calculator")
         .instructions("You add numbers. Always use the add tool.")

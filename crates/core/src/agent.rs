@@ -41,6 +41,10 @@ pub struct AgentDef {
     pub schedules: Vec<crate::schedule::ScheduleDef>,
     /// Inbound webhooks that start runs (`channels/<name>.yaml`): a server mounts them.
     pub channels: Vec<crate::channel::ChannelDef>,
+    /// Repair turns, compaction and hooks.
+    pub loop_control: crate::loop_control::LoopControl,
+    /// The session state a new session starts with (spec key `state.initial`): a JSON object.
+    pub initial_state: Option<Value>,
 }
 
 impl AgentDef {
@@ -104,6 +108,84 @@ impl Default for Limits {
             max_tool_output_chars: 50_000,
             provider_timeout: Duration::from_secs(120),
         }
+    }
+}
+
+/// Limits and budgets of one run that differ from the agent's (from the Rust API or the
+/// `limits` of a `POST /chat` body). Stored with the run, so a re-driven run keeps them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LimitOverrides {
+    /// Instead of `limits.max_turns`.
+    pub max_turns: Option<u32>,
+    /// Instead of `limits.max_total_tokens`.
+    pub max_total_tokens: Option<u64>,
+    /// Instead of `limits.max_tool_calls`.
+    pub max_tool_calls: Option<u32>,
+    /// Instead of `limits.tool_timeout`.
+    pub tool_timeout: Option<Duration>,
+    /// Instead of `limits.max_tool_output_chars`.
+    pub max_tool_output_chars: Option<usize>,
+    /// Instead of `limits.provider_timeout`.
+    pub provider_timeout: Option<Duration>,
+}
+
+impl LimitOverrides {
+    /// Whether nothing is overridden.
+    pub fn is_empty(&self) -> bool {
+        *self == LimitOverrides::default()
+    }
+
+    /// The agent's limits with these applied.
+    pub fn apply(&self, limits: &Limits) -> Limits {
+        Limits {
+            max_turns: self.max_turns.unwrap_or(limits.max_turns),
+            max_total_tokens: self.max_total_tokens.or(limits.max_total_tokens),
+            max_tool_calls: self.max_tool_calls.or(limits.max_tool_calls),
+            tool_timeout: self.tool_timeout.unwrap_or(limits.tool_timeout),
+            max_tool_output_chars: self.max_tool_output_chars.unwrap_or(limits.max_tool_output_chars),
+            provider_timeout: self.provider_timeout.unwrap_or(limits.provider_timeout),
+        }
+    }
+
+    /// Checks that these only tighten `limits` (what a caller over HTTP may do: a budget is
+    /// the operator's to raise). The error names the first override that loosens.
+    pub fn check_tightens(&self, limits: &Limits) -> Result<(), String> {
+        let looser = |name: &str, asked: String, agent: String| {
+            Err(format!(
+                "`limits.{name}` is {asked} here, more than the agent's {agent}: a request may only lower limits"
+            ))
+        };
+        if let Some(asked) = self.max_turns.filter(|&n| n > limits.max_turns) {
+            return looser("max_turns", asked.to_string(), limits.max_turns.to_string());
+        }
+        if let (Some(asked), Some(agent)) = (self.max_total_tokens, limits.max_total_tokens)
+            && asked > agent
+        {
+            return looser("max_total_tokens", asked.to_string(), agent.to_string());
+        }
+        if let (Some(asked), Some(agent)) = (self.max_tool_calls, limits.max_tool_calls)
+            && asked > agent
+        {
+            return looser("max_tool_calls", asked.to_string(), agent.to_string());
+        }
+        if let Some(asked) = self.tool_timeout.filter(|&t| t > limits.tool_timeout) {
+            return looser("tool_timeout", format!("{asked:?}"), format!("{:?}", limits.tool_timeout));
+        }
+        if let Some(asked) = self.max_tool_output_chars.filter(|&n| n > limits.max_tool_output_chars) {
+            return looser(
+                "max_tool_output_chars",
+                asked.to_string(),
+                limits.max_tool_output_chars.to_string(),
+            );
+        }
+        if let Some(asked) = self.provider_timeout.filter(|&t| t > limits.provider_timeout) {
+            return looser(
+                "provider_timeout",
+                format!("{asked:?}"),
+                format!("{:?}", limits.provider_timeout),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -359,6 +441,16 @@ pub enum McpTransport {
 pub struct MockScript {
     /// The entries.
     pub entries: Vec<MockEntry>,
+    /// Replies to compaction calls (spec key `mock.compact`), one per brief of the session, in
+    /// order. When exhausted the mock writes a brief of the user's messages itself.
+    pub compact: Vec<MockEntry>,
+}
+
+impl MockScript {
+    /// A script of `entries` for the conversation's turns, and nothing else.
+    pub fn new(entries: Vec<MockEntry>) -> MockScript {
+        MockScript { entries, compact: Vec::new() }
+    }
 }
 
 /// One scripted model call: a reply (text, tool calls or both), optionally preceded by a

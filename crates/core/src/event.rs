@@ -156,6 +156,27 @@ pub enum Event {
         /// The question.
         question: String,
     },
+    /// The final answer did not match `output.schema`: the model is shown why and asked again
+    /// (`output.max_repairs`). The text streamed since the turn's `turn.start` was that answer.
+    OutputRepair {
+        /// The repair, from 1.
+        attempt: u32,
+        /// What was wrong with the answer.
+        problem: String,
+    },
+    /// Older messages were summarised into one brief (`compaction`): the model now sees the
+    /// brief and the `kept` latest messages.
+    ContextCompacted {
+        /// How many messages the brief replaces.
+        summarized: u64,
+        /// How many messages the model still sees as they are.
+        kept: u64,
+    },
+    /// A tool replaced the session's state with a different value.
+    StateUpdated {
+        /// The new state.
+        state: Value,
+    },
     /// Usage of one model call.
     Usage(Usage),
     /// The run finished.

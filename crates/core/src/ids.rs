@@ -146,7 +146,7 @@ impl fmt::Display for RunId {
 
 /// The name of a step of a run, the key of its journal entry.
 ///
-/// Displayed as `llm:turn:N`, `tool:NAME:CALL_ID`, `approval:CALL_ID` or `question:CALL_ID`.
+/// Displayed as `llm:turn:N`, `llm:compact:N`, `tool:NAME:CALL_ID`, `approval:CALL_ID` or `question:CALL_ID`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum StepName {
     /// One model call; turns count from 0 within the run.
@@ -162,6 +162,9 @@ pub enum StepName {
     Approval(String),
     /// A human's answer to an `ask_question` call.
     Question(String),
+    /// A compaction of the conversation (a model call that writes the brief); counts from 0
+    /// within the run.
+    Compact(u32),
 }
 
 impl StepName {
@@ -169,6 +172,9 @@ impl StepName {
     pub fn parse(text: &str) -> Option<StepName> {
         if let Some(turn) = text.strip_prefix("llm:turn:") {
             return turn.parse().ok().map(StepName::ModelTurn);
+        }
+        if let Some(n) = text.strip_prefix("llm:compact:") {
+            return n.parse().ok().map(StepName::Compact);
         }
         if let Some(call_id) = text.strip_prefix("approval:") {
             return Some(StepName::Approval(call_id.to_owned()));
@@ -188,7 +194,9 @@ impl StepName {
     /// formatting machinery: it is made for every tool call.
     pub fn idempotency_key(&self, run: &RunId) -> String {
         match self {
-            StepName::ModelTurn(_) | StepName::Approval(_) | StepName::Question(_) => format!("{run}:{self}"),
+            StepName::ModelTurn(_) | StepName::Compact(_) | StepName::Approval(_) | StepName::Question(_) => {
+                format!("{run}:{self}")
+            }
             StepName::Tool { name, call_id } => {
                 let mut key = String::with_capacity(run.0.len() + name.len() + call_id.len() + 7);
                 for piece in [&*run.0, ":tool:", name, ":", call_id] {
@@ -207,6 +215,7 @@ impl fmt::Display for StepName {
             StepName::Tool { name, call_id } => write!(f, "tool:{name}:{call_id}"),
             StepName::Approval(call_id) => write!(f, "approval:{call_id}"),
             StepName::Question(call_id) => write!(f, "question:{call_id}"),
+            StepName::Compact(n) => write!(f, "llm:compact:{n}"),
         }
     }
 }

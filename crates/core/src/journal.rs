@@ -12,8 +12,12 @@ use crate::tool::ToolOutcome;
 /// The recorded result of one step.
 #[derive(Clone, Debug, PartialEq)]
 pub enum JournalRecord {
-    /// A model call's reply (step `llm:turn:N`).
+    /// A model call's reply (step `llm:turn:N` or `llm:compact:N`).
     ModelReply(ModelReply),
+    /// A model call that failed for good (after retries). Recorded because the run may go on
+    /// from it (a compaction that failed, a context-too-long error that compaction answers): a
+    /// replay must take the same path.
+    ModelFailed(crate::provider::ProviderError),
     /// A tool call's outcome (step `tool:NAME:CALL_ID`), before the output cap is applied.
     ToolResult(ToolOutcome),
     /// A human's decision (step `approval:CALL_ID` or `question:CALL_ID`).

@@ -24,6 +24,7 @@ pub mod event_log;
 pub mod human;
 pub mod ids;
 pub mod journal;
+pub mod loop_control;
 pub mod machine;
 pub mod message;
 pub mod owner;
@@ -35,9 +36,9 @@ pub mod tool;
 pub mod wire;
 
 pub use agent::{
-    AgentDef, CommandToolDef, Concurrency, HttpSettings, Limits, McpServerDef, McpTransport, MockEntry,
-    MockFailure, MockScript, MockToolCall, ProviderSettings, RetryPolicy, ShellSettings, ToolChoice,
-    WorkspaceMode, WorkspaceSettings,
+    AgentDef, CommandToolDef, Concurrency, HttpSettings, LimitOverrides, Limits, McpServerDef, McpTransport,
+    MockEntry, MockFailure, MockScript, MockToolCall, ProviderSettings, RetryPolicy, ShellSettings,
+    ToolChoice, WorkspaceMode, WorkspaceSettings,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{ErrorCode, RunFailure};
@@ -45,8 +46,11 @@ pub use event::{Event, StopReason, Usage};
 pub use event_log::{EventLog, LogWake, LoggedEvent, NewEvent};
 pub use human::{Decision, PendingInput, PendingKind};
 pub use ids::{RunId, SessionId, StepName};
+pub use loop_control::{Compaction, Hooks, LoopControl, StepFinished, TurnContext, TurnPlan};
 pub use message::{Message, Part, Role};
-pub use provider::{DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind};
+pub use provider::{
+    CallPurpose, DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind,
+};
 pub use store::{
     Claim, Committed, DecidedInput, DelayedRun, DelayedRunRecord, DelayedState, Fence, LeaseStatus, OpenRun,
     RunRecord, RunState, SessionSnapshot, SessionSummary, StepCommit, Store, StoreError,

@@ -17,19 +17,28 @@
 //! - the tool calls of one turn run in parallel, their results are kept in call order, and
 //!   every call gets a result before the model is called again (even on cancel), so the
 //!   transcript never has a dangling call;
-//! - tool outputs over `max_tool_output_chars` are cut with a visible marker.
+//! - tool outputs over `max_tool_output_chars` are cut with a visible marker;
+//! - a final answer that does not match `output.schema` gets `output.max_repairs` repair turns,
+//!   each showing the model what was wrong;
+//! - with `compaction`, when the model would see more than `max_messages` messages, older ones
+//!   are summarised first (an `llm:compact:N` model call) and the model sees the brief plus the
+//!   recent tail, which never starts with a tool result (its call stays with it). A model call
+//!   refused as too long for the context window is answered by one compaction, then the turn is
+//!   made again.
 
 use std::sync::Arc;
 
 use serde_json::Value;
 
-use crate::agent::AgentDef;
+use crate::agent::{AgentDef, LimitOverrides, Limits};
 use crate::error::{ErrorCode, RunFailure};
 use crate::event::{Event, StopReason, Usage};
 use crate::human::{Decision, PendingKind, pending_id};
 use crate::ids::{RunId, SessionId, StepName};
+use crate::loop_control::{TurnContext, TurnPlan};
 use crate::message::{Message, Part, Role, ToolCall, ToolResult, output_to_text};
-use crate::provider::{ModelReply, ModelRequest, ProviderError};
+use crate::provider::{CallPurpose, ModelReply, ModelRequest, ProviderError, ProviderErrorKind};
+use crate::tool::ToolSpec;
 use crate::tool::{ToolError, ToolOutcome};
 
 pub mod compose;
@@ -80,9 +89,9 @@ pub enum Action {
         count: usize,
     },
     /// Call the model (see [`Machine::model_request`]) and feed back [`Input::ModelReply`] or
-    /// [`Input::ModelFailed`].
+    /// [`Input::ModelFailed`]. A failure is journaled like a reply: the run may go on from it.
     CallModel {
-        /// The step (`llm:turn:N`).
+        /// The step (`llm:turn:N`, or `llm:compact:N` for a compaction brief).
         step: StepName,
     },
     /// Call a tool and feed back [`Input::ToolDone`]. Several in one batch run in parallel.
@@ -131,6 +140,8 @@ pub enum RunOutcome {
 enum Phase {
     NotStarted,
     AwaitingModel,
+    /// Waiting for a compaction brief; the turn is made once it is in.
+    Compacting,
     AwaitingTools,
     Finished,
 }
@@ -171,7 +182,52 @@ pub struct Machine {
     budget_spent: bool,
     phase: Phase,
     calls: Vec<PendingCall>,
+    /// The run's limits: the agent's, with the run's overrides applied.
+    limits: Limits,
+    /// What the model sees: the latest compaction brief (as a user message), then the
+    /// transcript from the brief's first kept message on (briefs themselves left out).
+    context: Vec<Arc<Message>>,
+    /// Repair turns used for answers that did not match `output.schema`.
+    repairs: u32,
+    /// Compactions of this run so far (numbers the `llm:compact:N` steps).
+    compactions: u32,
+    /// Whether a context-too-long failure was already answered by a compaction (once a run).
+    forced_compaction: bool,
+    /// The compaction being written.
+    compaction: Option<CompactionJob>,
+    /// What `prepare_turn` decided for the current turn.
+    plan: TurnPlan,
+    /// The tools offered this turn, when `prepare_turn` narrowed them.
+    turn_tools: Option<Vec<ToolSpec>>,
 }
+
+/// A compaction brief being written.
+#[derive(Debug)]
+struct CompactionJob {
+    /// The session position of the first message kept as it is.
+    first_kept: usize,
+    /// How many messages the brief replaces, and how many the model keeps seeing.
+    summarized: usize,
+    kept: usize,
+    /// The request's one message: the conversation to summarise, as text.
+    messages: Vec<Arc<Message>>,
+    /// How many briefs the session had before (the request's `call_index`).
+    index: u64,
+    /// Whether a context-too-long failure asked for it (a failure then fails the run).
+    forced: bool,
+}
+
+/// The instructions of a compaction call.
+const COMPACT_INSTRUCTIONS: &str = "You condense conversations between a user and an AI assistant that uses tools. \
+Write a brief that lets the assistant continue the conversation without the original messages: \
+the user's goals and requests, decisions made, facts learned (names, numbers, ids, dates), tool \
+results that still matter, and what is still open. Be specific and concise; plain sentences or \
+short bullet points, no preamble.";
+
+/// The longest rendering of one message in a compaction request, in characters.
+const COMPACT_MESSAGE_CHARS: usize = 2_000;
+/// The longest compaction request, in characters (the oldest messages give way first).
+const COMPACT_REQUEST_CHARS: usize = 120_000;
 
 impl Machine {
     /// The agent definition this run uses (the engine's when the run started or resumed).
@@ -197,7 +253,17 @@ impl Machine {
             transcript.push(Arc::new(answers));
         }
         transcript.push(Arc::new(input));
+        let context = context_of(&transcript);
+        let limits = agent.limits.clone();
         Machine {
+            limits,
+            context,
+            repairs: 0,
+            compactions: 0,
+            forced_compaction: false,
+            compaction: None,
+            plan: TurnPlan::default(),
+            turn_tools: None,
             agent,
             run_id,
             session_id,
@@ -214,9 +280,35 @@ impl Machine {
         }
     }
 
+    /// The same machine with the run's own limits (the agent's, with `overrides` applied).
+    #[must_use]
+    pub fn with_overrides(mut self, overrides: &LimitOverrides) -> Machine {
+        self.limits = overrides.apply(&self.agent.limits);
+        self
+    }
+
+    /// The run's limits: the agent's, with the run's overrides applied.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
     /// The whole transcript: the session's history, then this run's messages.
     pub fn transcript(&self) -> &[Arc<Message>] {
         &self.transcript
+    }
+
+    /// What the model sees of the transcript (after compaction).
+    pub fn context(&self) -> &[Arc<Message>] {
+        &self.context
+    }
+
+    /// Appends a message to the transcript and to what the model sees.
+    fn push(&mut self, message: Message) {
+        let message = Arc::new(message);
+        if message.summary().is_none() {
+            self.context.push(Arc::clone(&message));
+        }
+        self.transcript.push(message);
     }
 
     /// Usage summed over the run so far.
@@ -235,17 +327,34 @@ impl Machine {
         self.phase == Phase::Finished
     }
 
-    /// The request for the model call the machine is waiting for.
+    /// The request for the model call the machine is waiting for: the turn's, or the
+    /// compaction brief's.
     pub fn model_request(&self, attempt: u32) -> ModelRequest<'_> {
-        let model = self.agent.model.split_once('/').map_or(self.agent.model.as_str(), |(_, m)| m);
+        let agent_model = model_name(&self.agent.model);
+        if let (Phase::Compacting, Some(job)) = (self.phase, &self.compaction) {
+            let model = self.agent.loop_control.compaction.as_ref().and_then(|c| c.model.as_deref());
+            return ModelRequest {
+                model: model.map_or(agent_model, model_name),
+                instructions: COMPACT_INSTRUCTIONS,
+                messages: &job.messages,
+                tools: &[],
+                output_schema: None,
+                call_index: job.index,
+                attempt,
+                tool_choice: None,
+                purpose: CallPurpose::Compact,
+            };
+        }
         ModelRequest {
-            model,
-            instructions: &self.agent.instructions,
-            messages: &self.transcript,
-            tools: self.agent.tools.specs(),
+            model: self.plan.model.as_deref().map_or(agent_model, model_name),
+            instructions: self.plan.instructions.as_deref().unwrap_or(&self.agent.instructions),
+            messages: self.plan.messages.as_deref().unwrap_or(&self.context),
+            tools: self.turn_tools.as_deref().unwrap_or(self.agent.tools.specs()),
             output_schema: self.agent.output_schema.as_ref().map(|s| s.schema()),
             call_index: self.call_base + u64::from(self.turns.saturating_sub(1)),
             attempt,
+            tool_choice: self.plan.tool_choice.as_ref(),
+            purpose: CallPurpose::Turn,
         }
     }
 
@@ -266,9 +375,20 @@ impl Machine {
             }
             (Phase::AwaitingModel, Input::ModelReply(reply)) => self.on_reply(reply, &mut actions),
             (Phase::AwaitingModel, Input::ModelFailed(error)) => {
+                if error.kind == ProviderErrorKind::ContextTooLong
+                    && !self.forced_compaction
+                    && self.agent.loop_control.compaction.is_some()
+                {
+                    self.forced_compaction = true;
+                    if self.start_compaction(true, &mut actions) {
+                        return actions;
+                    }
+                }
                 let failure = RunFailure::new(error.code(), format!("the model call failed: {error}"));
                 self.fail(failure, &mut actions);
             }
+            (Phase::Compacting, Input::ModelReply(reply)) => self.on_compacted(reply, &mut actions),
+            (Phase::Compacting, Input::ModelFailed(error)) => self.on_compaction_failed(&error, &mut actions),
             (Phase::AwaitingTools, Input::ToolDone { call_id, outcome }) => {
                 self.on_tool_done(&call_id, outcome, &mut actions);
             }
@@ -291,18 +411,140 @@ impl Machine {
     }
 
     fn next_turn(&mut self, actions: &mut Vec<Action>) {
-        let limits = &self.agent.limits;
-        if self.turns >= limits.max_turns {
-            return self.finish(StopReason::MaxTurns, None, actions);
+        if let Some(stopped) = self.turns_spent() {
+            return self.finish(stopped, None, actions);
         }
-        if limits.max_total_tokens.is_some_and(|max| self.usage.total() >= max) {
-            return self.finish(StopReason::Budget, None, actions);
+        if self.start_compaction(false, actions) {
+            return;
         }
+        self.start_turn(actions);
+    }
+
+    /// Why no further model call may be made, if none may.
+    fn turns_spent(&self) -> Option<StopReason> {
+        if self.turns >= self.limits.max_turns {
+            return Some(StopReason::MaxTurns);
+        }
+        self.limits
+            .max_total_tokens
+            .is_some_and(|max| self.usage.total() >= max)
+            .then_some(StopReason::Budget)
+    }
+
+    /// Makes the next model call, as `prepare_turn` (if any) shapes it.
+    fn start_turn(&mut self, actions: &mut Vec<Action>) {
         let turn = self.turns;
+        self.plan = match &self.agent.loop_control.hooks.prepare_turn {
+            Some(prepare) => prepare(&TurnContext {
+                run_id: &self.run_id,
+                session_id: &self.session_id,
+                turn,
+                messages: &self.context,
+                tools: self.agent.tools.specs(),
+                usage: self.usage,
+            }),
+            None => TurnPlan::default(),
+        };
+        self.turn_tools = self.plan.tools.as_ref().map(|names| {
+            self.agent.tools.specs().iter().filter(|spec| names.contains(&spec.name)).cloned().collect()
+        });
         self.turns += 1;
         self.phase = Phase::AwaitingModel;
         actions.push(Action::Emit(Event::TurnStart { turn }));
         actions.push(Action::CallModel { step: StepName::ModelTurn(turn) });
+    }
+
+    /// Starts a compaction when one is due (or `forced`, after a context-too-long failure) and
+    /// possible; returns whether it did.
+    fn start_compaction(&mut self, forced: bool, actions: &mut Vec<Action>) -> bool {
+        let Some(config) = &self.agent.loop_control.compaction else { return false };
+        if !forced && self.context.len() <= config.max_messages {
+            return false;
+        }
+        // The transcript positions of what the model sees as it is: from the latest brief's
+        // first kept message on, briefs left out.
+        let latest = self.transcript.iter().rev().find_map(|m| m.summary());
+        let first = latest.map_or(0, |(_, first_kept)| position(first_kept, self.transcript.len()));
+        let brief = latest.map(|(text, _)| text.to_owned());
+        let live: Vec<usize> =
+            (first..self.transcript.len()).filter(|&i| self.transcript[i].summary().is_none()).collect();
+        let keep = if forced { config.keep_recent.min(live.len() / 2) } else { config.keep_recent };
+        let mut start = live.len().saturating_sub(keep);
+        // The kept tail never starts with tool results: their calls would be in the brief.
+        while start < live.len() && self.transcript[live[start]].role == Role::Tool {
+            start += 1;
+        }
+        if start == 0 || start >= live.len() {
+            return false;
+        }
+        let first_kept = live[start];
+        let text = render_for_brief(brief.as_deref(), live[..start].iter().map(|&i| &*self.transcript[i]));
+        let index = self.transcript.iter().filter(|m| m.summary().is_some()).count() as u64;
+        self.compaction = Some(CompactionJob {
+            first_kept,
+            summarized: start,
+            kept: live.len() - start,
+            messages: vec![Arc::new(Message::user(text))],
+            index,
+            forced,
+        });
+        let step = StepName::Compact(self.compactions);
+        self.compactions += 1;
+        self.phase = Phase::Compacting;
+        actions.push(Action::CallModel { step });
+        true
+    }
+
+    fn on_compacted(&mut self, reply: ModelReply, actions: &mut Vec<Action>) {
+        self.usage.add(reply.usage);
+        actions.push(Action::Emit(Event::Usage(reply.usage)));
+        let job = self.compaction.take().expect("a compaction is in progress");
+        let text = reply
+            .parts
+            .iter()
+            .filter_map(|p| if let Part::Text(t) = p { Some(t.as_str()) } else { None })
+            .collect::<String>();
+        let text = text.trim();
+        if text.is_empty() {
+            let error = ProviderError::new(ProviderErrorKind::BadResponse, "the model wrote an empty brief");
+            self.compaction = Some(job);
+            return self.on_compaction_failed(&error, actions);
+        }
+        self.push(Message {
+            role: Role::User,
+            parts: vec![Part::Summary { text: text.to_owned(), first_kept: job.first_kept as u64 }],
+        });
+        self.persist_last(actions, 1);
+        self.context = context_of(&self.transcript);
+        actions.push(Action::Emit(Event::ContextCompacted {
+            summarized: job.summarized as u64,
+            kept: job.kept as u64,
+        }));
+        self.after_compaction(job.forced, actions);
+    }
+
+    /// A compaction that failed leaves the conversation as it was: the turn is tried anyway,
+    /// unless the compaction was the answer to a context-too-long failure.
+    fn on_compaction_failed(&mut self, error: &ProviderError, actions: &mut Vec<Action>) {
+        let job = self.compaction.take().expect("a compaction is in progress");
+        if job.forced {
+            let failure = RunFailure::new(
+                ErrorCode::ProviderContextTooLong,
+                format!(
+                    "the conversation does not fit the model's context window, and compacting it failed: {error}"
+                ),
+            );
+            return self.fail(failure, actions);
+        }
+        self.after_compaction(false, actions);
+    }
+
+    fn after_compaction(&mut self, forced: bool, actions: &mut Vec<Action>) {
+        // After a forced compaction the failed turn counts: the budgets are checked again.
+        if let Some(stopped) = self.turns_spent().filter(|_| forced) {
+            return self.finish(stopped, None, actions);
+        }
+        self.start_turn(actions);
     }
 
     fn on_reply(&mut self, reply: ModelReply, actions: &mut Vec<Action>) {
@@ -312,7 +554,17 @@ impl Machine {
 
         let mut parts = reply.parts;
         normalize_call_ids(&mut parts, self.call_base + u64::from(turn), &mut self.call_ids);
-        self.transcript.push(Arc::new(Message { role: Role::Assistant, parts }));
+        if let Some(repair) = &self.agent.loop_control.hooks.repair_tool_call {
+            for part in &mut parts {
+                let Part::ToolCall(call) = part else { continue };
+                let Some(error) = self.refusal(call) else { continue };
+                if let Some(fixed) = repair(call, &error) {
+                    // The call keeps its id: its result must answer it.
+                    *call = ToolCall { call_id: call.call_id.clone(), ..fixed };
+                }
+            }
+        }
+        self.push(Message { role: Role::Assistant, parts });
         self.persist_last(actions, 1);
 
         let message = Arc::clone(self.transcript.last().expect("just pushed"));
@@ -324,52 +576,26 @@ impl Machine {
         self.phase = Phase::AwaitingTools;
         let mut pending = std::mem::take(&mut self.calls);
         pending.clear();
-        let max_tool_calls = self.agent.limits.max_tool_calls;
+        let max_tool_calls = self.limits.max_tool_calls;
         for call in message.tool_calls() {
             actions.push(Action::Emit(Event::ToolStart {
                 call_id: call.call_id.clone(),
                 name: call.name.clone(),
                 input: call.input.clone(),
             }));
-            let refusal = if !self.agent.tools.contains(&call.name) {
-                let available: Vec<&str> = self.agent.tools.names().collect();
-                Some(ToolError::with_code(
-                    ErrorCode::ToolNotFound,
-                    format!(
-                        "unknown tool `{}`; available tools: {}",
-                        call.name,
-                        if available.is_empty() { "none".into() } else { available.join(", ") }
-                    ),
-                    false,
-                ))
-            } else if let Some(problem) = unparsed_arguments(&call.input) {
-                Some(ToolError::with_code(
-                    ErrorCode::ToolInputInvalid,
-                    format!(
-                        "the arguments for `{}` are not valid JSON ({problem}); send a JSON object that matches the tool's input schema",
-                        call.name
-                    ),
-                    false,
-                ))
-            } else if let Err(problems) = self.agent.tools.validate_input(&call.name, &call.input) {
-                Some(ToolError::with_code(
-                    ErrorCode::ToolInputInvalid,
-                    format!("invalid input for `{}`: {problems}", call.name),
-                    false,
-                ))
-            } else if max_tool_calls.is_some_and(|max| self.tool_calls >= max) {
-                self.budget_spent = true;
-                Some(ToolError::with_code(
-                    ErrorCode::ToolBudgetExhausted,
-                    format!(
-                        "not run: this run already made {} tool calls, its limit (`limits.max_tool_calls`)",
-                        self.tool_calls
-                    ),
-                    false,
-                ))
-            } else {
-                None
-            };
+            let refusal = self.refusal(call).or_else(|| {
+                max_tool_calls.is_some_and(|max| self.tool_calls >= max).then(|| {
+                    self.budget_spent = true;
+                    ToolError::with_code(
+                        ErrorCode::ToolBudgetExhausted,
+                        format!(
+                            "not run: this run already made {} tool calls, its limit (`limits.max_tool_calls`)",
+                            self.tool_calls
+                        ),
+                        false,
+                    )
+                })
+            });
             match refusal {
                 Some(error) => {
                     actions.push(Action::Emit(Event::ToolError {
@@ -441,11 +667,58 @@ impl Machine {
         self.complete_turn_if_done(actions);
     }
 
+    /// Why a call cannot run as the model wrote it: an unknown tool (or one not offered this
+    /// turn), arguments that are not JSON, or input that does not match the tool's schema.
+    fn refusal(&self, call: &ToolCall) -> Option<ToolError> {
+        let offered = |name: &str| match &self.turn_tools {
+            Some(specs) => specs.iter().any(|spec| spec.name == name),
+            None => self.agent.tools.contains(name),
+        };
+        if !offered(&call.name) {
+            let available: Vec<&str> = match &self.turn_tools {
+                Some(specs) => specs.iter().map(|spec| spec.name.as_str()).collect(),
+                None => self.agent.tools.names().collect(),
+            };
+            let this_turn = if self.turn_tools.is_some() && self.agent.tools.contains(&call.name) {
+                " this turn"
+            } else {
+                ""
+            };
+            return Some(ToolError::with_code(
+                ErrorCode::ToolNotFound,
+                format!(
+                    "unknown tool `{}`{this_turn}; available tools: {}",
+                    call.name,
+                    if available.is_empty() { "none".into() } else { available.join(", ") }
+                ),
+                false,
+            ));
+        }
+        if let Some(problem) = unparsed_arguments(&call.input) {
+            return Some(ToolError::with_code(
+                ErrorCode::ToolInputInvalid,
+                format!(
+                    "the arguments for `{}` are not valid JSON ({problem}); send a JSON object that matches the tool's input schema",
+                    call.name
+                ),
+                false,
+            ));
+        }
+        if let Err(problems) = self.agent.tools.validate_input(&call.name, &call.input) {
+            return Some(ToolError::with_code(
+                ErrorCode::ToolInputInvalid,
+                format!("invalid input for `{}`: {problems}", call.name),
+                false,
+            ));
+        }
+        None
+    }
+
     fn on_tool_done(&mut self, call_id: &str, outcome: ToolOutcome, actions: &mut Vec<Action>) {
         if let Some(index) = self.compose_step_owner(call_id) {
             return self.on_compose_step_done(index, call_id, outcome, actions);
         }
-        let max_chars = self.agent.limits.max_tool_output_chars;
+        let max_chars = self.limits.max_tool_output_chars;
         let Some(pending) = self.calls.iter_mut().find(|p| p.call_id == call_id && p.result.is_none()) else {
             let failure = RunFailure::new(
                 ErrorCode::Internal,
@@ -548,7 +821,7 @@ impl Machine {
         outcome: ToolOutcome,
         actions: &mut Vec<Action>,
     ) {
-        let max_chars = self.agent.limits.max_tool_output_chars;
+        let max_chars = self.limits.max_tool_output_chars;
         let parent = self.calls[index].call_id.clone();
         let mut plan = self.calls[index].compose.take().expect("the owner has a plan");
         let outcome = outcome.map(|output| cap_output(output, max_chars));
@@ -594,7 +867,7 @@ impl Machine {
             Ok(next) => next,
             Err(error) => return Some(Err(error)),
         };
-        if self.agent.limits.max_tool_calls.is_some_and(|max| self.tool_calls >= max) {
+        if self.limits.max_tool_calls.is_some_and(|max| self.tool_calls >= max) {
             self.budget_spent = true;
             return Some(Err(ToolError::with_code(
                 ErrorCode::ToolBudgetExhausted,
@@ -631,7 +904,7 @@ impl Machine {
         outcome: ToolOutcome,
         actions: &mut Vec<Action>,
     ) -> ToolOutcome {
-        let outcome = outcome.map(|output| cap_output(output, self.agent.limits.max_tool_output_chars));
+        let outcome = outcome.map(|output| cap_output(output, self.limits.max_tool_output_chars));
         actions.push(Action::Emit(match &outcome {
             Ok(output) => Event::ToolDone { call_id: parent.to_owned(), output: output.clone() },
             Err(error) => Event::ToolError { call_id: parent.to_owned(), error: error.message.clone() },
@@ -680,7 +953,7 @@ impl Machine {
                 is_error,
             }));
         }
-        self.transcript.push(Arc::new(Message { role: Role::Tool, parts }));
+        self.push(Message { role: Role::Tool, parts });
         self.persist_last(actions, 1);
         stop_output
     }
@@ -692,16 +965,32 @@ impl Machine {
         let parsed = serde_json::from_str::<Value>(strip_code_fence(&text))
             .map_err(|e| format!("the final answer is not JSON ({e})"))
             .and_then(|value| schema.check(&value).map(|()| value));
-        match parsed {
-            Ok(output) => self.finish_with_text(StopReason::Final, text, Some(output), actions),
-            Err(problem) => {
-                let failure = RunFailure::new(
-                    ErrorCode::OutputInvalid,
-                    format!("{problem}; the agent's `output.schema` requires a matching JSON answer"),
-                );
-                self.fail(failure, actions);
-            }
+        let problem = match parsed {
+            Ok(output) => return self.finish_with_text(StopReason::Final, text, Some(output), actions),
+            Err(problem) => problem,
+        };
+        if self.repairs < self.agent.loop_control.max_repairs && self.turns_spent().is_none() {
+            self.repairs += 1;
+            actions
+                .push(Action::Emit(Event::OutputRepair { attempt: self.repairs, problem: problem.clone() }));
+            self.push(Message::user(format!(
+                "Your answer does not match the required output schema: {problem}. Reply again with only \
+                 the JSON value, matching this schema:\n{}",
+                schema.schema()
+            )));
+            self.persist_last(actions, 1);
+            return self.next_turn(actions);
         }
+        let repaired = match self.repairs {
+            0 => String::new(),
+            1 => " (after 1 repair turn)".to_owned(),
+            n => format!(" (after {n} repair turns)"),
+        };
+        let failure = RunFailure::new(
+            ErrorCode::OutputInvalid,
+            format!("{problem}{repaired}; the agent's `output.schema` requires a matching JSON answer"),
+        );
+        self.fail(failure, actions);
     }
 
     /// Finishes with the text of the run's last assistant message (empty when it has none).
@@ -792,6 +1081,92 @@ fn answer_dangling_calls(history: &[Arc<Message>]) -> Option<Message> {
         })
         .collect();
     (!parts.is_empty()).then_some(Message { role: Role::Tool, parts })
+}
+
+/// What the model sees of `transcript`: the latest compaction brief as a user message, then
+/// every message from the brief's first kept one on (briefs left out); the whole transcript
+/// when there is no brief.
+fn context_of(transcript: &[Arc<Message>]) -> Vec<Arc<Message>> {
+    let latest = transcript.iter().rev().find_map(|m| m.summary());
+    let Some((text, first_kept)) = latest else { return transcript.to_vec() };
+    let first_kept = position(first_kept, transcript.len());
+    let brief = Message::user(format!("Summary of the conversation before this point:\n{text}"));
+    std::iter::once(Arc::new(brief))
+        .chain(transcript[first_kept..].iter().filter(|m| m.summary().is_none()).cloned())
+        .collect()
+}
+
+/// A stored session position as an index into a transcript of `len` messages.
+fn position(stored: u64, len: usize) -> usize {
+    usize::try_from(stored).unwrap_or(usize::MAX).min(len)
+}
+
+/// The text a compaction call summarises: the previous brief, then each message on a line of
+/// its own, long ones cut; when the whole is too long the oldest messages give way.
+fn render_for_brief<'a>(brief: Option<&str>, messages: impl Iterator<Item = &'a Message>) -> String {
+    let mut lines: Vec<String> = Vec::new();
+    for message in messages {
+        for part in &message.parts {
+            let line = match part {
+                Part::Text(text) => format!("{}: {text}", message.role.as_str()),
+                Part::ToolCall(call) => format!("assistant called `{}` with {}", call.name, call.input),
+                Part::ToolResult(result) => format!(
+                    "`{}` {}: {}",
+                    result.name,
+                    if result.is_error { "failed" } else { "returned" },
+                    output_to_text(&result.output)
+                ),
+                Part::Image { media_type, .. } => {
+                    format!("{}: [an image, {media_type}]", message.role.as_str())
+                }
+                Part::File { media_type, name, .. } => {
+                    format!(
+                        "{}: [a file {}, {media_type}]",
+                        message.role.as_str(),
+                        name.as_deref().unwrap_or("")
+                    )
+                }
+                Part::Reasoning(_) | Part::Summary { .. } => continue,
+            };
+            lines.push(cut_chars(line, COMPACT_MESSAGE_CHARS));
+        }
+    }
+    let mut total: usize = lines.iter().map(|line| line.len() + 1).sum();
+    let mut dropped = 0;
+    while total > COMPACT_REQUEST_CHARS && dropped < lines.len() {
+        total -= lines[dropped].len() + 1;
+        dropped += 1;
+    }
+    let mut text = String::new();
+    if let Some(brief) = brief {
+        text.push_str("Brief of the conversation so far:\n");
+        text.push_str(brief);
+        text.push_str("\n\nWhat happened next:\n");
+    } else {
+        text.push_str("The conversation:\n");
+    }
+    if dropped > 0 {
+        text.push_str(&format!("[{dropped} older lines left out]\n"));
+    }
+    for line in &lines[dropped..] {
+        text.push_str(line);
+        text.push('\n');
+    }
+    text.push_str("\nWrite the brief.");
+    text
+}
+
+/// `text` cut to at most `max` characters, with a marker when cut.
+fn cut_chars(text: String, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((cut, _)) => format!("{} [...]", &text[..cut]),
+        None => text,
+    }
+}
+
+/// The model name of `provider/model` (a bare name is kept).
+fn model_name(model: &str) -> &str {
+    model.split_once('/').map_or(model, |(_, name)| name)
 }
 
 /// The call id of a compose step: `<compose call id>.<step id>`.

@@ -59,6 +59,15 @@ pub enum Part {
     ToolCall(ToolCall),
     /// The result of a tool call.
     ToolResult(ToolResult),
+    /// A brief of the conversation before session position `first_kept`, written by
+    /// compaction (step `llm:compact:N`). From then on the model sees the brief instead of
+    /// those messages; the store keeps them all.
+    Summary {
+        /// The brief.
+        text: String,
+        /// The session position of the first message kept as it is.
+        first_kept: u64,
+    },
 }
 
 /// A model's reasoning, as the provider returned it.
@@ -147,6 +156,15 @@ impl Message {
     pub fn tool_calls(&self) -> impl Iterator<Item = &ToolCall> {
         self.parts.iter().filter_map(|part| match part {
             Part::ToolCall(call) => Some(call),
+            _ => None,
+        })
+    }
+
+    /// The compaction brief this message carries, with the position of the first message it
+    /// keeps.
+    pub fn summary(&self) -> Option<(&str, u64)> {
+        self.parts.iter().find_map(|part| match part {
+            Part::Summary { text, first_kept } => Some((text.as_str(), *first_kept)),
             _ => None,
         })
     }

@@ -14,19 +14,22 @@
 //! {"v":1,"kind":"model_reply","parts":[{"type":"text","text":"5"}],"usage":{"input_tokens":3,"output_tokens":1}}
 //! {"v":1,"kind":"tool_result","ok":true,"output":5}
 //! {"v":1,"kind":"tool_result","ok":false,"error":{"code":"KEEL_TOOL_TIMEOUT","message":"...","transient":true}}
+//! {"v":1,"kind":"model_failed","code":"KEEL_PROVIDER_CONTEXT_TOO_LONG","message":"...","status":400}
 //! ```
+//! Run overrides of limits: `{"v":1,"max_turns":3,"tool_timeout_ms":5000}`.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::agent::LimitOverrides;
 use crate::error::ErrorCode;
 use crate::event::Usage;
 use crate::human::{Decision, PendingKind};
 use crate::journal::JournalRecord;
 use crate::message::{Message, Part, Reasoning, Role, ToolCall, ToolResult};
-use crate::provider::ModelReply;
+use crate::provider::{ModelReply, ProviderError, ProviderErrorKind};
 use crate::tool::ToolError;
 
 /// The version this build writes (and the newest it reads).
@@ -76,6 +79,10 @@ enum PartV1 {
         #[serde(default)]
         is_error: bool,
     },
+    Summary {
+        text: String,
+        first_kept: u64,
+    },
 }
 
 #[derive(Serialize, Deserialize)]
@@ -119,6 +126,12 @@ enum RecordBodyV1 {
         note: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         answer: Option<String>,
+    },
+    ModelFailed {
+        code: String,
+        message: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        status: Option<u16>,
     },
 }
 
@@ -177,6 +190,7 @@ fn part_to_v1(part: &Part) -> PartV1 {
             output: result.output.clone(),
             is_error: result.is_error,
         },
+        Part::Summary { text, first_kept } => PartV1::Summary { text: text.clone(), first_kept: *first_kept },
     }
 }
 
@@ -198,6 +212,7 @@ fn part_from_v1(part: PartV1, what: &'static str) -> Result<Part, DecodeError> {
         PartV1::ToolResult { call_id, name, output, is_error } => {
             Part::ToolResult(ToolResult { call_id, name, output, is_error })
         }
+        PartV1::Summary { text, first_kept } => Part::Summary { text, first_kept },
     })
 }
 
@@ -270,6 +285,11 @@ pub fn encode_record(record: &JournalRecord) -> String {
             };
             RecordBodyV1::Decision { decision, note, answer }
         }
+        JournalRecord::ModelFailed(error) => RecordBodyV1::ModelFailed {
+            code: error.code().as_str().to_owned(),
+            message: error.message.clone(),
+            status: error.status,
+        },
     };
     serde_json::to_string(&RecordV1 { v: FORMAT_VERSION, body }).expect("record JSON always serializes")
 }
@@ -305,6 +325,12 @@ pub fn decode_record(json: &str) -> Result<JournalRecord, DecodeError> {
             DecisionV1::Answer => Decision::Answer(answer.unwrap_or_default()),
             DecisionV1::TimedOut => Decision::TimedOut,
         }),
+        RecordBodyV1::ModelFailed { code, message, status } => {
+            let kind = ErrorCode::parse(&code)
+                .and_then(ProviderErrorKind::from_code)
+                .unwrap_or(ProviderErrorKind::BadRequest);
+            JournalRecord::ModelFailed(ProviderError { kind, status, message, retry_after: None })
+        }
     })
 }
 
@@ -333,10 +359,70 @@ pub fn decode_pending_kind(json: &str) -> Result<PendingKind, DecodeError> {
     })
 }
 
+#[derive(Serialize, Deserialize, Default)]
+struct OverridesV1 {
+    v: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_turns: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_total_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_tool_calls: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tool_timeout_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_tool_output_chars: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    provider_timeout_ms: Option<u64>,
+}
+
+/// Encodes a run's overrides of the agent's limits.
+pub fn encode_overrides(overrides: &LimitOverrides) -> String {
+    let millis = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let v1 = OverridesV1 {
+        v: FORMAT_VERSION,
+        max_turns: overrides.max_turns,
+        max_total_tokens: overrides.max_total_tokens,
+        max_tool_calls: overrides.max_tool_calls,
+        tool_timeout_ms: overrides.tool_timeout.map(millis),
+        max_tool_output_chars: overrides.max_tool_output_chars.map(|n| n as u64),
+        provider_timeout_ms: overrides.provider_timeout.map(millis),
+    };
+    serde_json::to_string(&v1).expect("overrides JSON always serializes")
+}
+
+/// Decodes what [`encode_overrides`] wrote.
+pub fn decode_overrides(json: &str) -> Result<LimitOverrides, DecodeError> {
+    let what = "run limits";
+    let v1: OverridesV1 =
+        serde_json::from_str(json).map_err(|e| DecodeError { what, reason: e.to_string() })?;
+    check_version(v1.v, what)?;
+    Ok(LimitOverrides {
+        max_turns: v1.max_turns,
+        max_total_tokens: v1.max_total_tokens,
+        max_tool_calls: v1.max_tool_calls,
+        tool_timeout: v1.tool_timeout_ms.map(std::time::Duration::from_millis),
+        max_tool_output_chars: v1.max_tool_output_chars.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        provider_timeout: v1.provider_timeout_ms.map(std::time::Duration::from_millis),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn overrides_round_trip() {
+        let overrides = LimitOverrides {
+            max_turns: Some(3),
+            tool_timeout: Some(std::time::Duration::from_millis(1500)),
+            ..LimitOverrides::default()
+        };
+        let json = encode_overrides(&overrides);
+        expect_test::expect![[r#"{"v":1,"max_turns":3,"tool_timeout_ms":1500}"#]].assert_eq(&json);
+        assert_eq!(decode_overrides(&json).unwrap(), overrides);
+    }
 
     fn sample_message() -> Message {
         Message {
@@ -409,6 +495,11 @@ mod tests {
             JournalRecord::Decision(Decision::Reject { note: None }),
             JournalRecord::Decision(Decision::Answer("Paris".into())),
             JournalRecord::Decision(Decision::TimedOut),
+            JournalRecord::ModelFailed(ProviderError::from_status(413, "prompt is too long")),
+            JournalRecord::ModelReply(ModelReply {
+                parts: vec![Part::Summary { text: "Alice asked about tea.".into(), first_kept: 12 }],
+                usage: Usage::default(),
+            }),
         ];
         for record in records {
             assert_eq!(decode_record(&encode_record(&record)).unwrap(), record);

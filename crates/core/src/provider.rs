@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::BoxFuture;
+use crate::agent::ToolChoice;
 use crate::error::ErrorCode;
 use crate::event::Usage;
 use crate::message::{Message, Part};
@@ -33,6 +34,21 @@ pub struct ModelRequest<'a> {
     pub call_index: u64,
     /// The attempt number of this call, from 1 (retries of transient errors count up).
     pub attempt: u32,
+    /// Whether and which tool the model must call, when this call says (else the provider's
+    /// `tool_choice` setting applies).
+    pub tool_choice: Option<&'a ToolChoice>,
+    /// What the call is for.
+    pub purpose: CallPurpose,
+}
+
+/// What a model call is for: a turn of the conversation, or work keel does for the agent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CallPurpose {
+    /// A turn of the run (`llm:turn:N`).
+    #[default]
+    Turn,
+    /// Writing a compaction brief (`llm:compact:N`); `call_index` counts the session's briefs.
+    Compact,
 }
 
 /// A model's reply: its message content and what it cost.
@@ -89,6 +105,27 @@ pub enum ProviderErrorKind {
     KeyMissing,
     /// The model cannot be set up: an unknown provider, no model name, no or a bad base URL.
     Unavailable,
+}
+
+impl ProviderErrorKind {
+    /// The kind whose failures carry `code` (see [`ProviderError::code`]).
+    pub fn from_code(code: ErrorCode) -> Option<ProviderErrorKind> {
+        Some(match code {
+            ErrorCode::ProviderRateLimited => ProviderErrorKind::RateLimited,
+            ErrorCode::ProviderOverloaded => ProviderErrorKind::Overloaded,
+            ErrorCode::ProviderError => ProviderErrorKind::Transient,
+            ErrorCode::ProviderTimeout => ProviderErrorKind::Timeout,
+            ErrorCode::ProviderBadResponse => ProviderErrorKind::BadResponse,
+            ErrorCode::ProviderAuth => ProviderErrorKind::Auth,
+            ErrorCode::ProviderPermission => ProviderErrorKind::Permission,
+            ErrorCode::ProviderNotFound => ProviderErrorKind::NotFound,
+            ErrorCode::ProviderContextTooLong => ProviderErrorKind::ContextTooLong,
+            ErrorCode::ProviderBadRequest => ProviderErrorKind::BadRequest,
+            ErrorCode::ProviderKeyMissing => ProviderErrorKind::KeyMissing,
+            ErrorCode::ProviderUnavailable => ProviderErrorKind::Unavailable,
+            _ => return None,
+        })
+    }
 }
 
 /// A failed model call.

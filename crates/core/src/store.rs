@@ -70,6 +70,9 @@ pub struct RunRecord {
     pub call_base: u64,
     /// Where the run is.
     pub state: RunState,
+    /// The run's own limits and budgets, where they differ from the agent's (kept so that a
+    /// re-driven run keeps them).
+    pub limits: crate::agent::LimitOverrides,
 }
 
 /// A run that starts later: a delayed run (`POST /runs`, `keel run --after`) or a schedule's

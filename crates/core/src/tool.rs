@@ -64,11 +64,16 @@ impl SessionState {
         *lock(&self.staged) = Some(value);
     }
 
-    /// Takes this call's replacement, making it the run's committed view. For the runtime,
-    /// which writes it with the call's result.
+    /// Takes this call's replacement, making it the run's committed view, when it differs from
+    /// that view (a replacement with an equal value changes nothing). For the runtime, which
+    /// writes it with the call's result and tells observers (`state.updated`).
     pub fn commit_staged(&self) -> Option<Value> {
         let value = lock(&self.staged).take()?;
-        lock(&self.committed).clone_from(&value);
+        let mut committed = lock(&self.committed);
+        if *committed == value {
+            return None;
+        }
+        committed.clone_from(&value);
         Some(value)
     }
 }

@@ -11,6 +11,9 @@
 //! {"type":"tool.error","callId":"call_0_1","error":"..."}
 //! {"type":"approval.requested","approvalId":"ap_...","callId":"call_0_2","tool":"shell","input":{}}
 //! {"type":"question.asked","questionId":"qu_...","question":"Which city?"}
+//! {"type":"output.repair","attempt":1,"problem":"..."}
+//! {"type":"context.compacted","summarized":30,"kept":10}
+//! {"type":"state.updated","state":{"cart":["tea"]}}
 //! {"type":"usage","inputTokens":12,"outputTokens":3}
 //! {"type":"text.delta","delta":"5"}
 //! {"type":"run.done","text":"5","stopped":"final","usage":{"inputTokens":30,"outputTokens":6}}
@@ -63,6 +66,12 @@ enum EventJson<'a> {
     ApprovalRequested { approval_id: &'a str, call_id: &'a str, tool: &'a str, input: &'a Value },
     #[serde(rename = "question.asked", rename_all = "camelCase")]
     QuestionAsked { question_id: &'a str, question: &'a str },
+    #[serde(rename = "output.repair")]
+    OutputRepair { attempt: u32, problem: &'a str },
+    #[serde(rename = "context.compacted")]
+    ContextCompacted { summarized: u64, kept: u64 },
+    #[serde(rename = "state.updated")]
+    StateUpdated { state: &'a Value },
     #[serde(rename = "usage")]
     Usage(UsageJson),
     #[serde(rename = "run.done")]
@@ -90,6 +99,9 @@ pub fn event_type(event: &Event) -> &'static str {
         Event::ToolError { .. } => "tool.error",
         Event::ApprovalRequested { .. } => "approval.requested",
         Event::QuestionAsked { .. } => "question.asked",
+        Event::OutputRepair { .. } => "output.repair",
+        Event::ContextCompacted { .. } => "context.compacted",
+        Event::StateUpdated { .. } => "state.updated",
         Event::Usage(_) => "usage",
         Event::RunDone { .. } => "run.done",
         Event::RunError { .. } => "run.error",
@@ -120,6 +132,11 @@ pub fn event_to_json(event: &Event) -> String {
             EventJson::ApprovalRequested { approval_id, call_id, tool, input }
         }
         Event::QuestionAsked { question_id, question } => EventJson::QuestionAsked { question_id, question },
+        Event::OutputRepair { attempt, problem } => EventJson::OutputRepair { attempt: *attempt, problem },
+        Event::ContextCompacted { summarized, kept } => {
+            EventJson::ContextCompacted { summarized: *summarized, kept: *kept }
+        }
+        Event::StateUpdated { state } => EventJson::StateUpdated { state },
         Event::Usage(usage) => EventJson::Usage((*usage).into()),
         Event::RunDone { text, output, stopped, usage } => EventJson::RunDone {
             text,
@@ -135,7 +152,8 @@ pub fn event_to_json(event: &Event) -> String {
 /// A message as the HTTP API shows it: `{ "role", "content": [parts] }`, parts camelCase:
 /// `{type:"text",text}`, `{type:"reasoning",text}`, `{type:"image",mediaType,data}` and `{type:"file",mediaType,name?,data}`
 /// (data in base64), `{type:"toolCall",callId,name,input}`,
-/// `{type:"toolResult",callId,name,output,isError}`.
+/// `{type:"toolResult",callId,name,output,isError}`, `{type:"summary",text,firstKept}` (a
+/// compaction brief: the model saw it instead of the messages before position `firstKept`).
 pub fn message_to_json(message: &Message) -> Value {
     use base64::Engine as _;
     let base64 = &base64::engine::general_purpose::STANDARD;
@@ -175,6 +193,9 @@ pub fn message_to_json(message: &Message) -> Value {
                 "output": result.output,
                 "isError": result.is_error,
             }),
+            Part::Summary { text, first_kept } => {
+                json!({ "type": "summary", "text": text, "firstKept": first_kept })
+            }
         })
         .collect();
     json!({ "role": role, "content": content })
@@ -235,6 +256,9 @@ mod tests {
                 input: json!({"command": "ls"}),
             },
             Event::QuestionAsked { question_id: "qu_1".into(), question: "Which city?".into() },
+            Event::OutputRepair { attempt: 1, problem: "missing `answer`".into() },
+            Event::ContextCompacted { summarized: 30, kept: 10 },
+            Event::StateUpdated { state: json!({"cart": ["tea"]}) },
             Event::Usage(Usage { input_tokens: 1, output_tokens: 2 }),
             Event::RunDone {
                 text: "5".into(),
@@ -265,6 +289,9 @@ mod tests {
             {"type":"tool.error","callId":"c","error":"boom"}
             {"type":"approval.requested","approvalId":"ap_1","callId":"c","tool":"shell","input":{"command":"ls"}}
             {"type":"question.asked","questionId":"qu_1","question":"Which city?"}
+            {"type":"output.repair","attempt":1,"problem":"missing `answer`"}
+            {"type":"context.compacted","summarized":30,"kept":10}
+            {"type":"state.updated","state":{"cart":["tea"]}}
             {"type":"usage","inputTokens":1,"outputTokens":2}
             {"type":"run.done","text":"5","stopped":"final","usage":{"inputTokens":0,"outputTokens":0}}
             {"type":"run.done","text":"{}","output":{},"stopped":"budget","usage":{"inputTokens":0,"outputTokens":0}}

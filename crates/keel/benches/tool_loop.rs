@@ -71,15 +71,13 @@ fn agent_with(store: Arc<dyn keel::Store>) -> Agent {
     let add = keel::function_tool("add", "Adds two integers", |input: AddInput| async move {
         Ok::<_, std::convert::Infallible>(input.a + input.b)
     });
-    let script = MockScript {
-        entries: vec![
-            MockEntry {
-                tool_calls: vec![MockToolCall { name: "add".into(), input: json!({"a": 2, "b": 3}) }],
-                ..MockEntry::default()
-            },
-            MockEntry { text: Some("{{last_tool_output}}".into()), ..MockEntry::default() },
-        ],
-    };
+    let script = MockScript::new(vec![
+        MockEntry {
+            tool_calls: vec![MockToolCall { name: "add".into(), input: json!({"a": 2, "b": 3}) }],
+            ..MockEntry::default()
+        },
+        MockEntry { text: Some("{{last_tool_output}}".into()), ..MockEntry::default() },
+    ]);
     Agent::builder()
         .name("bench")
         .model("mock")

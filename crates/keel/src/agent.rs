@@ -5,7 +5,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use keel_core::agent::OutputSchema;
-use keel_core::tool::ToolSetError;
+use keel_core::loop_control::{Compaction, LoopControl, StepFinished, TurnContext, TurnPlan};
+use keel_core::message::ToolCall;
+use keel_core::tool::{ToolError, ToolSetError};
 use keel_core::{
     AgentDef, ApprovalRule, Concurrency, Decision, ErrorCode, Limits, Message, MockScript, PendingInput,
     Provider, ProviderSettings, RetryPolicy, RunFailure, RunId, SessionId, Store, Tool, ToolSet,
@@ -291,6 +293,8 @@ pub struct AgentBuilder {
     mcp: Vec<keel_core::McpServerDef>,
     schedules: Vec<keel_core::schedule::ScheduleDef>,
     channels: Vec<keel_core::channel::ChannelDef>,
+    loop_control: LoopControl,
+    initial_state: Option<Value>,
 }
 
 impl AgentBuilder {
@@ -353,6 +357,53 @@ impl AgentBuilder {
     /// the run's output.
     pub fn stop_on_tool(mut self, name: impl Into<String>) -> Self {
         self.stop_on_tools.push(name.into());
+        self
+    }
+
+    /// How many repair turns a final answer that does not match the output schema gets: the
+    /// model is shown the validation error and asked again (default 1; 0 fails at once).
+    pub fn max_repairs(mut self, repairs: u32) -> Self {
+        self.loop_control.max_repairs = repairs;
+        self
+    }
+
+    /// Summarises older messages into a brief (a journaled `llm:compact:N` step) when the
+    /// model would see more than `compaction.max_messages`; a context-too-long error from the
+    /// provider then compacts once instead of failing the run.
+    pub fn compaction(mut self, compaction: Compaction) -> Self {
+        self.loop_control.compaction = Some(compaction);
+        self
+    }
+
+    /// Called before each model call: may change the model, instructions, messages, offered
+    /// tools or `tool_choice` of that call. Must be deterministic (a replay calls it again).
+    pub fn prepare_turn(
+        mut self,
+        hook: impl Fn(&TurnContext<'_>) -> TurnPlan + Send + Sync + 'static,
+    ) -> Self {
+        self.loop_control.hooks.prepare_turn = Some(Arc::new(hook));
+        self
+    }
+
+    /// Called when a tool call is refused before it runs (unknown tool, arguments that are not
+    /// JSON or do not match the schema): return a fixed call to run instead, or `None`.
+    pub fn repair_tool_call(
+        mut self,
+        hook: impl Fn(&ToolCall, &ToolError) -> Option<ToolCall> + Send + Sync + 'static,
+    ) -> Self {
+        self.loop_control.hooks.repair_tool_call = Some(Arc::new(hook));
+        self
+    }
+
+    /// Called after each step is durably committed (not for steps a resumed run replays).
+    pub fn on_step_finish(mut self, hook: impl Fn(&StepFinished<'_>) + Send + Sync + 'static) -> Self {
+        self.loop_control.hooks.on_step_finish = Some(Arc::new(hook));
+        self
+    }
+
+    /// The state object a new session starts with (tools read and replace it).
+    pub fn initial_state(mut self, state: Value) -> Self {
+        self.initial_state = Some(state);
         self
     }
 
@@ -553,6 +604,8 @@ impl AgentBuilder {
             approval_timeout: self.approval_timeout.unwrap_or(AgentDef::DEFAULT_APPROVAL_TIMEOUT),
             schedules: self.schedules,
             channels: self.channels,
+            loop_control: self.loop_control,
+            initial_state: self.initial_state,
         };
         let store = self.store.unwrap_or_else(|| Arc::new(MemoryStore::new()));
         let mut options = keel_runtime::EngineOptions::default();
@@ -639,6 +692,8 @@ async fn refresh_on_change(
                     approval_timeout: current.approval_timeout,
                     schedules: current.schedules.clone(),
                     channels: current.channels.clone(),
+                    loop_control: current.loop_control.clone(),
+                    initial_state: current.initial_state.clone(),
                 }));
                 tracing::info!(agent = %current.name, tools = ?names, "an MCP server's tools changed; new runs use the new list");
             }

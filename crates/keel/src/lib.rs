@@ -21,15 +21,13 @@
 //!     Ok::<_, std::convert::Infallible>(input.a + input.b)
 //! });
 //! // The mock model calls `add`, then answers with its output: runs offline.
-//! let script = MockScript {
-//!     entries: vec![
+//! let script = MockScript::new(vec![
 //!         MockEntry {
 //!             tool_calls: vec![MockToolCall { name: "add".into(), input: serde_json::json!({"a": 2, "b": 3}) }],
 //!             ..MockEntry::default()
 //!         },
 //!         MockEntry { text: Some("{{last_tool_output}}".into()), ..MockEntry::default() },
-//!     ],
-//! };
+//!     ]);
 //! let agent = Agent::builder()
 //!     .name("calculator")
 //!     .instructions("Add numbers with the add tool.")

@@ -100,13 +100,14 @@ impl AnthropicMessages {
                 .map(|tool| json!({ "name": tool.name, "description": tool.description, "input_schema": tool.input_schema }))
                 .collect();
             body.insert("tools".into(), tools.into());
-            let mut choice = match &settings.tool_choice {
+            let tool_choice = request.tool_choice.unwrap_or(&settings.tool_choice);
+            let mut choice = match tool_choice {
                 ToolChoice::Auto => json!({ "type": "auto" }),
                 ToolChoice::None => json!({ "type": "none" }),
                 ToolChoice::Required => json!({ "type": "any" }),
                 ToolChoice::Tool(name) => json!({ "type": "tool", "name": name }),
             };
-            if settings.parallel_tool_calls == Some(false) && settings.tool_choice != ToolChoice::None {
+            if settings.parallel_tool_calls == Some(false) && *tool_choice != ToolChoice::None {
                 choice["disable_parallel_tool_use"] = true.into();
             }
             body.insert("tool_choice".into(), choice);
@@ -128,7 +129,10 @@ fn blocks(message: &Message) -> Result<Vec<Value>, ProviderError> {
         match part {
             // Anthropic refuses empty text blocks.
             Part::Text(text) if text.is_empty() => {}
-            Part::Text(text) => blocks.push(json!({ "type": "text", "text": text })),
+            // A compaction brief (the runtime sends it as text already; kept for completeness).
+            Part::Text(text) | Part::Summary { text, .. } => {
+                blocks.push(json!({ "type": "text", "text": text }))
+            }
             Part::Image { media_type, data } => blocks.push(json!({ "type": "image", "source": {
                 "type": "base64", "media_type": media_type, "data": BASE64.encode(data),
             } })),

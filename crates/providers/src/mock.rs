@@ -7,8 +7,8 @@
 
 use keel_core::message::{ToolCall, output_to_text};
 use keel_core::{
-    BoxFuture, DeltaSink, MockEntry, MockScript, ModelReply, ModelRequest, Part, Provider, ProviderError,
-    Role, Usage,
+    BoxFuture, CallPurpose, DeltaSink, MockEntry, MockScript, ModelReply, ModelRequest, Part, Provider,
+    ProviderError, Role, Usage,
 };
 
 /// Plays a [`MockScript`].
@@ -30,8 +30,16 @@ impl Provider for MockProvider {
         request: ModelRequest<'a>,
         sink: &'a mut dyn DeltaSink,
     ) -> BoxFuture<'a, Result<ModelReply, ProviderError>> {
-        let entry = usize::try_from(request.call_index).ok().and_then(|i| self.script.entries.get(i));
+        let entries = match request.purpose {
+            CallPurpose::Turn => &self.script.entries,
+            CallPurpose::Compact => &self.script.compact,
+        };
+        let entry = usize::try_from(request.call_index).ok().and_then(|i| entries.get(i));
         let Some(entry) = entry else {
+            if request.purpose == CallPurpose::Compact {
+                let brief = brief_of_user_lines(&request);
+                return Box::pin(std::future::ready(Ok(reply_with_text(&request, &brief, Vec::new(), sink))));
+            }
             let echo = last_user_text(&request);
             return Box::pin(std::future::ready(Ok(reply_with_text(&request, &echo, Vec::new(), sink))));
         };
@@ -132,7 +140,7 @@ fn estimate_input(request: &ModelRequest<'_>) -> u64 {
     for message in request.messages {
         for part in &message.parts {
             chars += match part {
-                Part::Text(text) => text.len(),
+                Part::Text(text) | Part::Summary { text, .. } => text.len(),
                 Part::Reasoning(reasoning) => reasoning.text.len(),
                 Part::ToolCall(call) => call.name.len() + 16,
                 Part::ToolResult(result) => 16 + result.output.as_str().map_or(8, str::len),
@@ -141,6 +149,22 @@ fn estimate_input(request: &ModelRequest<'_>) -> u64 {
         }
     }
     tokens(chars)
+}
+
+/// The mock's own compaction brief: the user's lines of the conversation it is given (the
+/// latest ones, when there are many), so that a test can see what a brief kept.
+fn brief_of_user_lines(request: &ModelRequest<'_>) -> String {
+    const KEPT: usize = 12;
+    let text = request.messages.iter().map(|m| m.text()).collect::<Vec<_>>().join("\n");
+    let said: Vec<&str> = text.lines().filter_map(|line| line.strip_prefix("user: ")).collect();
+    let latest = &said[said.len().saturating_sub(KEPT)..];
+    let earlier = text.lines().find_map(|line| line.strip_prefix("Brief of the conversation so far:"));
+    let mut brief = String::from("Earlier the user said: ");
+    brief.push_str(&latest.join(" | "));
+    if earlier.is_some() || said.len() > KEPT {
+        brief.insert_str(0, "(and more before) ");
+    }
+    brief
 }
 
 fn last_user_text(request: &ModelRequest<'_>) -> String {
@@ -182,41 +206,36 @@ mod tests {
             output_schema: None,
             call_index,
             attempt,
+            tool_choice: None,
+            purpose: keel_core::CallPurpose::Turn,
         }
     }
 
     fn script() -> MockProvider {
-        MockProvider::new(MockScript {
-            entries: vec![
-                MockEntry {
-                    tool_calls: vec![
-                        MockToolCall { name: "day-name".into(), input: json!({}) },
-                        MockToolCall { name: "add".into(), input: json!({"a": 1}) },
-                    ],
-                    ..MockEntry::default()
-                },
-                MockEntry { text: Some("It is {{last_tool_output}} today.".into()), ..MockEntry::default() },
-                MockEntry {
-                    error: Some(MockFailure {
-                        status: 503,
-                        message: "overloaded".into(),
-                        times: Some(1),
-                        partial: None,
-                    }),
-                    text: Some("recovered".into()),
-                    ..MockEntry::default()
-                },
-                MockEntry {
-                    error: Some(MockFailure {
-                        status: 400,
-                        message: "bad".into(),
-                        times: None,
-                        partial: None,
-                    }),
-                    ..MockEntry::default()
-                },
-            ],
-        })
+        MockProvider::new(MockScript::new(vec![
+            MockEntry {
+                tool_calls: vec![
+                    MockToolCall { name: "day-name".into(), input: json!({}) },
+                    MockToolCall { name: "add".into(), input: json!({"a": 1}) },
+                ],
+                ..MockEntry::default()
+            },
+            MockEntry { text: Some("It is {{last_tool_output}} today.".into()), ..MockEntry::default() },
+            MockEntry {
+                error: Some(MockFailure {
+                    status: 503,
+                    message: "overloaded".into(),
+                    times: Some(1),
+                    partial: None,
+                }),
+                text: Some("recovered".into()),
+                ..MockEntry::default()
+            },
+            MockEntry {
+                error: Some(MockFailure { status: 400, message: "bad".into(), times: None, partial: None }),
+                ..MockEntry::default()
+            },
+        ]))
     }
 
     async fn call(
@@ -304,9 +323,11 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn delays_wait_before_replying() {
-        let provider = MockProvider::new(MockScript {
-            entries: vec![MockEntry { delay_ms: 5_000, text: Some("late".into()), ..MockEntry::default() }],
-        });
+        let provider = MockProvider::new(MockScript::new(vec![MockEntry {
+            delay_ms: 5_000,
+            text: Some("late".into()),
+            ..MockEntry::default()
+        }]));
         let start = tokio::time::Instant::now();
         let (reply, _) = call(&provider, &[Message::user("x")], 0, 1).await;
         assert_eq!(reply.unwrap().parts, [Part::Text("late".into())]);

@@ -11,7 +11,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use keel_core::provider::ProviderErrorKind;
 use keel_core::{
     BoxFuture, DeltaSink, Message, ModelReply, ModelRequest, Part, Provider, ProviderError, ProviderSettings,
-    Role,
+    Role, ToolChoice,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -84,7 +84,10 @@ impl OllamaChat {
         body.insert("model".into(), request.model.into());
         body.insert("messages".into(), messages.into());
         body.insert("stream".into(), true.into());
-        if !request.tools.is_empty() {
+        // Ollama's API has no `tool_choice`: "none" is kept by offering no tools; a forced
+        // call cannot be asked for.
+        let choice = request.tool_choice.unwrap_or(&settings.tool_choice);
+        if !request.tools.is_empty() && *choice != ToolChoice::None {
             body.insert("tools".into(), function_tools(request.tools).into());
         }
         if let Some(schema) = request.output_schema {
@@ -114,7 +117,7 @@ fn push_message(message: &Message, out: &mut Vec<Value>) -> Result<(), ProviderE
             let mut images = Vec::new();
             for part in &message.parts {
                 match part {
-                    Part::Text(t) => text.push_str(t),
+                    Part::Text(t) | Part::Summary { text: t, .. } => text.push_str(t),
                     Part::Image { data, .. } => images.push(Value::String(BASE64.encode(data))),
                     Part::File { media_type, name, data } => match text_file(media_type, data) {
                         Some(file) => {

@@ -101,7 +101,7 @@ impl OpenAiChat {
         body.insert("stream_options".into(), json!({ "include_usage": true }));
         if !request.tools.is_empty() {
             body.insert("tools".into(), function_tools(request.tools).into());
-            let choice = match &settings.tool_choice {
+            let choice = match request.tool_choice.unwrap_or(&settings.tool_choice) {
                 ToolChoice::Auto => json!("auto"),
                 ToolChoice::None => json!("none"),
                 ToolChoice::Required => json!("required"),
@@ -204,7 +204,7 @@ impl OpenAiChat {
     /// One content part of a user message, or `None` for parts a user message cannot hold.
     fn user_part(&self, part: &Part) -> Option<Result<Value, ProviderError>> {
         Some(Ok(match part {
-            Part::Text(text) => json!({ "type": "text", "text": text }),
+            Part::Text(text) | Part::Summary { text, .. } => json!({ "type": "text", "text": text }),
             Part::Image { media_type, data } => json!({ "type": "image_url", "image_url": {
                 "url": format!("data:{media_type};base64,{}", BASE64.encode(data)),
             } }),

@@ -52,6 +52,8 @@ fn request<'a>(messages: &'a [Arc<Message>], tools: &'a [ToolSpec]) -> ModelRequ
         output_schema: None,
         call_index: 0,
         attempt: 1,
+        tool_choice: None,
+        purpose: keel_core::CallPurpose::Turn,
     }
 }
 
@@ -807,4 +809,32 @@ async fn images_a_tool_returned_reach_each_provider_as_images() {
         body["messages"][3],
         json!({"role": "tool", "tool_name": "chart", "content": readable, "images": ["iVBORw0KGgo="]})
     );
+}
+
+#[test]
+fn a_call_s_own_tool_choice_wins_over_the_provider_setting_on_every_wire() {
+    use keel_core::ToolChoice;
+    let settings = ProviderSettings { tool_choice: ToolChoice::Required, ..ProviderSettings::default() };
+    let messages = user("Weather in Paris?");
+    let tools = [weather_tool()];
+    let forced = ToolChoice::Tool("get_weather".into());
+    let mut req = request(&messages, &tools);
+    req.tool_choice = Some(&forced);
+
+    let openai = OpenAiChat::new(Flavor::OpenAi, "http://127.0.0.1:1/v1", None, settings.clone());
+    let body = openai.request_body(&req).unwrap();
+    assert_eq!(body["tool_choice"], json!({"type": "function", "function": {"name": "get_weather"}}));
+    let anthropic = AnthropicMessages::new("http://127.0.0.1:1/v1", "k".into(), settings.clone());
+    let body = anthropic.request_body(&req).unwrap();
+    assert_eq!(body["tool_choice"], json!({"type": "tool", "name": "get_weather"}));
+
+    // `none` for one call: Ollama, which has no `tool_choice`, is offered no tools then.
+    let none = ToolChoice::None;
+    req.tool_choice = Some(&none);
+    let ollama = OllamaChat::new("http://127.0.0.1:1", None, settings.clone());
+    assert!(ollama.request_body(&req).unwrap().get("tools").is_none());
+    assert_eq!(openai.request_body(&req).unwrap()["tool_choice"], json!("none"));
+    req.tool_choice = None;
+    assert!(ollama.request_body(&req).unwrap().get("tools").is_some());
+    assert_eq!(openai.request_body(&req).unwrap()["tool_choice"], json!("required"), "the setting applies");
 }

@@ -17,15 +17,16 @@ use std::sync::Arc;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use keel_core::journal::{JournalEntry, JournalRecord};
+use keel_core::loop_control::StepFinished;
 use keel_core::machine::{Action, Input, Machine, RunOutcome};
 use keel_core::message::ToolCall;
-use keel_core::provider::ProviderErrorKind;
+use keel_core::provider::{CallPurpose, ProviderErrorKind};
 use keel_core::store::MAX_REDRIVES;
 use keel_core::{
-    AgentDef, BoxFuture, Claim, Concurrency, DeltaSink, ErrorCode, Event, Fence, LeaseStatus, Message,
-    ModelReply, Part, PendingInput, PendingKind, ProviderError, Role, RunFailure, RunId, RunRecord, RunState,
-    SessionId, SessionSnapshot, SessionState, StepCommit, StepName, StopReason, StoreError, ToolContext,
-    ToolError, ToolOutcome,
+    AgentDef, BoxFuture, Claim, Concurrency, DeltaSink, ErrorCode, Event, Fence, LeaseStatus, LimitOverrides,
+    Message, ModelReply, Part, PendingInput, PendingKind, ProviderError, Role, RunFailure, RunId, RunRecord,
+    RunState, SessionId, SessionSnapshot, SessionState, StepCommit, StepName, StopReason, StoreError,
+    ToolContext, ToolError, ToolOutcome,
 };
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
@@ -40,7 +41,15 @@ pub(crate) enum Plan {
     /// A new run of `session` answering `input`; `mode` says what it does when the session is
     /// busy in another process (the agent's `concurrency`, or `reject` for inputs nobody waits
     /// on).
-    Fresh { run_id: RunId, session: SessionId, input: Message, admission: Admission, mode: Concurrency },
+    /// `limits`: the run's own limits and budgets, stored with it.
+    Fresh {
+        run_id: RunId,
+        session: SessionId,
+        input: Message,
+        admission: Admission,
+        mode: Concurrency,
+        limits: LimitOverrides,
+    },
     /// Re-drive a stored run from its journal. `session_held`: the caller already holds the
     /// run's session in this process (a new input finishing the session's unfinished run
     /// first). `takeover`: the run's lease holder, proven dead by the caller.
@@ -136,6 +145,7 @@ async fn run(
                 admitted,
                 reported: false,
                 state: SessionState::new(prepared.state),
+                seed_state: prepared.seed_state,
                 _claim: prepared.claim,
             };
             let result = driver.drive(prepared.machine).await;
@@ -188,6 +198,9 @@ struct Prepared {
     claim: Option<SessionClaim>,
     /// The session's state object, as stored.
     state: Value,
+    /// The agent's initial state, for a new run of a session that has none: stored with the
+    /// run's first commit.
+    seed_state: Option<Value>,
 }
 
 /// A store failure as a run sees it: "busy" and "lost the lease" are what they are, not "the
@@ -316,7 +329,7 @@ async fn prepare(
 ) -> Result<Prepared, RunFailure> {
     let store = &shared.store;
     match plan {
-        Plan::Fresh { run_id, session, input, admission, mode } => {
+        Plan::Fresh { run_id, session, input, admission, mode, limits } => {
             let claim = match admission {
                 Admission::Now(claim) => claim,
                 // Queued (or replacing the run in flight): accepted, and waits for the session.
@@ -334,7 +347,11 @@ async fn prepare(
             };
             let SessionSnapshot { messages: history, state, .. } =
                 settle_session(shared, &session, cancel, admitted, mode).await?;
-            let state = state.unwrap_or_default();
+            let agent = shared.agent();
+            // A session without state starts from the agent's `state.initial`, stored with the
+            // run's first commit.
+            let seed_state = if state.is_none() { agent.initial_state.clone() } else { None };
+            let state = state.or_else(|| seed_state.clone()).unwrap_or_default();
             // Each completed model call appends exactly one assistant message.
             let call_base = history.iter().filter(|m| m.role == Role::Assistant).count() as u64;
             let record = RunRecord {
@@ -344,10 +361,11 @@ async fn prepare(
                 history_len: history.len() as u64,
                 call_base,
                 state: RunState::Running,
+                limits: limits.clone(),
             };
             // The run is stored with its first step's commit (the user's message).
-            let machine =
-                Machine::new(shared.agent(), run_id.clone(), session.clone(), history, input, call_base);
+            let machine = Machine::new(agent, run_id.clone(), session.clone(), history, input, call_base)
+                .with_overrides(&limits);
             Ok(Prepared {
                 run_id,
                 session,
@@ -358,6 +376,7 @@ async fn prepare(
                 poisoned: None,
                 claim: Some(claim),
                 state,
+                seed_state,
             })
         }
         Plan::Resume { run_id, session_held, takeover } => {
@@ -454,7 +473,8 @@ async fn prepare(
                 history,
                 record.input,
                 record.call_base,
-            );
+            )
+            .with_overrides(&record.limits);
             Ok(Prepared {
                 run_id,
                 session: record.session_id,
@@ -465,6 +485,7 @@ async fn prepare(
                 poisoned,
                 claim,
                 state,
+                seed_state: None,
             })
         }
     }
@@ -513,6 +534,8 @@ struct Driver<'a> {
     reported: bool,
     /// The session's state object, as this run's tools see it.
     state: SessionState,
+    /// The agent's initial state, stored with a new run's first commit.
+    seed_state: Option<Value>,
     _claim: Option<SessionClaim>,
 }
 
@@ -600,7 +623,7 @@ impl Driver<'_> {
                                 None => {
                                     self.stop_if_shutting_down().await?;
                                     self.go_live();
-                                    tools.push(self.spawn_tool(step, call));
+                                    tools.push(self.spawn_tool(step, call, machine.limits().tool_timeout));
                                 }
                             },
                         }
@@ -645,7 +668,11 @@ impl Driver<'_> {
         let entry = pending.entry.take();
         let (first_position, count) = pending.messages.take().unwrap_or((0, 0));
         let new_run = self.new_run.take();
-        let session_state = pending.session_state.take();
+        let tool_state = pending.session_state.take();
+        let session_state = match (&tool_state, &new_run) {
+            (None, Some(_)) => self.seed_state.take(),
+            _ => tool_state.clone(),
+        };
         if entry.is_none() && count == 0 && state.is_none() && new_run.is_none() && session_state.is_none() {
             return Ok(());
         }
@@ -668,6 +695,17 @@ impl Driver<'_> {
         }
         if new_run.is_some() {
             tell_admitted(&mut self.admitted, Ok(()));
+        }
+        if let Some(state) = tool_state {
+            self.emit(Event::StateUpdated { state });
+        }
+        if let (Some(entry), Some(hook)) = (&entry, &self.agent.loop_control.hooks.on_step_finish) {
+            hook(&StepFinished {
+                run_id: &self.run_id,
+                session_id: &self.session,
+                step: &entry.step,
+                record: &entry.record,
+            });
         }
         if committed.cancel_requested {
             // Another process asked; the next step boundary stops the run.
@@ -900,6 +938,14 @@ impl Driver<'_> {
         step: StepName,
     ) -> Result<(Input, Option<JournalEntry>), RunFailure> {
         match self.journal.remove(&step) {
+            Some(JournalRecord::ModelFailed(error)) => {
+                tracing::debug!(run = %self.run_id, %step, "a failed call replayed from the journal");
+                return Ok((Input::ModelFailed(error), None));
+            }
+            Some(JournalRecord::ModelReply(reply)) if matches!(step, StepName::Compact(_)) => {
+                tracing::debug!(run = %self.run_id, %step, "replayed from the journal");
+                return Ok((Input::ModelReply(reply), None));
+            }
             Some(JournalRecord::ModelReply(reply)) => {
                 tracing::debug!(run = %self.run_id, %step, "replayed from the journal");
                 let text: String = reply
@@ -941,13 +987,18 @@ impl Driver<'_> {
                 let entry = JournalEntry { step, record: JournalRecord::ModelReply(reply.clone()) };
                 (Input::ModelReply(reply), Some(entry))
             }
-            Err(error) => (Input::ModelFailed(error), None),
+            // Journaled too: the run may go on from a failure (a failed compaction, a context too
+            // long that compaction answers), and a replay must take the same path.
+            Err(error) => {
+                let entry = JournalEntry { step, record: JournalRecord::ModelFailed(error.clone()) };
+                (Input::ModelFailed(error), Some(entry))
+            }
         })
     }
 
     /// Starts a tool call in its own task, so that a panic or a blocked thread in the tool cannot
     /// take the run down with it.
-    fn spawn_tool(&self, step: StepName, call: ToolCall) -> ToolFuture {
+    fn spawn_tool(&self, step: StepName, call: ToolCall, timeout: Duration) -> ToolFuture {
         let ToolCall { call_id, name, input } = call;
         let Some(tool) = self.agent.tools.get(&name).cloned() else {
             // The machine checked the name; this is a bug, reported to the model as a failure.
@@ -962,7 +1013,6 @@ impl Driver<'_> {
             idempotency_key: step.idempotency_key(&self.run_id),
             state: state.clone(),
         };
-        let timeout = self.agent.limits.tool_timeout;
         let mut task = AbortOnDrop(tokio::spawn(async move { tool.call(input, &ctx).await }));
         Box::pin(async move {
             let outcome = match tokio::time::timeout(timeout, &mut task.0).await {
@@ -1137,6 +1187,14 @@ impl DeltaSink for EventSink<'_> {
     }
 }
 
+/// Drops deltas: a compaction's brief streams to nobody.
+struct Quiet;
+
+impl DeltaSink for Quiet {
+    fn text_delta(&mut self, _: &str) {}
+    fn reasoning_delta(&mut self, _: &str) {}
+}
+
 /// The longest `Retry-After` keel honours when `retry.max_backoff` is shorter.
 const LONGEST_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -1152,12 +1210,17 @@ async fn call_model(
     events: &UnboundedSender<Event>,
 ) -> Result<ModelReply, ProviderError> {
     let retry = &machine.agent().retry;
-    let timeout = machine.agent().limits.provider_timeout;
-    let mut sink = EventSink(events);
+    let timeout = machine.limits().provider_timeout;
+    // A compaction's brief is not the answer: observers see `context.compacted`, not its text.
+    let compacting = machine.model_request(1).purpose == CallPurpose::Compact;
+    let mut events_sink = EventSink(events);
+    let mut quiet = Quiet;
+    let sink: &mut dyn DeltaSink = if compacting { &mut quiet } else { &mut events_sink };
     let mut attempt = 1;
     loop {
         let request = machine.model_request(attempt);
-        let result = match tokio::time::timeout(timeout, shared.provider.complete(request, &mut sink)).await {
+        let result = match tokio::time::timeout(timeout, shared.provider.complete(request, &mut *sink)).await
+        {
             Ok(result) => result,
             Err(_elapsed) => Err(ProviderError::new(
                 ProviderErrorKind::Timeout,
@@ -1194,7 +1257,12 @@ async fn call_model(
             }
             wait = wait.max(after);
         }
-        tracing::warn!(attempt, ?wait, %error, "model call failed; retrying");
+        tracing::warn!(attempt, ?wait, %error, compacting, "model call failed; retrying");
+        if compacting {
+            tokio::time::sleep(wait).await;
+            attempt = next;
+            continue;
+        }
         let _ = events.send(Event::TurnRetry {
             turn: machine.turn(),
             attempt: next,

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_core::{
-    AgentDef, Clock, Concurrency, Decision, ErrorCode, Message, OpenRun, PendingInput, Provider, RunFailure,
-    RunId, RunState, SessionId, Store,
+    AgentDef, Clock, Concurrency, Decision, ErrorCode, LimitOverrides, Message, OpenRun, PendingInput,
+    Provider, RunFailure, RunId, RunState, SessionId, Store,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -30,6 +30,13 @@ impl Default for EngineOptions {
     fn default() -> EngineOptions {
         EngineOptions { lease_ttl: lease_ttl_from_env(), clock: keel_core::clock::system() }
     }
+}
+
+/// How one run differs from the agent's defaults ([`Engine::start_with`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunOptions {
+    /// Limits and budgets of this run that differ from the agent's `limits`.
+    pub limits: LimitOverrides,
 }
 
 /// What [`Engine::cancel`] found.
@@ -226,6 +233,18 @@ impl Engine {
         self.start_with_id(new_run_id(), session, input)
     }
 
+    /// [`Engine::start`] for a run with its own options (limits and budgets other than the
+    /// agent's). The options are stored with the run: a re-driven run keeps them.
+    pub fn start_with(
+        &self,
+        session: SessionId,
+        input: Message,
+        options: RunOptions,
+    ) -> Result<RunHandle, RunFailure> {
+        let mode = self.shared.agent().concurrency;
+        self.start_in_mode(new_run_id(), session, input, mode, options.limits)
+    }
+
     /// [`Engine::start`] with a run id the caller chose: one it can derive again later, to find
     /// the run (a subagent's run for a tool call). The id must be new to the store: look it up
     /// with `Store::load_run` first, and re-drive a stored run with [`Engine::resume`].
@@ -235,7 +254,7 @@ impl Engine {
         session: SessionId,
         input: Message,
     ) -> Result<RunHandle, RunFailure> {
-        self.start_in_mode(run_id, session, input, self.shared.agent().concurrency)
+        self.start_in_mode(run_id, session, input, self.shared.agent().concurrency, LimitOverrides::default())
     }
 
     /// [`Engine::start_with_id`] for an input nobody waits on (a delayed run, a schedule's
@@ -248,7 +267,7 @@ impl Engine {
         session: SessionId,
         input: Message,
     ) -> Result<RunHandle, RunFailure> {
-        self.start_in_mode(run_id, session, input, Concurrency::Reject)
+        self.start_in_mode(run_id, session, input, Concurrency::Reject, LimitOverrides::default())
     }
 
     fn start_in_mode(
@@ -257,10 +276,12 @@ impl Engine {
         session: SessionId,
         input: Message,
         mode: Concurrency,
+        limits: LimitOverrides,
     ) -> Result<RunHandle, RunFailure> {
         let cancel = CancellationToken::new();
         let admission = self.shared.sessions.admit(&session, &run_id, &cancel, mode)?;
-        Ok(self.spawn(run_id.clone(), Plan::Fresh { run_id, session, input, admission, mode }, cancel))
+        let plan = Plan::Fresh { run_id: run_id.clone(), session, input, admission, mode, limits };
+        Ok(self.spawn(run_id, plan, cancel))
     }
 
     /// Re-drives a run from its journal (after a crash, a restart, or to replay it). Journaled

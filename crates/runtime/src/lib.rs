@@ -25,7 +25,7 @@ mod process;
 mod shared;
 pub mod triggers;
 
-pub use engine::{Cancellation, Engine, EngineOptions, new_delayed_run_id, record_decision, who};
+pub use engine::{Cancellation, Engine, EngineOptions, RunOptions, new_delayed_run_id, record_decision, who};
 pub use handle::{RunHandle, RunResult};
 pub use process::is_provably_dead;
 pub use triggers::{TriggerStats, Triggers};

@@ -7,9 +7,9 @@ use std::time::Duration;
 use futures::StreamExt;
 use keel_core::agent::OutputSchema;
 use keel_core::{
-    AgentDef, BoxFuture, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry, MockFailure, MockScript,
-    MockToolCall, ModelReply, ModelRequest, Provider, ProviderError, RetryPolicy, RunState, SessionId,
-    StepName, StopReason, Store, Tool, ToolSet,
+    AgentDef, BoxFuture, CallPurpose, Compaction, DeltaSink, ErrorCode, Event, Limits, Message, MockEntry,
+    MockFailure, MockScript, MockToolCall, ModelReply, ModelRequest, Provider, ProviderError, RetryPolicy,
+    RunState, SessionId, StepName, StopReason, Store, Tool, ToolSet,
 };
 use keel_providers::MockProvider;
 use keel_runtime::{Engine, EngineOptions};
@@ -19,10 +19,12 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-/// Counts model calls by session call index, then delegates to the mock.
+/// Counts model calls by session call index (compaction calls apart, by the session's brief
+/// number), then delegates to the mock.
 struct CountingProvider {
     mock: MockProvider,
     calls: Mutex<Vec<u64>>,
+    briefs: Mutex<Vec<u64>>,
 }
 
 impl Provider for CountingProvider {
@@ -31,13 +33,20 @@ impl Provider for CountingProvider {
         request: ModelRequest<'a>,
         sink: &'a mut dyn DeltaSink,
     ) -> BoxFuture<'a, Result<ModelReply, ProviderError>> {
-        self.calls.lock().unwrap().push(request.call_index);
+        match request.purpose {
+            CallPurpose::Turn => self.calls.lock().unwrap().push(request.call_index),
+            CallPurpose::Compact => self.briefs.lock().unwrap().push(request.call_index),
+        }
         self.mock.complete(request, sink)
     }
 }
 
 fn counting(entries: Vec<MockEntry>) -> Arc<CountingProvider> {
-    Arc::new(CountingProvider { mock: MockProvider::new(MockScript { entries }), calls: Mutex::default() })
+    Arc::new(CountingProvider {
+        mock: MockProvider::new(MockScript::new(entries)),
+        calls: Mutex::default(),
+        briefs: Mutex::default(),
+    })
 }
 
 fn calls(list: &[(&str, Value)]) -> MockEntry {
@@ -108,6 +117,8 @@ fn agent(tools: Vec<Arc<dyn Tool>>, edit: impl FnOnce(&mut AgentDef)) -> Arc<Age
         approval_timeout: AgentDef::DEFAULT_APPROVAL_TIMEOUT,
         schedules: Vec::new(),
         channels: Vec::new(),
+        loop_control: Default::default(),
+        initial_state: None,
     };
     edit(&mut def);
     Arc::new(def)
@@ -697,4 +708,196 @@ async fn an_input_queued_behind_another_processs_run_waits_for_it_and_can_be_can
     assert!(!texts.iter().any(|t| t == "never"), "{texts:?}");
     assert_eq!(texts[..2], ["one", "slow"]);
     assert!(texts.contains(&"two".to_owned()), "{texts:?}");
+}
+
+/// Runs `work` on a runtime of its own, then drops the runtime as a crash would: tasks die
+/// mid-flight, and only what is in the store stays.
+fn in_a_process_that_dies<T>(work: impl std::future::Future<Output = T>) -> T {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let out = runtime.block_on(work);
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    out
+}
+
+#[test]
+fn a_compaction_is_a_journaled_step_and_a_resumed_run_never_writes_the_brief_again() {
+    // Turn 2 sees 5 messages, more than 4: a brief first; turn 2 then calls `slow`, which hangs
+    // (the crash).
+    let script = || {
+        vec![
+            calls(&[("record", json!({"note": "a"}))]),
+            calls(&[("record", json!({"note": "b"}))]),
+            calls(&[("slow", json!({}))]),
+            text("done after {{last_tool_output}}"),
+        ]
+    };
+    let compacting = |a: &mut AgentDef| {
+        a.loop_control.compaction = Some(Compaction { max_messages: 4, keep_recent: 2, model: None });
+    };
+    let clock = keel_core::ManualClock::starting_now();
+    let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let options = || EngineOptions { lease_ttl: Duration::from_secs(30), clock: Arc::new(clock.clone()) };
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let slow_runs = Arc::new(AtomicUsize::new(0));
+    let provider = counting(script());
+    let started = Arc::new(tokio::sync::Notify::new());
+    let run_id = in_a_process_that_dies(async {
+        let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::clone(&started), Arc::clone(&slow_runs))];
+        let engine =
+            Engine::with_options(agent(tools, compacting), provider.clone(), store.clone(), options());
+        let handle = engine.start(session("long"), Message::user("go")).unwrap();
+        started.notified().await;
+        handle.run_id().clone()
+    });
+    assert_eq!(*provider.briefs.lock().unwrap(), [0], "one brief before the crash");
+    let journal = in_a_process_that_dies(store.load_journal(&run_id)).unwrap();
+    assert!(journal.iter().any(|e| e.step == StepName::Compact(0)), "the brief is journaled");
+
+    clock.advance(Duration::from_secs(31));
+    let (result, events) = in_a_process_that_dies(async {
+        let tools = vec![recorder(Arc::clone(&log)), hang_once(Arc::default(), Arc::clone(&slow_runs))];
+        let engine =
+            Engine::with_options(agent(tools, compacting), provider.clone(), store.clone(), options());
+        let mut handle = engine.recover(None).await.unwrap().pop().unwrap();
+        let mut events = Vec::new();
+        while let Some(event) = handle.next().await {
+            events.push(event);
+        }
+        (handle.result().await.unwrap(), events)
+    });
+    assert_eq!(result.text, "done after slow done");
+    // The second brief is new work (turn 3 would see 5 messages again); the first was not
+    // written again.
+    assert_eq!(*provider.briefs.lock().unwrap(), [0, 1], "a brief was written twice");
+    assert_eq!(*provider.calls.lock().unwrap(), [0, 1, 2, 3], "a turn was paid twice");
+    assert!(
+        !events.iter().any(|e| matches!(e, Event::TextDelta { delta } if delta.contains("Earlier"))),
+        "the brief's text reached observers: {events:?}"
+    );
+    let messages = in_a_process_that_dies(store.load_messages(&session("long"))).unwrap();
+    let briefs = messages.iter().filter(|m| m.summary().is_some()).count();
+    assert_eq!(briefs, 2, "a brief stored twice");
+}
+
+#[tokio::test]
+async fn a_run_s_own_limits_are_stored_with_it_and_a_failure_of_the_model_is_journaled() {
+    let store = Arc::new(MemoryStore::new());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let provider = counting(vec![
+        calls(&[("record", json!({"note": "a"}))]),
+        calls(&[("record", json!({"note": "b"}))]),
+        text("never reached"),
+    ]);
+    let engine =
+        Engine::new(agent(vec![recorder(Arc::clone(&log))], |_| {}), provider.clone(), store.clone());
+    let limits = keel_core::LimitOverrides { max_turns: Some(2), ..Default::default() };
+    let options = keel_runtime::RunOptions { limits: limits.clone() };
+    let result =
+        engine.start_with(session("lim"), Message::user("go"), options).unwrap().result().await.unwrap();
+    assert_eq!(result.stopped, StopReason::MaxTurns);
+    assert_eq!(store.load_run(&result.run_id).await.unwrap().unwrap().limits, limits);
+
+    // A model call that fails for good is journaled with the run's end.
+    let failing = MockEntry {
+        error: Some(MockFailure { status: 400, message: "bad".into(), times: None, partial: None }),
+        ..MockEntry::default()
+    };
+    let engine = Engine::new(agent(vec![], |_| {}), counting(vec![failing]), store.clone());
+    let handle = engine.start(session("fails"), Message::user("go")).unwrap();
+    let run_id = handle.run_id().clone();
+    let failure = handle.result().await.unwrap_err();
+    assert_eq!(failure.code, ErrorCode::ProviderBadRequest);
+    let journal = store.load_journal(&run_id).await.unwrap();
+    assert!(
+        matches!(&journal[..], [e] if e.step == StepName::ModelTurn(0) && matches!(e.record, keel_core::journal::JournalRecord::ModelFailed(_))),
+        "{journal:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_new_session_starts_from_the_initial_state_and_a_real_change_is_an_event() {
+    #[derive(Deserialize, JsonSchema)]
+    struct Item {
+        item: String,
+    }
+    let add =
+        function_tool(
+            "add_item",
+            "Adds to the cart",
+            |input: Item| async move { Ok::<_, String>(input.item) },
+        );
+    // A tool that writes the state through its context.
+    let add: Arc<dyn Tool> = Arc::new(StateTool(add));
+    let store = Arc::new(MemoryStore::new());
+    let provider = counting(vec![
+        calls(&[("add_item", json!({"item": "tea"}))]),
+        calls(&[("add_item", json!({"item": "tea"}))]),
+        text("ok"),
+    ]);
+    let engine = Engine::new(
+        agent(vec![add], |a| a.initial_state = Some(json!({"cart": []}))),
+        provider,
+        store.clone(),
+    );
+    assert_eq!(store.load_session_state(&session("cart")).await.unwrap(), None);
+    let mut handle = engine.start(session("cart"), Message::user("tea please")).unwrap();
+    let mut updates = Vec::new();
+    while let Some(event) = handle.next().await {
+        if let Event::StateUpdated { state } = event {
+            updates.push(state);
+        }
+    }
+    handle.result().await.unwrap();
+    // The second call set the same state again: no change, no event.
+    assert_eq!(updates, [json!({"cart": ["tea"]})]);
+    assert_eq!(store.load_session_state(&session("cart")).await.unwrap(), Some(json!({"cart": ["tea"]})));
+}
+
+/// Wraps a tool: appends its output to the state's `cart` unless it is there already.
+struct StateTool(Arc<dyn Tool>);
+
+impl Tool for StateTool {
+    fn spec(&self) -> &keel_core::ToolSpec {
+        self.0.spec()
+    }
+    fn call<'a>(
+        &'a self,
+        input: Value,
+        ctx: &'a keel_core::ToolContext,
+    ) -> BoxFuture<'a, keel_core::ToolOutcome> {
+        Box::pin(async move {
+            let item = self.0.call(input, ctx).await?;
+            let mut state = ctx.state.get();
+            let cart = state["cart"].as_array_mut().expect("the initial state has a cart");
+            if !cart.contains(&item) {
+                cart.push(item.clone());
+            }
+            ctx.state.replace(state);
+            Ok(item)
+        })
+    }
+}
+
+#[tokio::test]
+async fn on_step_finish_hears_each_committed_step_once() {
+    let store = Arc::new(MemoryStore::new());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let heard = Arc::new(Mutex::new(Vec::new()));
+    let provider = counting(vec![calls(&[("record", json!({"note": "a"}))]), text("done")]);
+    let hook_heard = Arc::clone(&heard);
+    let engine = Engine::new(
+        agent(vec![recorder(Arc::clone(&log))], move |a| {
+            a.loop_control.hooks.on_step_finish =
+                Some(Arc::new(move |step: &keel_core::StepFinished<'_>| {
+                    hook_heard.lock().unwrap().push(step.step.to_string());
+                }));
+        }),
+        provider,
+        store.clone(),
+    );
+    let result = engine.start(session("hook"), Message::user("go")).unwrap().result().await.unwrap();
+    assert_eq!(*heard.lock().unwrap(), ["llm:turn:0", "tool:record:call_0_0", "llm:turn:1"]);
+    // A replay of the finished run commits nothing new: the hook hears nothing.
+    let _ = engine.resume(result.run_id).result().await;
+    assert_eq!(heard.lock().unwrap().len(), 3);
 }

@@ -50,9 +50,11 @@ fn setup(schedules: Vec<ScheduleDef>) -> Setup {
         approval_timeout: AgentDef::DEFAULT_APPROVAL_TIMEOUT,
         schedules,
         channels: Vec::new(),
+        loop_control: Default::default(),
+        initial_state: None,
     };
     let entries = vec![MockEntry { text: Some("done".into()), delay_ms: 200, ..MockEntry::default() }];
-    let provider = Arc::new(MockProvider::new(MockScript { entries }));
+    let provider = Arc::new(MockProvider::new(MockScript::new(entries)));
     let options = EngineOptions { clock: Arc::new(clock.clone()), ..EngineOptions::default() };
     let engine = Engine::with_options(Arc::new(agent), provider, Arc::clone(&store), options);
     Setup { clock, store, engine, started: Arc::default() }

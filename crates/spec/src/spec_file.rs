@@ -675,17 +675,34 @@ fn output(node: &Node, d: &mut Decoder<'_>) -> Option<Value> {
 fn mock(node: &Node, d: &mut Decoder<'_>) -> Option<(MockScript, Vec<(String, Pos)>)> {
     let mut map = d.map(node, "mock")?;
     let script = map.take("script");
-    map.finish(d, "mock", &["script"]);
+    let compact = map.take("compact");
+    map.finish(d, "mock", &["script", "compact"]);
     let Some(script) = script else {
         d.error(node.pos, "`mock` needs `script`").hint =
             Some("write `mock: { script: [ { text: \"Hello!\" } ] }`".into());
         return None;
     };
-    let items = d.list(script, "mock.script")?;
-    let mut entries = Vec::with_capacity(items.len());
     let mut called = Vec::new();
+    let entries = mock_entries(script, d, "mock.script", &mut called)?;
+    let compact = match compact {
+        Some(node) => mock_entries(node, d, "mock.compact", &mut Vec::new())?,
+        None => Vec::new(),
+    };
+    Some((MockScript { entries, compact }, called))
+}
+
+/// A list of mock entries (`what` names it in diagnostics); the tool names they call are
+/// added to `called`.
+fn mock_entries(
+    node: &Node,
+    d: &mut Decoder<'_>,
+    what: &str,
+    called: &mut Vec<(String, Pos)>,
+) -> Option<Vec<MockEntry>> {
+    let items = d.list(node, what)?;
+    let mut entries = Vec::with_capacity(items.len());
     for (index, item) in items.iter().enumerate() {
-        let what = format!("mock.script[{index}]");
+        let what = format!("{what}[{index}]");
         let Some(mut entry_map) = d.map(item, &what) else { continue };
         let mut entry = MockEntry::default();
         // A present but broken key was reported already; "has no text" would only add noise.
@@ -713,7 +730,7 @@ fn mock(node: &Node, d: &mut Decoder<'_>) -> Option<(MockScript, Vec<(String, Po
         }
         entries.push(entry);
     }
-    Some((MockScript { entries }, called))
+    Some(entries)
 }
 
 fn mock_call(node: &Node, d: &mut Decoder<'_>, what: &str) -> Option<MockToolCall> {

@@ -200,6 +200,18 @@ pub(crate) fn stored_run_id(id: &str) -> Result<RunId, StoreError> {
     RunId::parse(id).ok_or_else(|| corrupt(format!("bad run id {id:?}")))
 }
 
+/// A run's own limits as stored: `None` (SQL NULL) for the agent's.
+pub(crate) fn stored_limits(record: &RunRecord) -> Option<String> {
+    (!record.limits.is_empty()).then(|| keel_core::persist::encode_overrides(&record.limits))
+}
+
+/// A run's own limits from what [`stored_limits`] wrote.
+pub(crate) fn read_limits(stored: Option<&str>) -> Result<keel_core::LimitOverrides, StoreError> {
+    stored.map_or(Ok(keel_core::LimitOverrides::default()), |json| {
+        keel_core::persist::decode_overrides(json).map_err(corrupt)
+    })
+}
+
 /// A stored run state.
 pub(crate) fn stored_state(name: &str) -> Result<RunState, StoreError> {
     RunState::parse(name).ok_or_else(|| corrupt(format!("unknown run state {name:?}")))

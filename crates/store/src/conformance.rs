@@ -11,9 +11,9 @@ use std::time::Duration;
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, MAX_REDRIVES};
 use keel_core::{
-    Claim, Committed, Decision, DelayedRun, DelayedState, Fence, LeaseStatus, ManualClock, Message,
-    ModelReply, Part, PendingInput, PendingKind, RunId, RunRecord, RunState, SessionId, StepCommit, StepName,
-    Store, StoreError, Usage,
+    Claim, Committed, Decision, DelayedRun, DelayedState, Fence, LeaseStatus, LimitOverrides, ManualClock,
+    Message, ModelReply, Part, PendingInput, PendingKind, RunId, RunRecord, RunState, SessionId, StepCommit,
+    StepName, Store, StoreError, Usage,
 };
 use serde_json::json;
 
@@ -55,6 +55,7 @@ pub fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord
         history_len,
         call_base: 0,
         state: RunState::Running,
+        limits: LimitOverrides::default(),
     }
 }
 
@@ -182,6 +183,17 @@ pub async fn runs_round_trip(store: &dyn Store) {
     let loaded = store.load_run(&record.run_id).await.unwrap().unwrap();
     assert_eq!(loaded.state, RunState::Done);
     assert_eq!(store.load_run(&RunId::from_suffix("missing")).await.unwrap(), None);
+
+    // A run's own limits are kept with it.
+    let limits = LimitOverrides {
+        max_turns: Some(2),
+        tool_timeout: Some(Duration::from_millis(1500)),
+        max_total_tokens: Some(10_000),
+        ..LimitOverrides::default()
+    };
+    let limited = RunRecord { limits, ..run_record("rt-limits", &session, 0) };
+    create_run(store, &limited).await.unwrap();
+    assert_eq!(store.load_run(&limited.run_id).await.unwrap().as_ref(), Some(&limited));
 }
 
 /// Every write names an existing run of its own session (or creates it).
@@ -503,6 +515,7 @@ pub async fn delayed_runs_start_once_unless_cancelled_first(store: &dyn Store, c
         history_len: 0,
         call_base: 0,
         state: RunState::Running,
+        limits: LimitOverrides::default(),
     };
     create_run(store, &record).await.unwrap();
     assert_eq!(store.delayed_run(&later.run_id).await.unwrap().unwrap().state, DelayedState::Started);
@@ -525,6 +538,7 @@ pub async fn delayed_runs_start_once_unless_cancelled_first(store: &dyn Store, c
         history_len: 0,
         call_base: 0,
         state: RunState::Running,
+        limits: LimitOverrides::default(),
     };
     let refused = create_run(store, &start).await.unwrap_err();
     assert!(matches!(refused, StoreError::Conflict(_)), "a cancelled delayed run started: {refused:?}");

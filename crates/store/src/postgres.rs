@@ -49,7 +49,8 @@ use postgres::types::{FromSql, ToSql};
 use postgres::{Client, IsolationLevel, NoTls, Row, Statement};
 
 use crate::backend::{
-    Backend, Ruled, RunControl, Tx, Work, corrupt, stored_delayed_state, stored_run_id, stored_state,
+    Backend, Ruled, RunControl, Tx, Work, corrupt, read_limits, stored_delayed_state, stored_limits,
+    stored_run_id, stored_state,
 };
 
 mod events;
@@ -157,6 +158,8 @@ const MIGRATIONS: &[&str] = &[
         note TEXT
     );
     CREATE INDEX delayed_due ON delayed_runs (state, due_at);"#,
+    // Version 4: a run's own limits (`persist::encode_overrides`; NULL for the agent's).
+    "ALTER TABLE runs ADD COLUMN limits TEXT;",
 ];
 
 /// The schema version this build writes.
@@ -995,8 +998,8 @@ impl Tx for PgTx<'_, '_> {
         self.remember(&record.run_id, &record.session_id);
         self.execute(
             "INSERT INTO runs (id, session_id, input, history_len, call_base, state, created_at, updated_at,
-               lease_owner, lease_expires_at, lease_epoch, attempts, cancel_requested_by)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8, $9, $10, $11, $12)",
+               lease_owner, lease_expires_at, lease_epoch, attempts, cancel_requested_by, limits)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8, $9, $10, $11, $12, $13)",
             &[
                 &record.run_id.as_str(),
                 &record.session_id.as_str(),
@@ -1010,6 +1013,7 @@ impl Tx for PgTx<'_, '_> {
                 &signed(control.epoch),
                 &i64::from(control.attempts),
                 &control.cancel_requested_by,
+                &stored_limits(record),
             ],
         )
         .map(drop)
@@ -1018,7 +1022,7 @@ impl Tx for PgTx<'_, '_> {
     fn run(&mut self, run: &RunId) -> Result<Option<RunRecord>, StoreError> {
         self.lock_run(run)?;
         let row = self.query_opt(
-            "SELECT session_id, input, history_len, call_base, state FROM runs WHERE id = $1",
+            "SELECT session_id, input, history_len, call_base, state, limits FROM runs WHERE id = $1",
             &[&run.as_str()],
         )?;
         let Some(row) = row else { return Ok(None) };
@@ -1029,6 +1033,7 @@ impl Tx for PgTx<'_, '_> {
             history_len: count(&row, 2)?,
             call_base: count(&row, 3)?,
             state: stored_state(get(&row, 4)?)?,
+            limits: read_limits(get(&row, 5)?)?,
         }))
     }
 

@@ -40,7 +40,8 @@ use keel_core::{
 use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
 
 use crate::backend::{
-    Backend, Ruled, RunControl, Tx, Work, corrupt, stored_delayed_state, stored_run_id, stored_state,
+    Backend, Ruled, RunControl, Tx, Work, corrupt, read_limits, stored_delayed_state, stored_limits,
+    stored_run_id, stored_state,
 };
 
 /// The schema, one migration per version (index 0 makes version 1).
@@ -139,6 +140,8 @@ const MIGRATIONS: &[&str] = &[
         note TEXT
     ) WITHOUT ROWID;
     CREATE INDEX delayed_due ON delayed_runs (state, due_at);",
+    // Version 9: a run's own limits (`persist::encode_overrides`; NULL for the agent's).
+    "ALTER TABLE runs ADD COLUMN limits TEXT;",
 ];
 
 /// The schema version this build writes.
@@ -646,8 +649,8 @@ impl Tx for SqliteTx<'_> {
     ) -> Result<(), StoreError> {
         self.execute(
             "INSERT INTO runs (id, session_id, input, history_len, call_base, state, created_at, updated_at,
-               lease_owner, lease_expires_at, lease_epoch, attempts, cancel_requested_by)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, ?10, ?11, ?12)",
+               lease_owner, lease_expires_at, lease_epoch, attempts, cancel_requested_by, limits)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
             params![
                 record.run_id.as_str(),
                 record.session_id.as_str(),
@@ -661,6 +664,7 @@ impl Tx for SqliteTx<'_> {
                 control.epoch as i64,
                 i64::from(control.attempts),
                 control.cancel_requested_by,
+                stored_limits(record),
             ],
         )
         .map(drop)
@@ -669,7 +673,9 @@ impl Tx for SqliteTx<'_> {
     fn run(&mut self, run: &RunId) -> Result<Option<RunRecord>, StoreError> {
         let row = self
             .c
-            .prepare_cached("SELECT session_id, input, history_len, call_base, state FROM runs WHERE id = ?1")
+            .prepare_cached(
+                "SELECT session_id, input, history_len, call_base, state, limits FROM runs WHERE id = ?1",
+            )
             .and_then(|mut s| {
                 s.query_row([run.as_str()], |row| {
                     Ok((
@@ -678,12 +684,13 @@ impl Tx for SqliteTx<'_> {
                         row.get::<_, i64>(2)?,
                         row.get::<_, i64>(3)?,
                         row.get::<_, String>(4)?,
+                        row.get::<_, Option<String>>(5)?,
                     ))
                 })
                 .optional()
             })
             .map_err(map_error)?;
-        let Some((session, input, history_len, call_base, state)) = row else { return Ok(None) };
+        let Some((session, input, history_len, call_base, state, limits)) = row else { return Ok(None) };
         Ok(Some(RunRecord {
             run_id: run.clone(),
             session_id: SessionId::from_store(session).map_err(corrupt)?,
@@ -691,6 +698,7 @@ impl Tx for SqliteTx<'_> {
             history_len: history_len.max(0) as u64,
             call_base: call_base.max(0) as u64,
             state: stored_state(&state)?,
+            limits: read_limits(limits.as_deref())?,
         }))
     }
 

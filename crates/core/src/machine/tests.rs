@@ -8,7 +8,8 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::BoxFuture;
-use crate::agent::{Limits, OutputSchema, RetryPolicy};
+use crate::agent::{Limits, OutputSchema, RetryPolicy, ToolChoice};
+use crate::loop_control::Compaction;
 use crate::persist::encode_message;
 use crate::provider::ProviderErrorKind;
 use crate::tool::{Tool, ToolContext, ToolSet, ToolSpec};
@@ -61,6 +62,8 @@ fn agent(edit: impl FnOnce(&mut AgentDef)) -> Arc<AgentDef> {
         approval_timeout: AgentDef::DEFAULT_APPROVAL_TIMEOUT,
         schedules: Vec::new(),
         channels: Vec::new(),
+        loop_control: Default::default(),
+        initial_state: None,
     };
     edit(&mut def);
     Arc::new(def)
@@ -424,12 +427,78 @@ fn structured_output_is_parsed_and_checked() {
         "{actions:?}"
     );
 
-    let mut m = machine(agent(|a| a.output_schema = Some(schema())));
+    let mut m = machine(agent(|a| {
+        a.output_schema = Some(schema());
+        a.loop_control.max_repairs = 0;
+    }));
     m.step(Input::Start);
     let actions = m.step(text("{\"answer\": 5}", 1));
     let Some(Action::Finish(RunOutcome::Failed(failure))) = actions.last() else { panic!("{actions:?}") };
     assert_eq!(failure.code, ErrorCode::OutputInvalid);
     assert!(failure.message.contains("/answer"), "{}", failure.message);
+}
+
+fn answer_schema() -> OutputSchema {
+    OutputSchema::new(json!({
+        "type": "object", "properties": { "answer": { "type": "string" } }, "required": ["answer"]
+    }))
+    .unwrap()
+}
+
+#[test]
+fn an_answer_that_does_not_match_the_schema_gets_a_repair_turn_that_shows_the_error() {
+    check(
+        machine(agent(|a| a.output_schema = Some(answer_schema()))),
+        vec![Input::Start, text("{\"answer\": 5}", 10), text("{\"answer\": \"5\"}", 20)],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 1, 3 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":10,"outputTokens":1}
+              persist #3 {"v":1,"role":"assistant","parts":[{"type":"text","text":"{\"answer\": 5}"}]}
+              emit {"type":"output.repair","attempt":1,"problem":"5 is not of type \"string\" at `/answer`"}
+              persist #4 {"v":1,"role":"user","parts":[{"type":"text","text":"Your answer does not match the required output schema: 5 is not of type \"string\" at `/answer`. Reply again with only the JSON value, matching this schema:\n{\"properties\":{\"answer\":{\"type\":\"string\"}},\"required\":[\"answer\"],\"type\":\"object\"}"}]}
+              emit {"type":"turn.start","turn":1}
+              call model llm:turn:1 (call_index 2, 5 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":20,"outputTokens":1}
+              persist #5 {"v":1,"role":"assistant","parts":[{"type":"text","text":"{\"answer\": \"5\"}"}]}
+              emit {"type":"run.done","text":"{\"answer\": \"5\"}","output":{"answer":"5"},"stopped":"final","usage":{"inputTokens":30,"outputTokens":2}}
+              finish Done { text: "{\"answer\": \"5\"}", output: Some(Object {"answer": String("5")}), stopped: Final, usage: Usage { input_tokens: 30, output_tokens: 2 } }
+        "#]],
+    );
+}
+
+#[test]
+fn repairs_run_out_and_then_the_run_fails_saying_how_many_it_had() {
+    let mut m = machine(agent(|a| {
+        a.output_schema = Some(answer_schema());
+        a.loop_control.max_repairs = 2;
+    }));
+    m.step(Input::Start);
+    for _ in 0..2 {
+        let actions = m.step(text("not json", 1));
+        assert!(matches!(actions.last(), Some(Action::CallModel { .. })), "{actions:?}");
+    }
+    let actions = m.step(text("still not json", 1));
+    let Some(Action::Finish(RunOutcome::Failed(failure))) = actions.last() else { panic!("{actions:?}") };
+    assert_eq!(failure.code, ErrorCode::OutputInvalid);
+    assert!(failure.message.contains("after 2 repair turns"), "{}", failure.message);
+}
+
+#[test]
+fn a_repair_turn_is_not_made_past_max_turns() {
+    let mut m = machine(agent(|a| {
+        a.output_schema = Some(answer_schema());
+        a.limits.max_turns = 1;
+    }));
+    m.step(Input::Start);
+    let actions = m.step(text("nope", 1));
+    let Some(Action::Finish(RunOutcome::Failed(failure))) = actions.last() else { panic!("{actions:?}") };
+    assert_eq!(failure.code, ErrorCode::OutputInvalid);
 }
 
 #[test]
@@ -770,4 +839,295 @@ fn compose_runs_its_steps_one_by_one_as_tool_steps() {
               finish Done { text: "5", output: None, stopped: Final, usage: Usage { input_tokens: 11, output_tokens: 6 } }
         "#]],
     );
+}
+
+/// A session's earlier messages: two turns, the first with a tool call and its result.
+fn long_history() -> Vec<Arc<Message>> {
+    let call = ToolCall { call_id: "c0".into(), name: "add".into(), input: json!({"a": 1, "b": 1}) };
+    vec![
+        Arc::new(Message::user("Add 1 and 1")),
+        Arc::new(Message { role: Role::Assistant, parts: vec![Part::ToolCall(call)] }),
+        Arc::new(Message {
+            role: Role::Tool,
+            parts: vec![Part::ToolResult(ToolResult {
+                call_id: "c0".into(),
+                name: "add".into(),
+                output: json!(2),
+                is_error: false,
+            })],
+        }),
+        Arc::new(Message::assistant("2")),
+        Arc::new(Message::user("My name is Ada")),
+        Arc::new(Message::assistant("Hello Ada")),
+    ]
+}
+
+fn compacting(max_messages: usize, keep_recent: usize) -> impl FnOnce(&mut AgentDef) {
+    move |a| a.loop_control.compaction = Some(Compaction { max_messages, keep_recent, model: None })
+}
+
+fn machine_with(agent: Arc<AgentDef>, history: Vec<Arc<Message>>, input: &str) -> Machine {
+    let call_base = history.iter().filter(|m| m.role == Role::Assistant).count() as u64;
+    Machine::new(
+        agent,
+        RunId::from_suffix("1"),
+        SessionId::new("s1").unwrap(),
+        history,
+        Message::user(input),
+        call_base,
+    )
+}
+
+fn brief(t: &str) -> Input {
+    text(t, 7)
+}
+
+#[test]
+fn a_long_conversation_is_compacted_before_the_turn_and_the_model_sees_the_brief_and_the_tail() {
+    let mut m = machine_with(agent(compacting(4, 2)), long_history(), "What is my name?");
+    let rendered = |m: &Machine| {
+        m.model_request(1).messages.iter().map(|msg| encode_message(msg)).collect::<Vec<_>>().join("\n")
+    };
+    let actions = m.step(Input::Start);
+    assert!(matches!(actions.last(), Some(Action::CallModel { step: StepName::Compact(0) })), "{actions:?}");
+    let request = m.model_request(1);
+    assert_eq!(request.purpose, CallPurpose::Compact);
+    assert_eq!(request.call_index, 0, "the session's first brief");
+    assert!(request.tools.is_empty());
+    expect![[r#"
+        The conversation:
+        user: Add 1 and 1
+        assistant called `add` with {"a":1,"b":1}
+        `add` returned: 2
+        assistant: 2
+        user: My name is Ada
+
+        Write the brief."#]]
+    .assert_eq(&request.messages[0].text());
+
+    check_actions(
+        &mut m,
+        brief("Ada added 1 and 1 (2)."),
+        expect![[r#"
+        emit {"type":"usage","inputTokens":7,"outputTokens":1}
+        persist #7 {"v":1,"role":"user","parts":[{"type":"summary","text":"Ada added 1 and 1 (2).","first_kept":5}]}
+        emit {"type":"context.compacted","summarized":5,"kept":2}
+        emit {"type":"turn.start","turn":0}
+        call model llm:turn:0
+    "#]],
+    );
+    let request = m.model_request(1);
+    assert_eq!(request.purpose, CallPurpose::Turn);
+    assert_eq!(request.call_index, 3, "a compaction is not one of the session's turns");
+    expect![[r#"
+        {"v":1,"role":"user","parts":[{"type":"text","text":"Summary of the conversation before this point:\nAda added 1 and 1 (2)."}]}
+        {"v":1,"role":"assistant","parts":[{"type":"text","text":"Hello Ada"}]}
+        {"v":1,"role":"user","parts":[{"type":"text","text":"What is my name?"}]}"#]].assert_eq(&rendered(&m));
+}
+
+/// Steps `m` with `input` and checks the rendered actions (as [`check`] does).
+fn check_actions(m: &mut Machine, input: Input, expected: Expect) {
+    let mut out = String::new();
+    for action in m.step(input) {
+        match action {
+            Action::Emit(event) => writeln!(out, "emit {}", event_to_json(&event)),
+            Action::Persist { first_position, count } => {
+                for (i, msg) in m.transcript()[first_position..first_position + count].iter().enumerate() {
+                    writeln!(out, "persist #{} {}", first_position + i, encode_message(msg)).unwrap();
+                }
+                Ok(())
+            }
+            Action::CallModel { step } => writeln!(out, "call model {step}"),
+            Action::CallTool { step, .. } => writeln!(out, "call tool {step}"),
+            Action::AwaitHuman { step, .. } => writeln!(out, "await human {step}"),
+            Action::Finish(outcome) => writeln!(out, "finish {outcome:?}"),
+        }
+        .unwrap();
+    }
+    expected.assert_eq(&out);
+}
+
+#[test]
+fn the_kept_tail_never_starts_with_a_tool_result_whose_call_was_summarised() {
+    // History (6) + input = 7 messages; keeping 5 would start the tail at the tool result
+    // (position 2): it starts after it instead.
+    let mut m = machine_with(agent(compacting(6, 5)), long_history(), "And now?");
+    m.step(Input::Start);
+    let actions = m.step(brief("Ada added numbers."));
+    let compacted = actions.iter().find_map(|a| match a {
+        Action::Emit(Event::ContextCompacted { summarized, kept }) => Some((*summarized, *kept)),
+        _ => None,
+    });
+    assert_eq!(compacted, Some((3, 4)));
+    let request = m.model_request(1);
+    assert_eq!(request.messages.len(), 5, "the brief and 4 messages");
+    assert_eq!(request.messages[1].text(), "2");
+    for (i, msg) in request.messages.iter().enumerate() {
+        for result in msg.tool_results() {
+            let called = request.messages[..i]
+                .iter()
+                .any(|earlier| earlier.tool_calls().any(|c| c.call_id == result.call_id));
+            assert!(called, "result {} without its call", result.call_id);
+        }
+    }
+}
+
+#[test]
+fn a_later_run_starts_from_the_latest_brief_and_compacts_again_over_it() {
+    let mut history = long_history();
+    history.push(Arc::new(Message {
+        role: Role::User,
+        parts: vec![Part::Summary { text: "Ada added 1 and 1.".into(), first_kept: 4 }],
+    }));
+    history.push(Arc::new(Message::user("I like tea")));
+    history.push(Arc::new(Message::assistant("Noted")));
+    // Seen: the brief, 4..6, 7, 8 and the input = 6 messages.
+    let m = machine_with(agent(compacting(8, 2)), history.clone(), "What do I like?");
+    let seen: Vec<String> = m.context().iter().map(|msg| msg.text()).collect();
+    expect![[r#"
+        [
+            "Summary of the conversation before this point:\nAda added 1 and 1.",
+            "My name is Ada",
+            "Hello Ada",
+            "I like tea",
+            "Noted",
+            "What do I like?",
+        ]
+    "#]]
+    .assert_debug_eq(&seen);
+
+    let mut m = machine_with(agent(compacting(5, 2)), history, "What do I like?");
+    m.step(Input::Start);
+    let request = m.model_request(1);
+    assert_eq!(request.call_index, 1, "the session's second brief");
+    expect![[r#"
+        Brief of the conversation so far:
+        Ada added 1 and 1.
+
+        What happened next:
+        user: My name is Ada
+        assistant: Hello Ada
+        user: I like tea
+
+        Write the brief."#]]
+    .assert_eq(&request.messages[0].text());
+}
+
+#[test]
+fn a_context_too_long_failure_compacts_once_then_the_turn_is_made_again() {
+    let too_long = || ProviderError::new(ProviderErrorKind::ContextTooLong, "prompt is too long");
+    check(
+        machine_with(agent(compacting(100, 2)), long_history(), "Hi"),
+        vec![
+            Input::Start,
+            Input::ModelFailed(too_long()),
+            brief("Ada added 1 and 1."),
+            Input::ModelFailed(too_long()),
+        ],
+        expect![[r#"
+            > start
+              emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+              persist #6 {"v":1,"role":"user","parts":[{"type":"text","text":"Hi"}]}
+              emit {"type":"turn.start","turn":0}
+              call model llm:turn:0 (call_index 3, 7 messages)
+            > model failed: prompt is too long
+              call model llm:compact:0 (call_index 0, 1 messages)
+            > model reply
+              emit {"type":"usage","inputTokens":7,"outputTokens":1}
+              persist #7 {"v":1,"role":"user","parts":[{"type":"summary","text":"Ada added 1 and 1.","first_kept":5}]}
+              emit {"type":"context.compacted","summarized":5,"kept":2}
+              emit {"type":"turn.start","turn":1}
+              call model llm:turn:1 (call_index 4, 3 messages)
+            > model failed: prompt is too long
+              emit {"type":"run.error","code":"KEEL_PROVIDER_CONTEXT_TOO_LONG","message":"the model call failed: prompt is too long"}
+              finish Failed(RunFailure { code: ProviderContextTooLong, message: "the model call failed: prompt is too long" })
+        "#]],
+    );
+}
+
+#[test]
+fn a_failed_compaction_leaves_the_conversation_as_it_was_and_the_turn_goes_on() {
+    let mut m = machine_with(agent(compacting(4, 2)), long_history(), "Hi");
+    m.step(Input::Start);
+    let failed = ProviderError::new(ProviderErrorKind::Overloaded, "overloaded");
+    check_actions(
+        &mut m,
+        Input::ModelFailed(failed),
+        expect![[r#"
+        emit {"type":"turn.start","turn":0}
+        call model llm:turn:0
+    "#]],
+    );
+    assert_eq!(m.model_request(1).messages.len(), 7, "everything, uncompacted");
+}
+
+#[test]
+fn prepare_turn_narrows_the_tools_and_a_call_of_another_is_refused() {
+    let mut m = machine(agent(|a| {
+        a.loop_control.hooks.prepare_turn = Some(Arc::new(|turn: &TurnContext<'_>| TurnPlan {
+            tools: Some(vec!["echo".into()]),
+            tool_choice: (turn.turn == 0).then(|| ToolChoice::Tool("echo".into())),
+            instructions: Some(format!("Turn {}: {} messages.", turn.turn, turn.messages.len())),
+            ..TurnPlan::default()
+        }))
+    }));
+    m.step(Input::Start);
+    let request = m.model_request(1);
+    assert_eq!(request.tools.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), ["echo"]);
+    assert_eq!(request.tool_choice, Some(&ToolChoice::Tool("echo".into())));
+    assert_eq!(request.instructions, "Turn 0: 3 messages.");
+    check_actions(
+        &mut m,
+        calls(&[("c1", "add", json!({"a": 1, "b": 2}))]),
+        expect![[r#"
+        emit {"type":"usage","inputTokens":10,"outputTokens":5}
+        persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"add","input":{"a":1,"b":2}}]}
+        emit {"type":"tool.start","callId":"c1","name":"add","input":{"a":1,"b":2}}
+        emit {"type":"tool.error","callId":"c1","error":"unknown tool `add` this turn; available tools: echo"}
+        persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"add","output":"unknown tool `add` this turn; available tools: echo","is_error":true}]}
+        emit {"type":"turn.start","turn":1}
+        call model llm:turn:1
+    "#]],
+    );
+}
+
+#[test]
+fn repair_tool_call_fixes_a_call_before_it_is_refused_and_the_transcript_shows_the_fix() {
+    let mut m = machine(agent(|a| {
+        a.loop_control.hooks.repair_tool_call = Some(Arc::new(|call: &ToolCall, error: &ToolError| {
+            assert_eq!(error.code, ErrorCode::ToolNotFound);
+            (call.name == "Add").then(|| ToolCall { name: "add".into(), ..call.clone() })
+        }))
+    }));
+    m.step(Input::Start);
+    check_actions(
+        &mut m,
+        calls(&[("c1", "Add", json!({"a": 1, "b": 2})), ("c2", "nope", json!({}))]),
+        expect![[r#"
+            emit {"type":"usage","inputTokens":10,"outputTokens":5}
+            persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"add","input":{"a":1,"b":2}},{"type":"tool_call","call_id":"c2","name":"nope","input":{}}]}
+            emit {"type":"tool.start","callId":"c1","name":"add","input":{"a":1,"b":2}}
+            call tool tool:add:c1
+            emit {"type":"tool.start","callId":"c2","name":"nope","input":{}}
+            emit {"type":"tool.error","callId":"c2","error":"unknown tool `nope`; available tools: add, echo"}
+        "#]],
+    );
+}
+
+#[test]
+fn a_run_s_own_limits_replace_the_agent_s() {
+    let overrides =
+        LimitOverrides { max_turns: Some(1), max_tool_output_chars: Some(3), ..LimitOverrides::default() };
+    let mut m = machine(agent(|_| {})).with_overrides(&overrides);
+    assert_eq!(m.limits().max_turns, 1);
+    m.step(Input::Start);
+    m.step(calls(&[("c1", "echo", json!({"long": "output"}))]));
+    let actions = m.step(done("c1", Ok(json!("abcdefgh"))));
+    let Some(Action::Finish(RunOutcome::Done { stopped, .. })) = actions.last() else {
+        panic!("{actions:?}")
+    };
+    assert_eq!(*stopped, StopReason::MaxTurns);
+    let result = m.transcript().last().unwrap().tool_results().next().unwrap().output.clone();
+    assert!(output_to_text(&result).starts_with("abc"), "{result}");
+    assert!(!output_to_text(&result).contains("defgh"), "{result}");
 }

@@ -168,6 +168,25 @@ impl Render for HumanRenderer {
                 self.end_line()?;
                 writeln!(std::io::stderr().lock(), "? {question} ({question_id})")?;
             }
+            Event::OutputRepair { attempt, problem } => {
+                self.stop_spinner();
+                self.end_line()?;
+                let partial = if self.streamed { " (the answer above is void)" } else { "" };
+                writeln!(
+                    std::io::stderr().lock(),
+                    "↻ the answer does not match the output schema ({problem}); repair turn {attempt}{partial}"
+                )?;
+                self.streamed = false;
+            }
+            Event::ContextCompacted { summarized, kept } => {
+                self.stop_spinner();
+                self.end_line()?;
+                writeln!(
+                    std::io::stderr().lock(),
+                    "… compacted the conversation: {summarized} older messages summarised, {kept} kept"
+                )?;
+            }
+            Event::StateUpdated { .. } => {}
             Event::RunDone { text, stopped, .. } => {
                 self.stop_spinner();
                 if *stopped == StopReason::StopCondition || (!self.streamed && !text.is_empty()) {

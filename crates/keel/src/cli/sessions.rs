@@ -127,6 +127,9 @@ async fn show(id: &str, json: bool, args: &StoreArgs) -> Outcome {
                     data.len()
                 )?,
                 Part::Reasoning(reasoning) => writeln!(out, "{who}: (thinking) {}", reasoning.text)?,
+                Part::Summary { text, first_kept } => {
+                    writeln!(out, "(brief of the conversation before message {first_kept}) {text}")?
+                }
                 Part::ToolCall(call) => {
                     writeln!(out, "{who}: → {} {} [{}]", call.name, call.input, call.call_id)?
                 }

@@ -24,7 +24,7 @@ fn add_tool() -> Arc<dyn keel::Tool> {
 }
 
 fn script(entries: Vec<MockEntry>) -> MockScript {
-    MockScript { entries }
+    MockScript::new(entries)
 }
 
 fn call(name: &str, input: serde_json::Value) -> MockEntry {

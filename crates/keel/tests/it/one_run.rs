@@ -507,6 +507,7 @@ async fn a_run_leased_by_a_process_on_another_host_is_never_taken_over() {
             history_len: 0,
             call_base: 0,
             state: keel::RunState::Running,
+            limits: Default::default(),
         };
         let owner = "keel/otherhost/0123456789abcdef/4242/99/nonce";
         let input = [Arc::new(keel::Message::user("go"))];
