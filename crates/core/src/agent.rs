@@ -147,17 +147,14 @@ impl LimitOverrides {
         }
     }
 
-    /// Checks that these only tighten `limits` (what a caller over HTTP may do: a budget is
-    /// the operator's to raise). The error names the first override that loosens.
-    pub fn check_tightens(&self, limits: &Limits) -> Result<(), String> {
-        let looser = |name: &str, asked: String, agent: String| {
-            Err(format!(
-                "`limits.{name}` is {asked} here, more than the agent's {agent}: a request may only lower limits"
-            ))
-        };
+    /// The first override that loosens `limits` (a request over HTTP may only tighten them:
+    /// a budget is the operator's to raise), if any.
+    pub fn loosened(&self, limits: &Limits) -> Option<Loosened> {
+        let looser = |key, asked: String, agent: String| Some(Loosened { key, asked, agent });
         if let Some(asked) = self.max_turns.filter(|&n| n > limits.max_turns) {
             return looser("max_turns", asked.to_string(), limits.max_turns.to_string());
         }
+        // An agent without a budget has none to loosen.
         if let (Some(asked), Some(agent)) = (self.max_total_tokens, limits.max_total_tokens)
             && asked > agent
         {
@@ -185,8 +182,19 @@ impl LimitOverrides {
                 format!("{:?}", limits.provider_timeout),
             );
         }
-        Ok(())
+        None
     }
+}
+
+/// An override above the agent's limit (see [`LimitOverrides::loosened`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Loosened {
+    /// The limit, by its spec key (`max_turns`).
+    pub key: &'static str,
+    /// What was asked.
+    pub asked: String,
+    /// The agent's limit.
+    pub agent: String,
 }
 
 /// How failed model calls are retried (spec key `retry`). Only transient errors are retried.
@@ -360,6 +368,22 @@ pub struct CommandToolDef {
     /// The variables of keel's environment it gets besides the minimal ones (`env = [...]`);
     /// keel's own secrets are never passed, even when named.
     pub env: Vec<String>,
+    /// What it may do with the session's state object (`state = "read" | "write"`).
+    pub state: StateAccess,
+}
+
+/// What a command tool may do with the session's state object. With access, the program
+/// finds the state as JSON in the file `KEEL_STATE_FILE` names; with `Write`, what that file
+/// holds when the program exits successfully replaces the state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StateAccess {
+    /// No state file.
+    #[default]
+    None,
+    /// The state, to read.
+    Read,
+    /// The state, to read and replace.
+    Write,
 }
 
 /// An MCP server whose tools an agent uses (spec key `mcp`, `AgentBuilder::mcp`; the `keel-mcp`

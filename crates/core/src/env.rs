@@ -136,6 +136,10 @@ env_vars! {
     SESSION_ID = "KEEL_SESSION_ID", Tool, "", "the session the call belongs to";
     /// A tool call's id.
     CALL_ID = "KEEL_CALL_ID", Tool, "", "the call's id";
+    /// The session state's file, for a command tool with `state = \"read\"` or `\"write\"`.
+    STATE_FILE = "KEEL_STATE_FILE", Tool, "",
+        "a file holding the session's state object as JSON (tools with `state = \"read\"` or `\"write\"`); with \
+         `write`, what it holds when the program exits successfully replaces the state";
     /// Fault injection.
     FAULT = "KEEL_FAULT", Testing, "unset",
         "`<point>:<step>` aborts the process at that step boundary (or `after_schedule_claim`, right after a \

@@ -173,6 +173,16 @@ impl Agent {
         if let Some(schema) = spec.output_schema {
             builder = builder.output_schema(schema);
         }
+        builder = builder.max_repairs(spec.max_repairs);
+        if let Some(compaction) = spec.compaction {
+            builder = builder.compaction(compaction);
+        }
+        for name in &spec.stop_tools {
+            builder = builder.stop_on_tool(keel_tools::tool_name(name));
+        }
+        if let Some(state) = spec.initial_state {
+            builder = builder.initial_state(state);
+        }
         for server in spec.mcp {
             builder = builder.mcp(server);
         }

@@ -171,6 +171,7 @@ impl Server {
             .route("/metrics", get(routes::metrics))
             .route("/openapi.json", get(routes::openapi))
             .route("/chat/{session}", get(routes::transcript))
+            .route("/chat/{session}/state", get(routes::session_state))
             .route("/chat/{session}/run", delete(routes::cancel))
             .route("/runs", post(delayed::create))
             .route("/runs/{run}", get(delayed::status).delete(delayed::cancel))

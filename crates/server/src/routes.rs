@@ -12,8 +12,8 @@ use base64::Engine as _;
 use futures::Stream;
 use keel_core::human::check_decision;
 use keel_core::wire::{message_to_json, pending_to_json};
-use keel_core::{Decision, ErrorCode, Message, Part, Role, RunId, SessionId};
-use keel_runtime::Cancellation;
+use keel_core::{Decision, ErrorCode, LimitOverrides, Limits, Message, Part, Role, RunId, SessionId};
+use keel_runtime::{Cancellation, RunOptions};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -237,15 +237,83 @@ pub(crate) async fn chat(
     let session = identity.session(session);
     let input =
         parse_input(input.ok_or_else(|| ApiError::invalid("missing `input` (a string or content parts)"))?)?;
+    let limits = match body.get("limits").filter(|v| !v.is_null()) {
+        Some(limits) => parse_limits(limits, &state.engine.agent().limits)?,
+        None => LimitOverrides::default(),
+    };
     // Subscribe before the run starts: its first event is not missed.
     let subscriber = state.feeds.subscribe(&session, None).await?;
-    let mut handle = state.engine.start(session.clone(), input)?;
+    let mut handle = state.engine.start_with(session.clone(), input, RunOptions { limits })?;
     // A refusal (a busy session, here or in another process) is an error status, before any
     // byte of a stream.
     handle.admitted().await?;
     let run = handle.run_id().clone();
     drop(state.feeds.forward(&session, handle));
     Ok(sse(subscription(&state, subscriber, Some(run))))
+}
+
+/// The request's `limits`: `{ maxTurns, maxTotalTokens, maxToolCalls, maxToolOutputChars,
+/// toolTimeoutMs, providerTimeoutMs }`, each optional, each at most the agent's (a budget is
+/// the operator's to raise, not the caller's).
+fn parse_limits(value: &Value, agent: &Limits) -> Result<LimitOverrides, ApiError> {
+    const KEYS: [&str; 6] = [
+        "maxTurns",
+        "maxTotalTokens",
+        "maxToolCalls",
+        "maxToolOutputChars",
+        "toolTimeoutMs",
+        "providerTimeoutMs",
+    ];
+    // The same limits by their spec keys, in the same order.
+    const SPEC_KEYS: [&str; 6] = [
+        "max_turns",
+        "max_total_tokens",
+        "max_tool_calls",
+        "max_tool_output_chars",
+        "tool_timeout",
+        "provider_timeout",
+    ];
+    let Value::Object(map) = value else {
+        return Err(ApiError::invalid(format!("`limits` must be an object, not {}", json_type(value))));
+    };
+    if let Some(unknown) = map.keys().find(|key| !KEYS.contains(&key.as_str())) {
+        return Err(ApiError::invalid(format!(
+            "unknown key `limits.{unknown}`; known keys: {}",
+            KEYS.join(", ")
+        )));
+    }
+    let number = |key: &str| -> Result<Option<u64>, ApiError> {
+        match map.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(value) => match value.as_u64() {
+                Some(n) if n >= 1 => Ok(Some(n)),
+                _ => Err(ApiError::invalid(format!("`limits.{key}` must be a whole number of at least 1"))),
+            },
+        }
+    };
+    let small = |key: &str| -> Result<Option<u32>, ApiError> {
+        number(key)?
+            .map(|n| u32::try_from(n).map_err(|_| ApiError::invalid(format!("`limits.{key}` is too large"))))
+            .transpose()
+    };
+    let overrides = LimitOverrides {
+        max_turns: small("maxTurns")?,
+        max_total_tokens: number("maxTotalTokens")?,
+        max_tool_calls: small("maxToolCalls")?,
+        max_tool_output_chars: number("maxToolOutputChars")?
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        tool_timeout: number("toolTimeoutMs")?.map(std::time::Duration::from_millis),
+        provider_timeout: number("providerTimeoutMs")?.map(std::time::Duration::from_millis),
+    };
+    if let Some(loosened) = overrides.loosened(agent) {
+        let key =
+            KEYS[SPEC_KEYS.iter().position(|k| *k == loosened.key).expect("every limit has an HTTP name")];
+        return Err(ApiError::invalid(format!(
+            "`limits.{key}` is {} here, more than the agent's {}: a request may only lower limits",
+            loosened.asked, loosened.agent
+        )));
+    }
+    Ok(overrides)
 }
 
 /// The deprecated single-turn form: waits for the run and answers with its result.
@@ -316,6 +384,21 @@ pub(crate) async fn transcript(
         "pending": pending.iter().map(pending_to_json).collect::<Vec<_>>(),
     });
     Ok(axum::Json(body).into_response())
+}
+
+/// `GET /chat/:sessionId/state`: the session's state object (`null` when it has none).
+pub(crate) async fn session_state(
+    State(state): State<Arc<AppState>>,
+    Extension(identity): Extension<Identity>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let session = identity.session(session_id(path)?);
+    let store = state.engine.store();
+    if store.session_summary(&session).await?.is_none() {
+        return Err(ApiError::new(ErrorCode::SessionNotFound, format!("no session {}", session.external())));
+    }
+    let value = store.load_session_state(&session).await?.unwrap_or(Value::Null);
+    Ok(axum::Json(json!({ "sessionId": session.external(), "state": value })).into_response())
 }
 
 /// `GET /chat/:sessionId/events`: the session's live events, resumable with `Last-Event-ID`.

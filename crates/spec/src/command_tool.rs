@@ -6,6 +6,7 @@
 //! timeout = "10s"                         # optional
 //! working_dir = "."                       # optional, relative to the agent directory
 //! env = ["MY_API_KEY"]                    # optional: variables of keel's environment it gets
+//! state = "write"                         # optional: the session state in $KEEL_STATE_FILE ("read" | "write")
 //! [input_schema]                          # optional JSON Schema, default: any object
 //! type = "object"
 //! properties = { a = { type = "number" }, b = { type = "number" } }
@@ -14,16 +15,17 @@
 
 use std::path::{Path, PathBuf};
 
+use keel_core::agent::StateAccess;
 use keel_core::tool::{compile_input_schema, validate_tool_name};
 use keel_core::{CommandToolDef, ErrorCode};
 use serde_json::json;
 
 use crate::CommandToolSpec;
-use crate::decode::{Decoder, map_lacks};
+use crate::decode::{Decoder, did_you_mean, map_lacks};
 use crate::diagnostic::{Diagnostic, Pos, read_text};
 use crate::tree::{self, Format, Kind};
 
-const KEYS: &[&str] = &["description", "command", "input_schema", "timeout", "working_dir", "env"];
+const KEYS: &[&str] = &["description", "command", "input_schema", "timeout", "working_dir", "env", "state"];
 
 /// Loads every `*.toml` of `tools_dir` (sorted by name). `base_dir` is where commands run by
 /// default and what relative paths are relative to.
@@ -88,6 +90,26 @@ fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) ->
         Some(node) => pass_through(node, &mut d)?,
         None => Vec::new(),
     };
+    let state = match map.take("state") {
+        Some(node) => match d.text(node, "state")?.as_str() {
+            "read" => StateAccess::Read,
+            "write" => StateAccess::Write,
+            "none" => StateAccess::None,
+            other => {
+                let hint = did_you_mean(other, &["read", "write", "none"])
+                    .map_or("use \"read\" or \"write\"".to_owned(), |close| {
+                        format!("did you mean `{close}`?")
+                    });
+                d.error(
+                    node.pos,
+                    format!("`state` is {other:?}: it must be \"read\", \"write\" or \"none\""),
+                )
+                .hint = Some(hint);
+                return None;
+            }
+        },
+        None => StateAccess::None,
+    };
     map.finish(&mut d, "", KEYS);
 
     if description.is_none() && map_lacks(&root, "description") {
@@ -122,6 +144,7 @@ fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) ->
             working_dir,
             timeout,
             env,
+            state,
         },
         file: file.to_owned(),
     })

@@ -516,6 +516,7 @@ pub(crate) fn finish(
     let prefixes: Vec<String> = spec.mcp.iter().map(|(server, _)| server.tool_prefix()).collect();
     let from_mcp = |name: &str| prefixes.iter().any(|prefix| name.starts_with(prefix.as_str()));
     let named = spec.approval_tools.iter().map(|(name, pos)| ("approvals.tools", name, *pos));
+    let named = named.chain(spec.stop_tools.iter().map(|(name, pos)| ("stop_when", name, *pos)));
     for (key, name, pos) in
         named.chain(forced_tool.iter().map(|(name, pos)| ("provider.tool_choice", name, *pos)))
     {
@@ -583,6 +584,10 @@ pub(crate) fn finish(
         approval_tools: spec.approval_tools.into_iter().map(|(name, _)| name).collect(),
         approval_timeout: spec.approval_timeout.unwrap_or(keel_core::AgentDef::DEFAULT_APPROVAL_TIMEOUT),
         output_schema: spec.output_schema,
+        max_repairs: spec.max_repairs.unwrap_or(keel_core::LoopControl::DEFAULT_MAX_REPAIRS),
+        compaction: spec.compaction,
+        stop_tools: spec.stop_tools.into_iter().map(|(name, _)| name).collect(),
+        initial_state: spec.initial_state,
         mock,
         skills,
         mcp: spec.mcp.into_iter().map(|(server, _)| server).collect(),

@@ -70,6 +70,14 @@ pub struct AgentSpec {
     pub approval_timeout: std::time::Duration,
     /// The JSON Schema of the final answer (`output.schema`).
     pub output_schema: Option<Value>,
+    /// Repair turns for an answer that does not match it (`output.max_repairs`, default 1).
+    pub max_repairs: u32,
+    /// Summarising long conversations (`compaction`).
+    pub compaction: Option<keel_core::loop_control::Compaction>,
+    /// Tools whose success ends the run (`stop_when: [{tool}]`).
+    pub stop_tools: Vec<String>,
+    /// The state object a new session starts with (`state.initial`).
+    pub initial_state: Option<Value>,
     /// The mock provider's script (`mock.script`).
     pub mock: Option<MockScript>,
     /// Inbound webhooks (`channels/<name>.yaml` of a directory).

@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use keel_core::agent::OutputSchema;
+use keel_core::loop_control::Compaction;
 use keel_core::{
     Concurrency, ErrorCode, HttpSettings, Limits, McpServerDef, McpTransport, MockEntry, MockFailure,
     MockScript, MockToolCall, ProviderSettings, RetryPolicy, ShellSettings, ToolChoice, WorkspaceMode,
@@ -37,12 +38,14 @@ pub(crate) const KEYS: &[&str] = &[
     "memory",
     "skills",
     "mock",
+    "stop_when",
+    "state",
 ];
 
 /// Keys of the design this build does not implement yet: refusing them is safer than ignoring
 /// them (an ignored `approvals` would run risky tools without asking). `docs/errors.md` lists
 /// them under `KEEL_SPEC_UNSUPPORTED` (a tidy test checks it).
-pub const NOT_YET: &[&str] = &["compaction", "memory"];
+pub const NOT_YET: &[&str] = &["memory"];
 
 const LIMIT_KEYS: &[&str] = &[
     "max_turns",
@@ -100,6 +103,14 @@ pub(crate) struct FileSpec {
     /// `approvals.timeout`.
     pub(crate) approval_timeout: Option<std::time::Duration>,
     pub(crate) output_schema: Option<Value>,
+    /// `output.max_repairs`.
+    pub(crate) max_repairs: Option<u32>,
+    /// `compaction`.
+    pub(crate) compaction: Option<Compaction>,
+    /// `stop_when: [{tool}]`, with their positions.
+    pub(crate) stop_tools: Vec<(String, Pos)>,
+    /// `state.initial`.
+    pub(crate) initial_state: Option<Value>,
     pub(crate) mock: Option<(MockScript, Vec<(String, Pos)>)>,
     pub(crate) skills: Option<Vec<(String, Pos)>>,
     /// `mcp`: the servers, each with the position of its entry.
@@ -153,6 +164,10 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         approval_tools: Vec::new(),
         approval_timeout: None,
         output_schema: None,
+        max_repairs: None,
+        compaction: None,
+        stop_tools: Vec::new(),
+        initial_state: None,
         mock: None,
         skills: None,
         mcp: Vec::new(),
@@ -217,7 +232,16 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         }
     }
     if let Some(node) = map.take("output") {
-        spec.output_schema = output(node, d);
+        (spec.output_schema, spec.max_repairs) = output(node, d);
+    }
+    if let Some(node) = map.take("compaction") {
+        spec.compaction = compaction(node, d);
+    }
+    if let Some(node) = map.take("stop_when") {
+        spec.stop_tools = stop_when(node, d);
+    }
+    if let Some(node) = map.take("state") {
+        spec.initial_state = state(node, d);
     }
     if let Some(node) = map.take("concurrency")
         && let Some(mode) = d.string(node, "concurrency")
@@ -654,21 +678,98 @@ fn provider(node: &Node, d: &mut Decoder<'_>, settings: &mut ProviderSettings) {
     map.finish(d, "provider", PROVIDER_KEYS);
 }
 
-fn output(node: &Node, d: &mut Decoder<'_>) -> Option<Value> {
-    let mut map = d.map(node, "output")?;
+/// `output: { schema, max_repairs }`: the schema and the number of repair turns.
+fn output(node: &Node, d: &mut Decoder<'_>) -> (Option<Value>, Option<u32>) {
+    let Some(mut map) = d.map(node, "output") else { return (None, None) };
     let schema_node = map.take("schema");
-    map.finish(d, "output", &["schema"]);
-    let schema_node = schema_node.or_else(|| {
+    let max_repairs =
+        map.take("max_repairs").and_then(|v| d.int(v, "output.max_repairs", 0, 10)).map(|n| n as u32);
+    map.finish(d, "output", &["schema", "max_repairs"]);
+    let Some(schema_node) = schema_node else {
         d.error(node.pos, "`output` needs `schema`");
-        None
-    })?;
-    d.map(schema_node, "output.schema")?;
+        return (None, max_repairs);
+    };
+    if d.map(schema_node, "output.schema").is_none() {
+        return (None, max_repairs);
+    }
     let schema = schema_node.to_json();
     if let Err(reason) = OutputSchema::new(schema.clone()) {
         d.error(schema_node.pos, format!("`output.schema` is not a valid JSON Schema: {reason}"));
+        return (None, max_repairs);
+    }
+    (Some(schema), max_repairs)
+}
+
+/// `compaction: { max_messages, keep_recent, model? }`.
+fn compaction(node: &Node, d: &mut Decoder<'_>) -> Option<Compaction> {
+    let mut map = d.map(node, "compaction")?;
+    let has_max_messages = map.key_pos("max_messages").is_some();
+    let max_messages = map.take("max_messages").and_then(|v| d.int(v, "compaction.max_messages", 2, 100_000));
+    let keep_recent = map.take("keep_recent").and_then(|v| d.int(v, "compaction.keep_recent", 1, 100_000));
+    let model = map.take("model").and_then(|v| d.text(v, "compaction.model"));
+    map.finish(d, "compaction", &["max_messages", "keep_recent", "model"]);
+    let Some(max_messages) = max_messages else {
+        if !has_max_messages {
+            d.error(node.pos, "`compaction` needs `max_messages`").hint =
+                Some("write `compaction: { max_messages: 40, keep_recent: 20 }`".into());
+        }
+        return None;
+    };
+    let max_messages = max_messages as usize;
+    // Half of what triggers it, by default: a brief every `max_messages / 2` messages or so.
+    let keep_recent = keep_recent.map_or(max_messages / 2, |n| n as usize);
+    let compaction = Compaction { max_messages, keep_recent, model };
+    if let Err(problem) = compaction.check() {
+        d.error(node.pos, format!("`compaction`: {problem}"));
         return None;
     }
-    Some(schema)
+    if let Some(model) = &compaction.model
+        && model.contains('/')
+    {
+        let pos = node.pos;
+        d.error(pos, format!("`compaction.model` is {model:?}: name a model of the agent's provider, without a provider prefix"))
+            .hint = Some("write `model: gpt-4o-mini`, not `openai/gpt-4o-mini`".into());
+        return None;
+    }
+    Some(compaction)
+}
+
+/// `stop_when: [{ tool: NAME }]`: tools whose success ends the run.
+fn stop_when(node: &Node, d: &mut Decoder<'_>) -> Vec<(String, Pos)> {
+    let Some(items) = d.list(node, "stop_when") else { return Vec::new() };
+    let mut tools = Vec::new();
+    for (index, item) in items.iter().enumerate() {
+        let what = format!("stop_when[{index}]");
+        let Some(mut condition) = d.map(item, &what) else { continue };
+        let tool = condition.take("tool");
+        condition.finish(d, &what, &["tool"]);
+        match tool {
+            Some(tool) => {
+                if let Some(name) = d.text(tool, &format!("{what}.tool")) {
+                    tools.push((name, tool.pos));
+                }
+            }
+            None => {
+                d.error(item.pos, format!("`{what}` needs `tool`")).hint =
+                    Some("write `stop_when: [{ tool: finalize }]`".into());
+            }
+        }
+    }
+    tools
+}
+
+/// `state: { initial: {...} }`: the state object a new session starts with.
+fn state(node: &Node, d: &mut Decoder<'_>) -> Option<Value> {
+    let mut map = d.map(node, "state")?;
+    let initial = map.take("initial");
+    map.finish(d, "state", &["initial"]);
+    let Some(initial) = initial else {
+        d.error(node.pos, "`state` needs `initial`").hint =
+            Some("write `state: { initial: { cart: [] } }`".into());
+        return None;
+    };
+    d.map(initial, "state.initial")?;
+    Some(initial.to_json())
 }
 
 /// The mock script, plus the tool names it calls (checked once the agent's tools are known).

@@ -805,3 +805,67 @@ fn channels_load_from_their_directory_and_bad_ones_are_pointed_at() {
         "#]],
     );
 }
+
+#[test]
+fn loop_controls_load_and_bad_ones_are_pointed_at() {
+    let dir = tree(&[(
+        "a.yaml",
+        "model: mock\ntools: [day-name]\noutput: { schema: { type: object }, max_repairs: 2 }\n\
+         compaction: { max_messages: 40, keep_recent: 10, model: small-model }\n\
+         stop_when: [{ tool: day-name }]\nstate: { initial: { cart: [] } }\n",
+    )]);
+    let loaded = load(&dir.path().join("a.yaml"), &OPTIONS);
+    assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
+    let loaded = loaded.spec.unwrap();
+    assert_eq!(loaded.max_repairs, 2);
+    let compaction = loaded.compaction.unwrap();
+    assert_eq!((compaction.max_messages, compaction.keep_recent), (40, 10));
+    assert_eq!(compaction.model.as_deref(), Some("small-model"));
+    assert_eq!(loaded.stop_tools, ["day-name"]);
+    assert_eq!(loaded.initial_state, Some(serde_json::json!({"cart": []})));
+
+    // `keep_recent` defaults to half of `max_messages`; one repair turn by default.
+    let dir = tree(&[("a.yaml", "model: mock\ncompaction: { max_messages: 30 }\n")]);
+    let loaded = load(&dir.path().join("a.yaml"), &OPTIONS).spec.unwrap();
+    assert_eq!(loaded.compaction.unwrap().keep_recent, 15);
+    assert_eq!(loaded.max_repairs, 1);
+
+    check(
+        &[(
+            "a.yaml",
+            "model: mock\noutput: { schema: { type: object }, max_repairs: 99 }\n\
+             compaction: { max_messages: 10, keep_recent: 10 }\nstop_when: [{ tool: finalise }, { tol: x }]\n\
+             state: { initial: [1] }\n",
+        )],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `output.max_repairs` must be between 0 and 10, not 99
+              --> a.yaml:2:50
+            error[KEEL_SPEC_INVALID]: `compaction`: `keep_recent` (10) must be smaller than `max_messages` (10): otherwise nothing is ever summarised
+              --> a.yaml:3:13
+            error[KEEL_SPEC_INVALID]: `stop_when` names `finalise`, which the agent does not have
+              --> a.yaml:4:21
+              hint: the agent has no tools; list them under `tools`
+            error[KEEL_SPEC_INVALID]: `stop_when[1]` needs `tool`
+              --> a.yaml:4:33
+              hint: write `stop_when: [{ tool: finalize }]`
+            error[KEEL_SPEC_INVALID]: unknown key `tol` in `stop_when[1]`
+              --> a.yaml:4:35
+              hint: did you mean `tool`?
+            error[KEEL_SPEC_INVALID]: `state.initial` must be a mapping, not a list
+              --> a.yaml:5:19
+        "#]],
+    );
+    check(
+        &[("a.yaml", "model: mock\ncompaction: { keep_recent: 3, model: openai/gpt-4o }\nstate: {}\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `compaction` needs `max_messages`
+              --> a.yaml:2:13
+              hint: write `compaction: { max_messages: 40, keep_recent: 20 }`
+            error[KEEL_SPEC_INVALID]: `state` needs `initial`
+              --> a.yaml:3:8
+              hint: write `state: { initial: { cart: [] } }`
+        "#]],
+    );
+}

@@ -142,10 +142,14 @@ pub fn transcript(name: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
 }
 
+/// Answers a request from what it says (a fake model that reads the conversation).
+pub type Responder = Arc<dyn Fn(&Recorded) -> Reply + Send + Sync>;
+
 struct State {
     script: Vec<Reply>,
     next: usize,
     requests: Vec<Recorded>,
+    responder: Option<Responder>,
 }
 
 /// A scripted server on `127.0.0.1`, stopped when dropped.
@@ -159,9 +163,20 @@ impl WireServer {
     /// Starts a server that answers requests with `script`, in order; a request past the end
     /// of the script gets a 500 that says so.
     pub async fn start(script: Vec<Reply>) -> WireServer {
+        WireServer::serving(State { script, next: 0, requests: Vec::new(), responder: None }).await
+    }
+
+    /// Starts a server that answers every request with what `respond` makes of it.
+    pub async fn responding(respond: impl Fn(&Recorded) -> Reply + Send + Sync + 'static) -> WireServer {
+        let state =
+            State { script: Vec::new(), next: 0, requests: Vec::new(), responder: Some(Arc::new(respond)) };
+        WireServer::serving(state).await
+    }
+
+    async fn serving(state: State) -> WireServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1");
         let addr = listener.local_addr().expect("local address");
-        let state = Arc::new(Mutex::new(State { script, next: 0, requests: Vec::new() }));
+        let state = Arc::new(Mutex::new(state));
         let shared = state.clone();
         let task = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
@@ -202,8 +217,11 @@ async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>) {
         let Some(request) = read_request(&mut stream, &mut buffer).await else { return };
         let reply = {
             let mut state = state.lock().expect("lock");
+            let reply = match &state.responder {
+                Some(respond) => Some(respond(&request)),
+                None => state.script.get(state.next).cloned(),
+            };
             state.requests.push(request);
-            let reply = state.script.get(state.next).cloned();
             state.next += 1;
             reply
         };

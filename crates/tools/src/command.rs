@@ -10,9 +10,16 @@
 //! never keel's own secrets), and `KEEL_IDEMPOTENCY_KEY`, `KEEL_RUN_ID`, `KEEL_SESSION_ID` and
 //! `KEEL_CALL_ID`, so that it can dedupe side effects when a crash makes a call run again. It
 //! dies with keel (see `process`), so a re-driven step never overlaps the attempt before it.
+//!
+//! A tool with `state = "read"` or `"write"` also gets `KEEL_STATE_FILE`: a private file
+//! holding the session's state object as JSON. With `write`, what the file holds when the
+//! program exits successfully replaces the state (committed with the call's result, like a Rust
+//! tool's `ctx.state.replace`); a file that is not JSON then fails the call, and the state is
+//! kept as it was.
 
 use std::process::Stdio;
 
+use keel_core::agent::StateAccess;
 use keel_core::env;
 use keel_core::{BoxFuture, CommandToolDef, ErrorCode, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec};
 use serde_json::Value;
@@ -25,6 +32,8 @@ use tokio::process::Command;
 const MAX_STDOUT_BYTES: usize = 8 * 1024 * 1024;
 /// How much of stderr's end a failure shows.
 const STDERR_TAIL_BYTES: usize = 2048;
+/// The largest state a command tool may write back.
+const MAX_STATE_BYTES: u64 = 1024 * 1024;
 
 /// A tool that runs a program. See the module docs.
 pub struct CommandTool {
@@ -52,6 +61,17 @@ impl CommandTool {
         };
         let mut command = Command::new(program);
         minimal_env(&mut command, &self.config.working_dir, &self.config.env);
+        // Created private (0600) and removed when the call ends, however it ends.
+        let state_file = match self.config.state {
+            StateAccess::None => None,
+            StateAccess::Read | StateAccess::Write => {
+                let file = write_state_file(&ctx.state.get()).map_err(|e| {
+                    ToolError::failed(format!("cannot write the state file for tool `{name}`: {e}"))
+                })?;
+                command.env(env::STATE_FILE.name, file.path());
+                Some(file)
+            }
+        };
         own_group_dying_with_keel(&mut command);
         let mut child = command
             .args(args)
@@ -122,6 +142,14 @@ impl CommandTool {
             };
             return Err(ToolError::failed(format!("command tool `{name}` {how}: {detail}")));
         }
+        if let (StateAccess::Write, Some(file)) = (self.config.state, &state_file) {
+            let state = read_state_file(file.path()).map_err(|problem| {
+                ToolError::failed(format!(
+                    "command tool `{name}` left {problem} in $KEEL_STATE_FILE; the state is unchanged"
+                ))
+            })?;
+            ctx.state.replace(state);
+        }
         let (stdout, truncated) =
             out.map_err(|e| ToolError::failed(format!("reading the output of `{program}` failed: {e}")))?;
         let text = String::from_utf8_lossy(&stdout);
@@ -137,6 +165,29 @@ impl CommandTool {
         }
         Ok(Value::String(text))
     }
+}
+
+/// The state as JSON in a new private temporary file.
+fn write_state_file(state: &Value) -> std::io::Result<tempfile::NamedTempFile> {
+    use std::io::Write as _;
+    let mut file = tempfile::Builder::new().prefix("keel-state-").suffix(".json").tempfile()?;
+    file.write_all(state.to_string().as_bytes())?;
+    file.flush()?;
+    Ok(file)
+}
+
+/// What a tool left in its state file: JSON of at most [`MAX_STATE_BYTES`], or what is wrong.
+fn read_state_file(path: &std::path::Path) -> Result<Value, String> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(path).map_err(|e| format!("no readable file ({e})"))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_STATE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("an unreadable file ({e})"))?;
+    if bytes.len() as u64 > MAX_STATE_BYTES {
+        return Err(format!("more than {MAX_STATE_BYTES} bytes"));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| format!("something that is not JSON ({e})"))
 }
 
 fn tail_chars(text: &str, max: usize) -> String {
@@ -187,7 +238,43 @@ mod tests {
             working_dir: dir.to_owned(),
             timeout,
             env: Vec::new(),
+            state: StateAccess::None,
         })
+    }
+
+    #[tokio::test]
+    async fn a_tool_with_state_access_reads_the_state_file_and_with_write_replaces_the_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let with = |script: &str, state: StateAccess| {
+            CommandTool::new(CommandToolDef { state, ..tool(script, None, dir.path()).config })
+        };
+        let ctx = ToolContext { state: keel_core::SessionState::new(json!({"n": 1})), ..ctx() };
+
+        let read = with(r#"cat "$KEEL_STATE_FILE""#, StateAccess::Read);
+        assert_eq!(read.call(json!({}), &ctx).await.unwrap(), json!({"n": 1}));
+        // Read access: what the program writes is ignored.
+        let scribble = with(r#"echo '{"n": 9}' > "$KEEL_STATE_FILE"; echo ok"#, StateAccess::Read);
+        scribble.call(json!({}), &ctx).await.unwrap();
+        assert_eq!(ctx.state.get(), json!({"n": 1}));
+        // No access: no file.
+        let none = with(r#"echo "[${KEEL_STATE_FILE:-none}]""#, StateAccess::None);
+        assert_eq!(none.call(json!({}), &ctx).await.unwrap(), json!("[none]"));
+
+        let write =
+            with(r#"echo '{"n": 2}' > "$KEEL_STATE_FILE"; echo "$KEEL_STATE_FILE""#, StateAccess::Write);
+        let path = write.call(json!({}), &ctx).await.unwrap();
+        assert_eq!(ctx.state.get(), json!({"n": 2}));
+        assert!(!std::path::Path::new(path.as_str().unwrap()).exists(), "the state file outlived the call");
+
+        let junk = with(r#"echo 'not json' > "$KEEL_STATE_FILE""#, StateAccess::Write);
+        let ctx = ToolContext { state: keel_core::SessionState::new(json!({"n": 1})), ..self::ctx() };
+        let error = junk.call(json!({}), &ctx).await.unwrap_err();
+        assert!(
+            error.message.contains("not JSON") && error.message.contains("unchanged"),
+            "{}",
+            error.message
+        );
+        assert_eq!(ctx.state.get(), json!({"n": 1}));
     }
 
     #[tokio::test]

@@ -6,6 +6,7 @@ mod channels;
 mod cli;
 mod durability;
 mod instances;
+mod loop_control;
 mod mcp;
 mod model;
 mod one_run;

@@ -382,7 +382,7 @@ fn check_transcript(messages: &[Arc<keel::Message>], open: bool) -> Result<(), S
 }
 
 #[allow(clippy::print_stderr, reason = "a test's summary for whoever runs it")]
-fn summarize(summary: &str) {
+pub(crate) fn summarize(summary: &str) {
     eprintln!("{summary}");
 }
 
