@@ -205,6 +205,19 @@ impl Agent {
         self.engine.start(session, input.into())
     }
 
+    /// [`Agent::run`] with this run's own options: limits and budgets other than the agent's
+    /// (`RunOptions { limits: LimitOverrides { max_turns: Some(3), .. }, .. }`). They are stored
+    /// with the run, so a run re-driven after a crash keeps them.
+    pub fn run_with(
+        &self,
+        session: &str,
+        input: impl Into<Message>,
+        options: keel_runtime::RunOptions,
+    ) -> Result<RunHandle, RunFailure> {
+        let session = SessionId::new(session)?;
+        self.engine.start_with(session, input.into(), options)
+    }
+
     /// Re-drives a stored run from its journal; completed steps are not executed again.
     pub fn resume(&self, run_id: RunId) -> RunHandle {
         self.engine.resume(run_id)

@@ -48,18 +48,19 @@ pub mod mcp;
 mod subagent;
 
 pub use agent::{Agent, AgentBuilder, LoadError, load_spec};
+pub use keel_core::loop_control::{Compaction, StepFinished, TurnContext, TurnPlan};
 pub use keel_core::machine::RunOutcome;
 pub use keel_core::schedule::{CronSchedule, Missed, ScheduleDef};
 pub use keel_core::wire::{event_to_json, event_type};
 pub use keel_core::{
     AgentDef, BoxFuture, Clock, CommandToolDef, Concurrency, DecidedInput, Decision, DeltaSink, ErrorCode,
-    Event, Limits, ManualClock, Message, MockEntry, MockFailure, MockScript, MockToolCall, ModelReply,
-    ModelRequest, OpenRun, Part, PendingInput, PendingKind, Provider, ProviderError, RetryPolicy, Role,
-    RunFailure, RunId, RunState, SessionId, SessionState, SessionSummary, StopReason, Store, StoreError,
-    SystemClock, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec, Usage,
+    Event, LimitOverrides, Limits, ManualClock, Message, MockEntry, MockFailure, MockScript, MockToolCall,
+    ModelReply, ModelRequest, OpenRun, Part, PendingInput, PendingKind, Provider, ProviderError, RetryPolicy,
+    Role, RunFailure, RunId, RunState, SessionId, SessionState, SessionSummary, StopReason, Store,
+    StoreError, SystemClock, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec, Usage,
 };
 pub use keel_providers::MockProvider;
-pub use keel_runtime::{RunHandle, RunResult, Triggers, record_decision, who};
+pub use keel_runtime::{RunHandle, RunOptions, RunResult, Triggers, record_decision, who};
 pub use keel_spec::{AgentSpec, Diagnostic, Severity};
 pub use keel_store::{MemoryStore, PostgresStore, SqliteStore};
 pub use keel_tools::{AskQuestion, CommandTool, function_tool, function_tool_with_context};
