@@ -26,6 +26,7 @@ pub mod ids;
 pub mod journal;
 pub mod loop_control;
 pub mod machine;
+pub mod memory;
 pub mod message;
 pub mod owner;
 pub mod persist;

@@ -13,6 +13,7 @@ use crate::error::ErrorCode;
 use crate::human::{Decision, PendingInput};
 use crate::ids::{RunId, SessionId};
 use crate::journal::JournalEntry;
+use crate::memory::{MemoryItem, MemoryOwner, MemoryWrite};
 use crate::message::Message;
 
 /// The state of a run.
@@ -644,6 +645,34 @@ pub trait Store: Send + Sync {
 
     /// Deletes a session with its messages, runs and journals. Returns whether it existed.
     fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Writes records of `owner`'s memory of `kind`, in one transaction (see [`MemoryWrite`]:
+    /// how an existing record is merged, and how many of the kind are kept).
+    fn write_memory<'a>(
+        &'a self,
+        owner: &'a str,
+        kind: &'a str,
+        write: MemoryWrite,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// `owner`'s memory records (of `kind`, or all), most recently written first.
+    fn load_memory<'a>(
+        &'a self,
+        owner: &'a str,
+        kind: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Vec<MemoryItem>, StoreError>>;
+
+    /// Every owner with memory, most recently written first.
+    fn memory_owners(&self) -> BoxFuture<'_, Result<Vec<MemoryOwner>, StoreError>>;
+
+    /// Erases `owner`'s memory: all of it, one kind, or one record. Returns how many records
+    /// were erased.
+    fn forget<'a>(
+        &'a self,
+        owner: &'a str,
+        kind: Option<&'a str>,
+        key: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<u64, StoreError>>;
 
     /// The log where the processes sharing this store publish their runs' events, when other
     /// processes can share it (`None`: this process sees every run of the store itself).

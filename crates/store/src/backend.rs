@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use keel_core::journal::JournalEntry;
+use keel_core::memory::{MemoryItem, MemoryOwner};
 use keel_core::{
     BoxFuture, Clock, DecidedInput, DelayedRunRecord, DelayedState, Message, PendingInput, RunId, RunRecord,
     RunState, SessionId, SessionSummary, StepName, StoreError, Usage,
@@ -124,6 +125,22 @@ pub trait Tx {
     /// The waiting delayed runs due at `now_ms` and not held then, earliest due first, at most
     /// `limit`.
     fn due_delayed_runs(&mut self, now_ms: u64, limit: usize) -> Result<Vec<RunId>, StoreError>;
+
+    /// One record of an owner's memory.
+    fn memory_item(&mut self, owner: &str, kind: &str, key: &str) -> Result<Option<MemoryItem>, StoreError>;
+    /// Writes (inserts or replaces) one record of an owner's memory.
+    fn put_memory_item(&mut self, owner: &str, item: &MemoryItem) -> Result<(), StoreError>;
+    /// An owner's records (of `kind`, or all), most recently written first (then by key).
+    fn memory_items(&mut self, owner: &str, kind: Option<&str>) -> Result<Vec<MemoryItem>, StoreError>;
+    /// Deletes an owner's records: all, of one kind, or one. Returns how many.
+    fn delete_memory(
+        &mut self,
+        owner: &str,
+        kind: Option<&str>,
+        key: Option<&str>,
+    ) -> Result<u64, StoreError>;
+    /// Every owner with memory, with counts by kind.
+    fn memory_owners(&mut self) -> Result<Vec<MemoryOwner>, StoreError>;
 }
 
 /// The persisted name of a delayed run's state, read back.
@@ -210,6 +227,35 @@ pub(crate) fn read_limits(stored: Option<&str>) -> Result<keel_core::LimitOverri
     stored.map_or(Ok(keel_core::LimitOverrides::default()), |json| {
         keel_core::persist::decode_overrides(json).map_err(corrupt)
     })
+}
+
+/// A memory record from its stored columns.
+pub(crate) fn memory_item(
+    kind: String,
+    key: String,
+    value: &str,
+    updated_ms: i64,
+) -> Result<MemoryItem, StoreError> {
+    let value =
+        serde_json::from_str(value).map_err(|e| corrupt(format!("memory record {kind}/{key}: {e}")))?;
+    Ok(MemoryItem { kind, key, value, updated_ms: updated_ms.max(0) as u64 })
+}
+
+/// Owners with their counts by kind, from `(owner, kind, count, last written)` rows sorted by
+/// owner: most recently written first.
+pub(crate) fn memory_owner_rows(rows: impl Iterator<Item = (String, String, u64, u64)>) -> Vec<MemoryOwner> {
+    let mut owners: Vec<MemoryOwner> = Vec::new();
+    for (owner, kind, count, at) in rows {
+        match owners.last_mut() {
+            Some(last) if last.owner == owner => {
+                last.counts.push((kind, count));
+                last.updated_ms = last.updated_ms.max(at);
+            }
+            _ => owners.push(MemoryOwner { owner, counts: vec![(kind, count)], updated_ms: at }),
+        }
+    }
+    owners.sort_by(|a, b| b.updated_ms.cmp(&a.updated_ms).then_with(|| a.owner.cmp(&b.owner)));
+    owners
 }
 
 /// A stored run state.

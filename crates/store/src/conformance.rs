@@ -39,6 +39,7 @@ pub async fn run_all(store: &dyn Store, clock: &ManualClock) {
     claims_without_progress_poison_a_run(store).await;
     session_state_commits_with_its_step(store).await;
     session_usage_counts_each_model_call_once(store).await;
+    memory_is_kept_per_owner_merged_trimmed_and_forgotten(store, clock).await;
 }
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -884,4 +885,79 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
     assert_eq!(listed.iter().find(|s| s.id == session).map(|s| s.usage), Some(summary.usage));
     assert!(store.delete_session(&session).await.unwrap());
     assert_eq!(store.session_summary(&session).await.unwrap(), None);
+}
+
+/// Memory records: per owner and kind, newest first; `KeepHigher` keeps the record with the
+/// higher number; `keep_newest` trims; `forget` erases a record, a kind or everything.
+pub async fn memory_is_kept_per_owner_merged_trimmed_and_forgotten(store: &dyn Store, clock: &ManualClock) {
+    use keel_core::memory::{MemoryMerge, MemoryWrite};
+    let write = |items: Vec<(&str, serde_json::Value)>, merge: MemoryMerge, keep_newest: Option<usize>| {
+        MemoryWrite { items: items.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(), merge, keep_newest }
+    };
+    let (alice, bob) = ("user:alice", "session:bob");
+    for n in 0..5 {
+        clock.advance(Duration::from_millis(1));
+        let episode = write(
+            vec![(&format!("run_{n}"), json!({"text": format!("episode {n}")}))],
+            MemoryMerge::Replace,
+            Some(3),
+        );
+        store.write_memory(alice, "episode", episode).await.unwrap();
+    }
+    let episodes = store.load_memory(alice, Some("episode")).await.unwrap();
+    let keys: Vec<&str> = episodes.iter().map(|e| e.key.as_str()).collect();
+    assert_eq!(keys, ["run_4", "run_3", "run_2"], "newest first, trimmed to 3");
+    assert_eq!(episodes[0].value, json!({"text": "episode 4"}));
+    assert!(episodes[0].updated_ms > episodes[1].updated_ms);
+
+    // A relation keeps its highest confidence; rewriting it refreshes it either way.
+    clock.advance(Duration::from_millis(1));
+    let edge = |confidence: f64| {
+        vec![("alice|works_at|acme", json!({"relation": "works_at", "confidence": confidence}))]
+    };
+    store
+        .write_memory(alice, "relation", write(edge(0.9), MemoryMerge::KeepHigher("confidence"), None))
+        .await
+        .unwrap();
+    clock.advance(Duration::from_millis(1));
+    store
+        .write_memory(alice, "relation", write(edge(0.4), MemoryMerge::KeepHigher("confidence"), None))
+        .await
+        .unwrap();
+    let relations = store.load_memory(alice, Some("relation")).await.unwrap();
+    assert_eq!(relations.len(), 1);
+    assert_eq!(relations[0].value["confidence"], json!(0.9));
+    clock.advance(Duration::from_millis(1));
+    store
+        .write_memory(alice, "relation", write(edge(0.95), MemoryMerge::KeepHigher("confidence"), None))
+        .await
+        .unwrap();
+    assert_eq!(store.load_memory(alice, Some("relation")).await.unwrap()[0].value["confidence"], json!(0.95));
+    // Hostile text round-trips.
+    let odd = "'; DROP TABLE memories; --\u{1f}é\\";
+    let value = json!({"name": odd, "nul": "\u{0}nul"});
+    let entity = write(vec![(odd, value.clone())], MemoryMerge::Replace, None);
+    store.write_memory(bob, "entity", entity).await.unwrap();
+    let kept = store.load_memory(bob, None).await.unwrap();
+    assert_eq!((kept[0].key.as_str(), &kept[0].value), (odd, &value));
+    let nul = write(vec![("\u{0}nul", json!(1))], MemoryMerge::Replace, None);
+    let refused = store.write_memory(bob, "entity", nul).await;
+    assert!(matches!(refused, Err(StoreError::Conflict(_))), "{refused:?}");
+
+    let owners = store.memory_owners().await.unwrap();
+    let listed: Vec<(&str, Vec<(&str, u64)>)> = owners
+        .iter()
+        .map(|o| (o.owner.as_str(), o.counts.iter().map(|(k, n)| (k.as_str(), *n)).collect()))
+        .collect();
+    assert_eq!(listed, [(bob, vec![("entity", 1)]), (alice, vec![("episode", 3), ("relation", 1)])]);
+    assert_eq!(store.load_memory(alice, None).await.unwrap().len(), 4);
+
+    assert_eq!(store.forget(alice, Some("episode"), Some("run_3")).await.unwrap(), 1);
+    assert_eq!(store.forget(alice, Some("relation"), None).await.unwrap(), 1);
+    assert_eq!(store.load_memory(alice, None).await.unwrap().len(), 2);
+    assert_eq!(store.forget(alice, None, None).await.unwrap(), 2);
+    assert!(store.load_memory(alice, None).await.unwrap().is_empty());
+    assert_eq!(store.forget(alice, None, None).await.unwrap(), 0);
+    assert_eq!(store.memory_owners().await.unwrap().len(), 1, "only bob is left");
+    store.forget(bob, None, None).await.unwrap();
 }

@@ -10,6 +10,7 @@ use foldhash::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use keel_core::journal::JournalEntry;
+use keel_core::memory::{MemoryItem, MemoryOwner};
 use keel_core::{
     BoxFuture, Clock, DecidedInput, DelayedRunRecord, DelayedState, Message, PendingInput, RunId, RunRecord,
     SessionId, SessionSummary, StepName, StoreError, Usage,
@@ -51,6 +52,8 @@ struct Inner {
     schedules: HashMap<String, u64>,
     /// Delayed runs, by run id.
     delayed: HashMap<RunId, DelayedRunRecord>,
+    /// Each owner's memory records, by kind and key.
+    memories: HashMap<String, std::collections::BTreeMap<(String, String), MemoryItem>>,
 }
 
 impl Inner {
@@ -321,6 +324,62 @@ impl Tx for Inner {
             .collect();
         due.sort();
         Ok(due.into_iter().take(limit).map(|(_, id)| id).collect())
+    }
+
+    fn memory_item(&mut self, owner: &str, kind: &str, key: &str) -> Result<Option<MemoryItem>, StoreError> {
+        let found = self.memories.get(owner).and_then(|items| items.get(&(kind.to_owned(), key.to_owned())));
+        Ok(found.cloned())
+    }
+
+    fn put_memory_item(&mut self, owner: &str, item: &MemoryItem) -> Result<(), StoreError> {
+        let items = self.memories.entry(owner.to_owned()).or_default();
+        items.insert((item.kind.clone(), item.key.clone()), item.clone());
+        Ok(())
+    }
+
+    fn memory_items(&mut self, owner: &str, kind: Option<&str>) -> Result<Vec<MemoryItem>, StoreError> {
+        let Some(items) = self.memories.get(owner) else { return Ok(Vec::new()) };
+        let mut found: Vec<MemoryItem> =
+            items.values().filter(|item| kind.is_none_or(|kind| item.kind == kind)).cloned().collect();
+        found.sort_by(|a, b| b.updated_ms.cmp(&a.updated_ms).then_with(|| a.key.cmp(&b.key)));
+        Ok(found)
+    }
+
+    fn delete_memory(
+        &mut self,
+        owner: &str,
+        kind: Option<&str>,
+        key: Option<&str>,
+    ) -> Result<u64, StoreError> {
+        let Some(items) = self.memories.get_mut(owner) else { return Ok(0) };
+        let before = items.len();
+        items
+            .retain(|(k, name), _| !(kind.is_none_or(|kind| k == kind) && key.is_none_or(|key| name == key)));
+        let erased = (before - items.len()) as u64;
+        if items.is_empty() {
+            self.memories.remove(owner);
+        }
+        Ok(erased)
+    }
+
+    fn memory_owners(&mut self) -> Result<Vec<MemoryOwner>, StoreError> {
+        let mut owners: Vec<MemoryOwner> = self
+            .memories
+            .iter()
+            .map(|(owner, items)| {
+                let mut counts: Vec<(String, u64)> = Vec::new();
+                for (kind, _) in items.keys() {
+                    match counts.last_mut() {
+                        Some((last, n)) if last == kind => *n += 1,
+                        _ => counts.push((kind.clone(), 1)),
+                    }
+                }
+                let updated_ms = items.values().map(|item| item.updated_ms).max().unwrap_or(0);
+                MemoryOwner { owner: owner.clone(), counts, updated_ms }
+            })
+            .collect();
+        owners.sort_by(|a, b| b.updated_ms.cmp(&a.updated_ms).then_with(|| a.owner.cmp(&b.owner)));
+        Ok(owners)
     }
 }
 

@@ -37,6 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_core::journal::JournalEntry;
+use keel_core::memory::{MemoryItem, MemoryOwner};
 use keel_core::persist::{
     decode_message, decode_pending_kind, decode_record, encode_message, encode_pending_kind, encode_record,
 };
@@ -49,8 +50,8 @@ use postgres::types::{FromSql, ToSql};
 use postgres::{Client, IsolationLevel, NoTls, Row, Statement};
 
 use crate::backend::{
-    Backend, Ruled, RunControl, Tx, Work, corrupt, read_limits, stored_delayed_state, stored_limits,
-    stored_run_id, stored_state,
+    Backend, Ruled, RunControl, Tx, Work, corrupt, memory_item, memory_owner_rows, read_limits,
+    stored_delayed_state, stored_limits, stored_run_id, stored_state,
 };
 
 mod events;
@@ -160,6 +161,16 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX delayed_due ON delayed_runs (state, due_at);"#,
     // Version 4: a run's own limits (`persist::encode_overrides`; NULL for the agent's).
     "ALTER TABLE runs ADD COLUMN limits TEXT;",
+    // Version 5: what agents remember about their owners (episodes, entities, relations).
+    r#"CREATE TABLE memories (
+        owner TEXT COLLATE "C" NOT NULL,
+        kind TEXT COLLATE "C" NOT NULL,
+        key TEXT COLLATE "C" NOT NULL,
+        value TEXT NOT NULL,
+        updated_at BIGINT NOT NULL,
+        PRIMARY KEY (owner, kind, key)
+    );
+    CREATE INDEX memories_recent ON memories (owner, kind, updated_at);"#,
 ];
 
 /// The schema version this build writes.
@@ -1301,6 +1312,61 @@ impl Tx for PgTx<'_, '_> {
             &[&signed(now_ms), &signed(limit as u64)],
         )?;
         rows.iter().map(|row| stored_run_id(get(row, 0)?)).collect()
+    }
+
+    fn memory_item(&mut self, owner: &str, kind: &str, key: &str) -> Result<Option<MemoryItem>, StoreError> {
+        // A write reads what it merges with under the owner's lock: two runs of one owner
+        // merging the same relation take turns.
+        self.lock(format!("memory:{owner}"))?;
+        let row = self.query_opt(
+            "SELECT value, updated_at FROM memories WHERE owner = $1 AND kind = $2 AND key = $3",
+            &[&owner, &kind, &key],
+        )?;
+        row.map(|row| memory_item(kind.to_owned(), key.to_owned(), get(&row, 0)?, get(&row, 1)?)).transpose()
+    }
+
+    fn put_memory_item(&mut self, owner: &str, item: &MemoryItem) -> Result<(), StoreError> {
+        self.lock(format!("memory:{owner}"))?;
+        self.execute(
+            "INSERT INTO memories (owner, kind, key, value, updated_at) VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (owner, kind, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+            &[&owner, &item.kind, &item.key, &item.value.to_string(), &signed(item.updated_ms)],
+        )
+        .map(drop)
+    }
+
+    fn memory_items(&mut self, owner: &str, kind: Option<&str>) -> Result<Vec<MemoryItem>, StoreError> {
+        let rows = self.query(
+            "SELECT kind, key, value, updated_at FROM memories WHERE owner = $1 AND ($2::text IS NULL OR kind = $2)
+             ORDER BY updated_at DESC, key",
+            &[&owner, &kind],
+        )?;
+        rows.iter().map(|row| memory_item(get(row, 0)?, get(row, 1)?, get(row, 2)?, get(row, 3)?)).collect()
+    }
+
+    fn delete_memory(
+        &mut self,
+        owner: &str,
+        kind: Option<&str>,
+        key: Option<&str>,
+    ) -> Result<u64, StoreError> {
+        self.lock(format!("memory:{owner}"))?;
+        self.execute(
+            "DELETE FROM memories WHERE owner = $1 AND ($2::text IS NULL OR kind = $2) AND ($3::text IS NULL OR key = $3)",
+            &[&owner, &kind, &key],
+        )
+    }
+
+    fn memory_owners(&mut self) -> Result<Vec<MemoryOwner>, StoreError> {
+        let rows = self.query(
+            "SELECT owner, kind, count(*), max(updated_at) FROM memories GROUP BY owner, kind ORDER BY owner, kind",
+            &[],
+        )?;
+        let rows: Vec<(String, String, u64, u64)> = rows
+            .iter()
+            .map(|row| Ok((get(row, 0)?, get(row, 1)?, count(row, 2)?, count(row, 3)?)))
+            .collect::<Result<_, StoreError>>()?;
+        Ok(memory_owner_rows(rows.into_iter()))
     }
 }
 

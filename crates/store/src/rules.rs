@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_core::journal::{JournalEntry, JournalRecord};
+use keel_core::memory::{MemoryItem, MemoryMerge, MemoryOwner, MemoryWrite};
 use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, decision_outcome};
 use keel_core::{
     BoxFuture, Claim, Committed, DecidedInput, Decision, DelayedRun, DelayedRunRecord, DelayedState, Fence,
@@ -776,10 +777,90 @@ impl<B: Backend> Store for Ruled<B> {
 
     fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>> {
         let session = session.clone();
-        self.write(move |tx, _| tx.delete_session(&session))
+        self.write(move |tx, _| {
+            // What the agent remembers of a session it owns goes with it (a user's memory stays
+            // with the user: `forget` erases it).
+            let owner = keel_core::memory::owner_of(&session);
+            if owner.starts_with("session:") {
+                tx.delete_memory(&owner, None, None)?;
+            }
+            tx.delete_session(&session)
+        })
+    }
+
+    fn write_memory<'a>(
+        &'a self,
+        owner: &'a str,
+        kind: &'a str,
+        write: MemoryWrite,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let (owner, kind) = (owner.to_owned(), kind.to_owned());
+        self.write(move |tx, now_ms| write_memory(tx, &owner, &kind, &write, now_ms))
+    }
+
+    fn load_memory<'a>(
+        &'a self,
+        owner: &'a str,
+        kind: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Vec<MemoryItem>, StoreError>> {
+        let (owner, kind) = (owner.to_owned(), kind.map(str::to_owned));
+        self.read(move |tx| tx.memory_items(&owner, kind.as_deref()))
+    }
+
+    fn memory_owners(&self) -> BoxFuture<'_, Result<Vec<MemoryOwner>, StoreError>> {
+        self.read(|tx| tx.memory_owners())
+    }
+
+    fn forget<'a>(
+        &'a self,
+        owner: &'a str,
+        kind: Option<&'a str>,
+        key: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<u64, StoreError>> {
+        let (owner, kind, key) = (owner.to_owned(), kind.map(str::to_owned), key.map(str::to_owned));
+        self.write(move |tx, _| tx.delete_memory(&owner, kind.as_deref(), key.as_deref()))
     }
 
     fn event_log(&self) -> Option<Arc<dyn keel_core::EventLog>> {
         self.backend.event_log()
     }
+}
+
+/// Writes memory records: each merged with the record it replaces as `write.merge` says, then
+/// the kind trimmed to its newest `keep_newest`.
+fn write_memory(
+    tx: &mut dyn Tx,
+    owner: &str,
+    kind: &str,
+    write: &MemoryWrite,
+    now_ms: u64,
+) -> Result<(), StoreError> {
+    // Checked before any write: a backend without rollback (memory) writes all or nothing too.
+    if let Some((key, _)) = write.items.iter().find(|(key, _)| key.contains('\0')) {
+        return Err(StoreError::Conflict(format!(
+            "the memory key {key:?} holds a NUL character, which PostgreSQL cannot store; nothing was written"
+        )));
+    }
+    for (key, value) in &write.items {
+        let value = match &write.merge {
+            MemoryMerge::Replace => value.clone(),
+            MemoryMerge::KeepHigher(field) => match tx.memory_item(owner, kind, key)? {
+                Some(old) if number(&old.value, field) > number(value, field) => old.value,
+                _ => value.clone(),
+            },
+        };
+        let item = MemoryItem { kind: kind.to_owned(), key: key.clone(), value, updated_ms: now_ms };
+        tx.put_memory_item(owner, &item)?;
+    }
+    if let Some(keep) = write.keep_newest {
+        for old in tx.memory_items(owner, Some(kind))?.into_iter().skip(keep) {
+            tx.delete_memory(owner, Some(kind), Some(&old.key))?;
+        }
+    }
+    Ok(())
+}
+
+/// A record's number in `field` (missing counts as nothing).
+fn number(value: &serde_json::Value, field: &str) -> f64 {
+    value.get(field).and_then(serde_json::Value::as_f64).unwrap_or(f64::NEG_INFINITY)
 }

@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use keel_core::journal::JournalEntry;
+use keel_core::memory::{MemoryItem, MemoryOwner};
 use keel_core::persist::{
     decode_message, decode_pending_kind, decode_record, encode_message, encode_pending_kind, encode_record,
 };
@@ -40,8 +41,8 @@ use keel_core::{
 use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
 
 use crate::backend::{
-    Backend, Ruled, RunControl, Tx, Work, corrupt, read_limits, stored_delayed_state, stored_limits,
-    stored_run_id, stored_state,
+    Backend, Ruled, RunControl, Tx, Work, corrupt, memory_item, memory_owner_rows, read_limits,
+    stored_delayed_state, stored_limits, stored_run_id, stored_state,
 };
 
 /// The schema, one migration per version (index 0 makes version 1).
@@ -142,6 +143,16 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX delayed_due ON delayed_runs (state, due_at);",
     // Version 9: a run's own limits (`persist::encode_overrides`; NULL for the agent's).
     "ALTER TABLE runs ADD COLUMN limits TEXT;",
+    // Version 10: what agents remember about their owners (episodes, entities, relations).
+    "CREATE TABLE memories (
+        owner TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value TEXT NOT NULL,
+        updated_at INTEGER NOT NULL,
+        PRIMARY KEY (owner, kind, key)
+    ) WITHOUT ROWID;
+    CREATE INDEX memories_recent ON memories (owner, kind, updated_at);",
 ];
 
 /// The schema version this build writes.
@@ -993,6 +1004,83 @@ impl Tx for SqliteTx<'_> {
             .and_then(Iterator::collect::<Result<Vec<_>, _>>)
             .map_err(map_error)?;
         ids.iter().map(|id| stored_run_id(id)).collect()
+    }
+
+    fn memory_item(&mut self, owner: &str, kind: &str, key: &str) -> Result<Option<MemoryItem>, StoreError> {
+        let row = self
+            .c
+            .prepare_cached(
+                "SELECT value, updated_at FROM memories WHERE owner = ?1 AND kind = ?2 AND key = ?3",
+            )
+            .and_then(|mut s| {
+                s.query_row([owner, kind, key], |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)))
+                    .optional()
+            })
+            .map_err(map_error)?;
+        row.map(|(value, at)| memory_item(kind.to_owned(), key.to_owned(), &value, at)).transpose()
+    }
+
+    fn put_memory_item(&mut self, owner: &str, item: &MemoryItem) -> Result<(), StoreError> {
+        self.execute(
+            "INSERT INTO memories (owner, kind, key, value, updated_at) VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT (owner, kind, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+            params![owner, item.kind, item.key, item.value.to_string(), item.updated_ms as i64],
+        )
+        .map(drop)
+    }
+
+    fn memory_items(&mut self, owner: &str, kind: Option<&str>) -> Result<Vec<MemoryItem>, StoreError> {
+        let mut statement = self
+            .c
+            .prepare_cached(
+                "SELECT kind, key, value, updated_at FROM memories WHERE owner = ?1 AND (?2 IS NULL OR kind = ?2)
+                 ORDER BY updated_at DESC, key",
+            )
+            .map_err(map_error)?;
+        let rows = statement
+            .query_map(params![owner, kind], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, String>(2)?,
+                    row.get::<_, i64>(3)?,
+                ))
+            })
+            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+            .map_err(map_error)?;
+        rows.into_iter().map(|(kind, key, value, at)| memory_item(kind, key, &value, at)).collect()
+    }
+
+    fn delete_memory(
+        &mut self,
+        owner: &str,
+        kind: Option<&str>,
+        key: Option<&str>,
+    ) -> Result<u64, StoreError> {
+        self.execute(
+            "DELETE FROM memories WHERE owner = ?1 AND (?2 IS NULL OR kind = ?2) AND (?3 IS NULL OR key = ?3)",
+            params![owner, kind, key],
+        )
+        .map(|n| n as u64)
+    }
+
+    fn memory_owners(&mut self) -> Result<Vec<MemoryOwner>, StoreError> {
+        let mut statement = self
+            .c
+            .prepare_cached("SELECT owner, kind, count(*), max(updated_at) FROM memories GROUP BY owner, kind ORDER BY owner, kind")
+            .map_err(map_error)?;
+        let rows = statement
+            .query_map([], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, i64>(2)?,
+                    row.get::<_, i64>(3)?,
+                ))
+            })
+            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+            .map_err(map_error)?;
+        Ok(memory_owner_rows(rows.into_iter().map(|(o, k, n, at)| (o, k, n.max(0) as u64, at.max(0) as u64))))
     }
 }
 
