@@ -43,6 +43,8 @@ pub struct AgentDef {
     pub channels: Vec<crate::channel::ChannelDef>,
     /// Repair turns, compaction and hooks.
     pub loop_control: crate::loop_control::LoopControl,
+    /// What the agent remembers across sessions, and the engine that keeps it.
+    pub memory: crate::memory::AgentMemory,
     /// The session state a new session starts with (spec key `state.initial`): a JSON object.
     pub initial_state: Option<Value>,
 }
@@ -490,6 +492,12 @@ pub struct MockEntry {
     pub tool_calls: Vec<MockToolCall>,
     /// A simulated provider failure.
     pub error: Option<MockFailure>,
+    /// What the memory model answers when asked to summarise the run this entry ends
+    /// (`memory:episode`); the mock writes a summary of its own without it.
+    pub episode: Option<String>,
+    /// What the memory model answers when asked to extract entities and relations from the run
+    /// this entry ends (`memory:extract`): normally JSON; none without it.
+    pub extract: Option<String>,
 }
 
 /// A simulated provider failure.

@@ -146,7 +146,8 @@ impl fmt::Display for RunId {
 
 /// The name of a step of a run, the key of its journal entry.
 ///
-/// Displayed as `llm:turn:N`, `llm:compact:N`, `tool:NAME:CALL_ID`, `approval:CALL_ID` or `question:CALL_ID`.
+/// Displayed as `llm:turn:N`, `llm:compact:N`, `memory:NAME`, `tool:NAME:CALL_ID`, `approval:CALL_ID`
+/// or `question:CALL_ID`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum StepName {
     /// One model call; turns count from 0 within the run.
@@ -165,6 +166,8 @@ pub enum StepName {
     /// A compaction of the conversation (a model call that writes the brief); counts from 0
     /// within the run.
     Compact(u32),
+    /// A memory step (`memory:recall`, `memory:traverse`, `memory:episode`, `memory:extract`).
+    Memory(String),
 }
 
 impl StepName {
@@ -175,6 +178,9 @@ impl StepName {
         }
         if let Some(n) = text.strip_prefix("llm:compact:") {
             return n.parse().ok().map(StepName::Compact);
+        }
+        if let Some(name) = text.strip_prefix("memory:") {
+            return Some(StepName::Memory(name.to_owned()));
         }
         if let Some(call_id) = text.strip_prefix("approval:") {
             return Some(StepName::Approval(call_id.to_owned()));
@@ -194,7 +200,11 @@ impl StepName {
     /// formatting machinery: it is made for every tool call.
     pub fn idempotency_key(&self, run: &RunId) -> String {
         match self {
-            StepName::ModelTurn(_) | StepName::Compact(_) | StepName::Approval(_) | StepName::Question(_) => {
+            StepName::ModelTurn(_)
+            | StepName::Compact(_)
+            | StepName::Memory(_)
+            | StepName::Approval(_)
+            | StepName::Question(_) => {
                 format!("{run}:{self}")
             }
             StepName::Tool { name, call_id } => {
@@ -216,6 +226,7 @@ impl fmt::Display for StepName {
             StepName::Approval(call_id) => write!(f, "approval:{call_id}"),
             StepName::Question(call_id) => write!(f, "question:{call_id}"),
             StepName::Compact(n) => write!(f, "llm:compact:{n}"),
+            StepName::Memory(name) => write!(f, "memory:{name}"),
         }
     }
 }

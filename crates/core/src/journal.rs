@@ -18,6 +18,8 @@ pub enum JournalRecord {
     /// from it (a compaction that failed, a context-too-long error that compaction answers): a
     /// replay must take the same path.
     ModelFailed(crate::provider::ProviderError),
+    /// A memory step's outcome (step `memory:NAME`).
+    Memory(crate::memory::MemoryOutcome),
     /// A tool call's outcome (step `tool:NAME:CALL_ID`), before the output cap is applied.
     ToolResult(ToolOutcome),
     /// A human's decision (step `approval:CALL_ID` or `question:CALL_ID`).

@@ -36,6 +36,7 @@ use crate::event::{Event, StopReason, Usage};
 use crate::human::{Decision, PendingKind, pending_id};
 use crate::ids::{RunId, SessionId, StepName};
 use crate::loop_control::{TurnContext, TurnPlan};
+use crate::memory::{MemoryOutcome, MemoryRequest};
 use crate::message::{Message, Part, Role, ToolCall, ToolResult, output_to_text};
 use crate::provider::{CallPurpose, ModelReply, ModelRequest, ProviderError, ProviderErrorKind};
 use crate::tool::ToolSpec;
@@ -68,6 +69,8 @@ pub enum Input {
         /// The decision.
         decision: Decision,
     },
+    /// The memory step asked for finished (its failure is logged, never the run's).
+    MemoryDone(MemoryOutcome),
     /// Stop the run now.
     Cancel,
     /// End the run as failed, now, without running anything more: every open call gets an
@@ -114,6 +117,13 @@ pub enum Action {
         /// What is asked.
         kind: PendingKind,
     },
+    /// Carry out a memory step (see [`crate::memory`]) and feed back [`Input::MemoryDone`].
+    Memory {
+        /// The step (`memory:recall`, `memory:traverse`, `memory:episode`, `memory:extract`).
+        step: StepName,
+        /// What to do.
+        request: MemoryRequest,
+    },
     /// The run is over.
     Finish(RunOutcome),
 }
@@ -139,6 +149,8 @@ pub enum RunOutcome {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
     NotStarted,
+    /// Waiting for a memory step: before the first turn, or after the answer.
+    Remembering,
     AwaitingModel,
     /// Waiting for a compaction brief; the turn is made once it is in.
     Compacting,
@@ -199,6 +211,22 @@ pub struct Machine {
     plan: TurnPlan,
     /// The tools offered this turn, when `prepare_turn` narrowed them.
     turn_tools: Option<Vec<ToolSpec>>,
+    /// Memory steps still to make, in order, and what comes once they are made.
+    memory_steps: std::collections::VecDeque<MemoryRequest>,
+    after_memory: Option<AfterMemory>,
+    /// The agent's instructions with what memory recalled for this run, once it did.
+    remembered_instructions: Option<String>,
+    /// Whether the run's memory was written (its answer summarised and extracted).
+    memorized: bool,
+}
+
+/// What the machine does once its memory steps are made.
+#[derive(Debug)]
+enum AfterMemory {
+    /// Start the turns, with the context recalled.
+    Turns(Vec<String>),
+    /// Finish as it was about to.
+    Finish { stopped: StopReason, text: String, output: Option<Value> },
 }
 
 /// A compaction brief being written.
@@ -264,6 +292,10 @@ impl Machine {
             compaction: None,
             plan: TurnPlan::default(),
             turn_tools: None,
+            memory_steps: std::collections::VecDeque::new(),
+            after_memory: None,
+            remembered_instructions: None,
+            memorized: false,
             agent,
             run_id,
             session_id,
@@ -347,7 +379,12 @@ impl Machine {
         }
         ModelRequest {
             model: self.plan.model.as_deref().map_or(agent_model, model_name),
-            instructions: self.plan.instructions.as_deref().unwrap_or(&self.agent.instructions),
+            instructions: self
+                .plan
+                .instructions
+                .as_deref()
+                .or(self.remembered_instructions.as_deref())
+                .unwrap_or(&self.agent.instructions),
             messages: self.plan.messages.as_deref().unwrap_or(&self.context),
             tools: self.turn_tools.as_deref().unwrap_or(self.agent.tools.specs()),
             output_schema: self.agent.output_schema.as_ref().map(|s| s.schema()),
@@ -371,8 +408,9 @@ impl Machine {
                     session_id: self.session_id.clone(),
                 }));
                 self.persist_last(&mut actions, self.transcript.len() - self.run_start);
-                self.next_turn(&mut actions);
+                self.recall(&mut actions);
             }
+            (Phase::Remembering, Input::MemoryDone(outcome)) => self.on_memory_done(outcome, &mut actions),
             (Phase::AwaitingModel, Input::ModelReply(reply)) => self.on_reply(reply, &mut actions),
             (Phase::AwaitingModel, Input::ModelFailed(error)) => {
                 if error.kind == ProviderErrorKind::ContextTooLong
@@ -408,6 +446,62 @@ impl Machine {
 
     fn persist_last(&self, actions: &mut Vec<Action>, count: usize) {
         actions.push(Action::Persist { first_position: self.transcript.len() - count, count });
+    }
+
+    /// Before the first turn: what memory holds for the run (`memory:recall`,
+    /// `memory:traverse`), or the first turn at once without memory.
+    fn recall(&mut self, actions: &mut Vec<Action>) {
+        let settings = &self.agent.memory.settings;
+        if let Some(episodic) = settings.episodic {
+            self.memory_steps.push_back(MemoryRequest::Recall { limit: episodic.recall });
+        }
+        if let Some(graph) = settings.graph {
+            let text = self.transcript.last().map(|m| m.text()).unwrap_or_default();
+            self.memory_steps.push_back(MemoryRequest::Traverse { text, graph });
+        }
+        if self.memory_steps.is_empty() {
+            return self.next_turn(actions);
+        }
+        self.after_memory = Some(AfterMemory::Turns(Vec::new()));
+        self.next_memory_step(actions);
+    }
+
+    /// Asks for the next queued memory step, or goes on once there is none.
+    fn next_memory_step(&mut self, actions: &mut Vec<Action>) {
+        if let Some(request) = self.memory_steps.pop_front() {
+            self.phase = Phase::Remembering;
+            let step = StepName::Memory(request.name().to_owned());
+            actions.push(Action::Memory { step, request });
+            return;
+        }
+        match self.after_memory.take() {
+            Some(AfterMemory::Turns(context)) => {
+                if !context.is_empty() {
+                    self.remembered_instructions =
+                        Some(format!("{}\n\n{}", self.agent.instructions, context.join("\n\n")));
+                }
+                self.next_turn(actions);
+            }
+            Some(AfterMemory::Finish { stopped, text, output }) => {
+                self.finish_with_text(stopped, text, output, actions);
+            }
+            None => {
+                let failure =
+                    RunFailure::new(ErrorCode::Internal, "memory steps ended with nothing to go on to");
+                self.fail(failure, actions);
+            }
+        }
+    }
+
+    /// A memory step is done: a recall's context is kept for the turns; a failure only
+    /// leaves its part out.
+    fn on_memory_done(&mut self, outcome: MemoryOutcome, actions: &mut Vec<Action>) {
+        if let (Ok(value), Some(AfterMemory::Turns(context))) = (&outcome, &mut self.after_memory)
+            && let Some(text) = value.get("context").and_then(Value::as_str).filter(|t| !t.trim().is_empty())
+        {
+            context.push(text.to_owned());
+        }
+        self.next_memory_step(actions);
     }
 
     fn next_turn(&mut self, actions: &mut Vec<Action>) {
@@ -1011,6 +1105,24 @@ impl Machine {
         output: Option<Value>,
         actions: &mut Vec<Action>,
     ) {
+        // A run that answered is remembered first (a cancelled one is not: it may be half-done).
+        if stopped != StopReason::Cancelled && !self.memorized {
+            self.memorized = true;
+            let messages = self.transcript[self.run_start..].to_vec();
+            let call_index = self.call_base + u64::from(self.turns.saturating_sub(1));
+            let settings = &self.agent.memory.settings;
+            if settings.episodic.is_some() {
+                self.memory_steps
+                    .push_back(MemoryRequest::Episode { messages: messages.clone(), call_index });
+            }
+            if settings.graph.is_some() {
+                self.memory_steps.push_back(MemoryRequest::Extract { messages, call_index });
+            }
+            if !self.memory_steps.is_empty() {
+                self.after_memory = Some(AfterMemory::Finish { stopped, text, output });
+                return self.next_memory_step(actions);
+            }
+        }
         self.phase = Phase::Finished;
         let usage = self.usage;
         actions.push(Action::Emit(Event::RunDone {

@@ -15,6 +15,7 @@
 //! {"v":1,"kind":"tool_result","ok":true,"output":5}
 //! {"v":1,"kind":"tool_result","ok":false,"error":{"code":"KEEL_TOOL_TIMEOUT","message":"...","transient":true}}
 //! {"v":1,"kind":"model_failed","code":"KEEL_PROVIDER_CONTEXT_TOO_LONG","message":"...","status":400}
+//! {"v":1,"kind":"memory","ok":true,"value":{"context":"..."}}
 //! ```
 //! Run overrides of limits: `{"v":1,"max_turns":3,"tool_timeout_ms":5000}`.
 
@@ -132,6 +133,13 @@ enum RecordBodyV1 {
         message: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         status: Option<u16>,
+    },
+    Memory {
+        ok: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        value: Option<Value>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
     },
 }
 
@@ -285,6 +293,10 @@ pub fn encode_record(record: &JournalRecord) -> String {
             };
             RecordBodyV1::Decision { decision, note, answer }
         }
+        JournalRecord::Memory(outcome) => match outcome {
+            Ok(value) => RecordBodyV1::Memory { ok: true, value: Some(value.clone()), error: None },
+            Err(error) => RecordBodyV1::Memory { ok: false, value: None, error: Some(error.clone()) },
+        },
         JournalRecord::ModelFailed(error) => RecordBodyV1::ModelFailed {
             code: error.code().as_str().to_owned(),
             message: error.message.clone(),
@@ -325,6 +337,12 @@ pub fn decode_record(json: &str) -> Result<JournalRecord, DecodeError> {
             DecisionV1::Answer => Decision::Answer(answer.unwrap_or_default()),
             DecisionV1::TimedOut => Decision::TimedOut,
         }),
+        RecordBodyV1::Memory { ok: true, value, .. } => {
+            JournalRecord::Memory(Ok(value.unwrap_or(Value::Null)))
+        }
+        RecordBodyV1::Memory { ok: false, error, .. } => {
+            JournalRecord::Memory(Err(error.unwrap_or_default()))
+        }
         RecordBodyV1::ModelFailed { code, message, status } => {
             let kind = ErrorCode::parse(&code)
                 .and_then(ProviderErrorKind::from_code)
@@ -496,6 +514,8 @@ mod tests {
             JournalRecord::Decision(Decision::Answer("Paris".into())),
             JournalRecord::Decision(Decision::TimedOut),
             JournalRecord::ModelFailed(ProviderError::from_status(413, "prompt is too long")),
+            JournalRecord::Memory(Ok(serde_json::json!({"context": "- alice —[works_at]→ acme"}))),
+            JournalRecord::Memory(Err("the extraction was not JSON".into())),
             JournalRecord::ModelReply(ModelReply {
                 parts: vec![Part::Summary { text: "Alice asked about tea.".into(), first_kept: 12 }],
                 usage: Usage::default(),

@@ -49,6 +49,12 @@ pub enum CallPurpose {
     Turn,
     /// Writing a compaction brief (`llm:compact:N`); `call_index` counts the session's briefs.
     Compact,
+    /// Summarising a run into an episode (`memory:episode`); `call_index` is the run's last
+    /// turn's.
+    Episode,
+    /// Extracting entities and relations from a run (`memory:extract`); `call_index` is the
+    /// run's last turn's.
+    Extract,
 }
 
 /// A model's reply: its message content and what it cost.

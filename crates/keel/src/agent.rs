@@ -183,6 +183,7 @@ impl Agent {
         if let Some(state) = spec.initial_state {
             builder = builder.initial_state(state);
         }
+        builder = builder.memory(spec.memory);
         for server in spec.mcp {
             builder = builder.mcp(server);
         }
@@ -318,6 +319,7 @@ pub struct AgentBuilder {
     channels: Vec<keel_core::channel::ChannelDef>,
     loop_control: LoopControl,
     initial_state: Option<Value>,
+    memory: keel_core::memory::MemorySettings,
 }
 
 impl AgentBuilder {
@@ -421,6 +423,13 @@ impl AgentBuilder {
     /// Called after each step is durably committed (not for steps a resumed run replays).
     pub fn on_step_finish(mut self, hook: impl Fn(&StepFinished<'_>) + Send + Sync + 'static) -> Self {
         self.loop_control.hooks.on_step_finish = Some(Arc::new(hook));
+        self
+    }
+
+    /// What the agent remembers across sessions (episodes, a graph of entities), per owner:
+    /// the authenticated user, else the session. Each memory operation is a journaled step.
+    pub fn memory(mut self, memory: keel_core::memory::MemorySettings) -> Self {
+        self.memory = memory;
         self
     }
 
@@ -629,8 +638,19 @@ impl AgentBuilder {
             channels: self.channels,
             loop_control: self.loop_control,
             initial_state: self.initial_state,
+            memory: keel_core::memory::AgentMemory::default(),
         };
         let store = self.store.unwrap_or_else(|| Arc::new(MemoryStore::new()));
+        let mut definition = definition;
+        if !self.memory.is_empty() {
+            // The memory model is the agent's unless `memory.model` names another of its provider.
+            let agent_model = definition.model.split_once('/').map_or(definition.model.as_str(), |(_, m)| m);
+            let memory_model = self.memory.model.clone().unwrap_or_else(|| agent_model.to_owned());
+            let engine =
+                keel_memory::MemoryEngine::new(Arc::clone(&store), Arc::clone(&provider), memory_model);
+            definition.memory =
+                keel_core::memory::AgentMemory { settings: self.memory, engine: Some(Arc::new(engine)) };
+        }
         let mut options = keel_runtime::EngineOptions::default();
         if let Some(clock) = self.clock {
             options.clock = clock;
@@ -717,6 +737,7 @@ async fn refresh_on_change(
                     channels: current.channels.clone(),
                     loop_control: current.loop_control.clone(),
                     initial_state: current.initial_state.clone(),
+                    memory: current.memory.clone(),
                 }));
                 tracing::info!(agent = %current.name, tools = ?names, "an MCP server's tools changed; new runs use the new list");
             }

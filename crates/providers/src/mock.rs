@@ -33,6 +33,11 @@ impl Provider for MockProvider {
         let entries = match request.purpose {
             CallPurpose::Turn => &self.script.entries,
             CallPurpose::Compact => &self.script.compact,
+            CallPurpose::Episode | CallPurpose::Extract => {
+                let entry = usize::try_from(request.call_index).ok().and_then(|i| self.script.entries.get(i));
+                let text = memory_reply(&request, entry);
+                return Box::pin(std::future::ready(Ok(reply_with_text(&request, &text, Vec::new(), sink))));
+            }
         };
         let entry = usize::try_from(request.call_index).ok().and_then(|i| entries.get(i));
         let Some(entry) = entry else {
@@ -149,6 +154,27 @@ fn estimate_input(request: &ModelRequest<'_>) -> u64 {
         }
     }
     tokens(chars)
+}
+
+/// The mock's answer to a memory call: the script's `episode` / `extract` of the entry that
+/// ended the run, else a summary of its own (the user's first line and the last answer) or an
+/// empty extraction.
+fn memory_reply(request: &ModelRequest<'_>, entry: Option<&MockEntry>) -> String {
+    let scripted = entry.and_then(|e| match request.purpose {
+        CallPurpose::Episode => e.episode.clone(),
+        _ => e.extract.clone(),
+    });
+    if let Some(text) = scripted {
+        return text;
+    }
+    if request.purpose != CallPurpose::Episode {
+        return r#"{"entities": [], "relations": []}"#.to_owned();
+    }
+    let text = request.messages.iter().map(|m| m.text()).collect::<Vec<_>>().join("\n");
+    let asked = text.lines().find_map(|l| l.strip_prefix("user: ")).unwrap_or_default();
+    let answered = text.lines().rev().find_map(|l| l.strip_prefix("assistant: ")).unwrap_or_default();
+    let short = |s: &str| s.chars().take(120).collect::<String>();
+    format!("The user asked \"{}\" and was told \"{}\".", short(asked), short(answered))
 }
 
 /// The mock's own compaction brief: the user's lines of the conversation it is given (the

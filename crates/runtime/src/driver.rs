@@ -19,6 +19,7 @@ use futures::stream::FuturesUnordered;
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::loop_control::StepFinished;
 use keel_core::machine::{Action, Input, Machine, RunOutcome};
+use keel_core::memory::{MemoryRequest, MemoryScope};
 use keel_core::message::ToolCall;
 use keel_core::provider::{CallPurpose, ProviderErrorKind};
 use keel_core::store::MAX_REDRIVES;
@@ -644,6 +645,10 @@ impl Driver<'_> {
                             },
                         }
                     }
+                    Action::Memory { step, request } => {
+                        self.commit(&machine, &mut pending, None).await?;
+                        inputs.push_back(Box::pin(self.memory_step(step, request)).await?);
+                    }
                     Action::Finish(outcome) => return self.finish(&machine, &mut pending, outcome).await,
                 }
             }
@@ -994,6 +999,55 @@ impl Driver<'_> {
                 (Input::ModelFailed(error), Some(entry))
             }
         })
+    }
+
+    /// One memory step: from the journal when recorded, else carried out by the agent's memory.
+    /// A failure is the step's outcome (journaled too: a replay takes the same path), never the
+    /// run's.
+    async fn memory_step(
+        &mut self,
+        step: StepName,
+        request: MemoryRequest,
+    ) -> Result<(Input, Option<JournalEntry>), RunFailure> {
+        match self.journal.remove(&step) {
+            Some(JournalRecord::Memory(outcome)) => return Ok((Input::MemoryDone(outcome), None)),
+            Some(_) => return Err(self.corrupt(&step).await),
+            None if self.epoch.is_none() => return Err(self.finished(&step)),
+            None => {
+                if let Some(stop) = self.stop_before(&step) {
+                    return Ok((stop, None));
+                }
+                self.stop_if_shutting_down().await?;
+                self.go_live();
+            }
+        }
+        let owner = keel_core::memory::owner_of(&self.session);
+        let engine = self.agent.memory.engine.clone();
+        let scope = MemoryScope { owner: &owner, run: &self.run_id, session: &self.session };
+        let call = async {
+            match &engine {
+                Some(engine) => engine.call(scope, &request).await,
+                None => Err("the agent has memory settings but no memory engine".to_owned()),
+            }
+        };
+        tokio::pin!(call);
+        let outcome = loop {
+            let finished = tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => return Ok((Input::Cancel, None)),
+                outcome = &mut call => Some(outcome),
+                () = next_beat(&mut self.beat) => None,
+            };
+            match finished {
+                Some(outcome) => break outcome,
+                None => self.renew_lease().await,
+            }
+        };
+        if let Err(error) = &outcome {
+            tracing::warn!(run = %self.run_id, %step, %error, "a memory step failed; the run goes on without it");
+        }
+        let entry = JournalEntry { step, record: JournalRecord::Memory(outcome.clone()) };
+        Ok((Input::MemoryDone(outcome), Some(entry)))
     }
 
     /// Starts a tool call in its own task, so that a panic or a blocked thread in the tool cannot

@@ -36,6 +36,7 @@ impl Provider for CountingProvider {
         match request.purpose {
             CallPurpose::Turn => self.calls.lock().unwrap().push(request.call_index),
             CallPurpose::Compact => self.briefs.lock().unwrap().push(request.call_index),
+            CallPurpose::Episode | CallPurpose::Extract => {}
         }
         self.mock.complete(request, sink)
     }
@@ -118,6 +119,7 @@ fn agent(tools: Vec<Arc<dyn Tool>>, edit: impl FnOnce(&mut AgentDef)) -> Arc<Age
         schedules: Vec::new(),
         channels: Vec::new(),
         loop_control: Default::default(),
+        memory: Default::default(),
         initial_state: None,
     };
     edit(&mut def);

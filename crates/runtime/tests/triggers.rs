@@ -51,6 +51,7 @@ fn setup(schedules: Vec<ScheduleDef>) -> Setup {
         schedules,
         channels: Vec::new(),
         loop_control: Default::default(),
+        memory: Default::default(),
         initial_state: None,
     };
     let entries = vec![MockEntry { text: Some("done".into()), delay_ms: 200, ..MockEntry::default() }];

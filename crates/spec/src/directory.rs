@@ -588,6 +588,7 @@ pub(crate) fn finish(
         compaction: spec.compaction,
         stop_tools: spec.stop_tools.into_iter().map(|(name, _)| name).collect(),
         initial_state: spec.initial_state,
+        memory: spec.memory,
         mock,
         skills,
         mcp: spec.mcp.into_iter().map(|(server, _)| server).collect(),

@@ -78,6 +78,8 @@ pub struct AgentSpec {
     pub stop_tools: Vec<String>,
     /// The state object a new session starts with (`state.initial`).
     pub initial_state: Option<Value>,
+    /// What the agent remembers across sessions (`memory`).
+    pub memory: keel_core::memory::MemorySettings,
     /// The mock provider's script (`mock.script`).
     pub mock: Option<MockScript>,
     /// Inbound webhooks (`channels/<name>.yaml` of a directory).

@@ -4,6 +4,7 @@ use std::path::Path;
 
 use keel_core::agent::OutputSchema;
 use keel_core::loop_control::Compaction;
+use keel_core::memory::{Episodic, GraphSettings, MemorySettings};
 use keel_core::{
     Concurrency, ErrorCode, HttpSettings, Limits, McpServerDef, McpTransport, MockEntry, MockFailure,
     MockScript, MockToolCall, ProviderSettings, RetryPolicy, ShellSettings, ToolChoice, WorkspaceMode,
@@ -45,7 +46,7 @@ pub(crate) const KEYS: &[&str] = &[
 /// Keys of the design this build does not implement yet: refusing them is safer than ignoring
 /// them (an ignored `approvals` would run risky tools without asking). `docs/errors.md` lists
 /// them under `KEEL_SPEC_UNSUPPORTED` (a tidy test checks it).
-pub const NOT_YET: &[&str] = &["memory"];
+pub const NOT_YET: &[&str] = &[];
 
 const LIMIT_KEYS: &[&str] = &[
     "max_turns",
@@ -80,7 +81,7 @@ const MCP_KEYS: &[&str] = &[
     "only",
     "startup_timeout",
 ];
-const MOCK_ENTRY_KEYS: &[&str] = &["text", "tool_calls", "delay_ms", "error"];
+const MOCK_ENTRY_KEYS: &[&str] = &["text", "tool_calls", "delay_ms", "error", "episode", "extract"];
 
 /// The spec file's keys, decoded; `instructions` and `skills` are finished by the caller.
 pub(crate) struct FileSpec {
@@ -111,6 +112,8 @@ pub(crate) struct FileSpec {
     pub(crate) stop_tools: Vec<(String, Pos)>,
     /// `state.initial`.
     pub(crate) initial_state: Option<Value>,
+    /// `memory`.
+    pub(crate) memory: MemorySettings,
     pub(crate) mock: Option<(MockScript, Vec<(String, Pos)>)>,
     pub(crate) skills: Option<Vec<(String, Pos)>>,
     /// `mcp`: the servers, each with the position of its entry.
@@ -168,6 +171,7 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         compaction: None,
         stop_tools: Vec::new(),
         initial_state: None,
+        memory: MemorySettings::default(),
         mock: None,
         skills: None,
         mcp: Vec::new(),
@@ -242,6 +246,9 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     }
     if let Some(node) = map.take("state") {
         spec.initial_state = state(node, d);
+    }
+    if let Some(node) = map.take("memory") {
+        spec.memory = memory(node, d);
     }
     if let Some(node) = map.take("concurrency")
         && let Some(mode) = d.string(node, "concurrency")
@@ -758,6 +765,86 @@ fn stop_when(node: &Node, d: &mut Decoder<'_>) -> Vec<(String, Pos)> {
     tools
 }
 
+/// `memory: { kind, ... }` or a list of them: the kinds of memory the agent keeps.
+fn memory(node: &Node, d: &mut Decoder<'_>) -> MemorySettings {
+    let mut settings = MemorySettings::default();
+    let entries: Vec<(&Node, String)> = match &node.kind {
+        Kind::Seq(items) => {
+            items.iter().enumerate().map(|(i, item)| (item, format!("memory[{i}]"))).collect()
+        }
+        _ => vec![(node, "memory".to_owned())],
+    };
+    for (entry, what) in entries {
+        let Some(mut map) = d.map(entry, &what) else { continue };
+        let kind =
+            map.take("kind").and_then(|k| d.text(k, &format!("{what}.kind")).map(|text| (text, k.pos)));
+        if let Some(model) = map.take("model").and_then(|m| d.text(m, &format!("{what}.model"))) {
+            settings.model.get_or_insert(model);
+        }
+        match kind.as_ref().map(|(k, pos)| (k.as_str(), *pos)) {
+            Some(("episodic", _)) => {
+                let recall = bounded(
+                    &mut map,
+                    d,
+                    &what,
+                    "recall",
+                    (1, Episodic::MAX_RECALL),
+                    Episodic::DEFAULT_RECALL,
+                );
+                settings.episodic = Some(Episodic { recall });
+                map.finish(d, &what, &["kind", "recall", "model"]);
+            }
+            Some(("graph", _)) => {
+                let default = GraphSettings::default();
+                let graph = GraphSettings {
+                    depth: bounded(&mut map, d, &what, "depth", (1, 5), default.depth),
+                    max_seeds: bounded(&mut map, d, &what, "max_seeds", (1, 20), default.max_seeds),
+                    fan_out: bounded(&mut map, d, &what, "fan_out", (1, 50), default.fan_out),
+                    max_nodes: bounded(&mut map, d, &what, "max_nodes", (1, 500), default.max_nodes),
+                };
+                settings.graph = Some(graph);
+                map.finish(d, &what, &["kind", "depth", "max_seeds", "fan_out", "max_nodes", "model"]);
+            }
+            Some(("semantic", pos)) => {
+                let file = d.file.clone();
+                d.push(Diagnostic::error(
+                    ErrorCode::SpecUnsupported,
+                    &file,
+                    pos,
+                    "memory of kind `semantic` (documents to retrieve from) is not supported by this version of keel yet",
+                ))
+                .hint = Some("use `kind: episodic` or `kind: graph`, or remove the entry".into());
+            }
+            Some((other, pos)) => {
+                let hint = did_you_mean(other, &["episodic", "graph", "semantic"])
+                    .map_or("use episodic, graph or semantic".to_owned(), |c| format!("did you mean `{c}`?"));
+                d.error(pos, format!("unknown memory kind {other:?}")).hint = Some(hint);
+            }
+            None => {
+                if map.key_pos("kind").is_none() {
+                    d.error(entry.pos, format!("`{what}` needs `kind`")).hint =
+                        Some("write `memory: { kind: episodic, recall: 5 }`".into());
+                }
+            }
+        }
+    }
+    settings
+}
+
+/// The whole number at `key` of `map`, between `range`'s ends; `default` when absent (or wrong:
+/// the problem is reported).
+fn bounded(
+    map: &mut crate::decode::MapReader<'_>,
+    d: &mut Decoder<'_>,
+    what: &str,
+    key: &str,
+    range: (usize, usize),
+    default: usize,
+) -> usize {
+    let Some(node) = map.take(key) else { return default };
+    d.int(node, &format!("{what}.{key}"), range.0 as i64, range.1 as i64).map_or(default, |n| n as usize)
+}
+
 /// `state: { initial: {...} }`: the state object a new session starts with.
 fn state(node: &Node, d: &mut Decoder<'_>) -> Option<Value> {
     let mut map = d.map(node, "state")?;
@@ -824,6 +911,16 @@ fn mock_entries(
         }
         if let Some(v) = entry_map.take("error") {
             entry.error = mock_error(v, d, &what);
+        }
+        if let Some(v) = entry_map.take("episode") {
+            entry.episode = d.string(v, &format!("{what}.episode"));
+        }
+        if let Some(v) = entry_map.take("extract") {
+            // JSON written as YAML is taken as its JSON; a string as it is (malformed output).
+            entry.extract = match v.kind {
+                Kind::Map(_) | Kind::Seq(_) => Some(v.to_json().to_string()),
+                _ => d.string(v, &format!("{what}.extract")),
+            };
         }
         entry_map.finish(d, &what, MOCK_ENTRY_KEYS);
         if !has_reply_key {

@@ -335,12 +335,12 @@ fn skills_problems() {
 #[test]
 fn features_of_later_versions_are_refused_not_ignored() {
     check(
-        &[("a.yaml", "model: mock\nmemory: { kind: episodic }\nconcurrency: queue\n")],
+        &[("a.yaml", "model: mock\nmemory: [{ kind: episodic }, { kind: semantic }]\nconcurrency: queue\n")],
         "a.yaml",
         expect![[r#"
-            error[KEEL_SPEC_UNSUPPORTED]: `memory` is not supported by this version of keel yet
-              --> a.yaml:2:1
-              hint: remove `memory` to run the agent with this version
+            error[KEEL_SPEC_UNSUPPORTED]: memory of kind `semantic` (documents to retrieve from) is not supported by this version of keel yet
+              --> a.yaml:2:38
+              hint: use `kind: episodic` or `kind: graph`, or remove the entry
         "#]],
     );
 }
@@ -867,5 +867,45 @@ fn loop_controls_load_and_bad_ones_are_pointed_at() {
               --> a.yaml:3:8
               hint: write `state: { initial: { cart: [] } }`
         "#]],
+    );
+}
+
+#[test]
+fn memory_kinds_load_with_their_settings_and_bad_ones_are_pointed_at() {
+    let dir = tree(&[(
+        "a.yaml",
+        "model: mock\nmemory:\n  - { kind: episodic, recall: 7, model: small }\n  - { kind: graph, depth: 3, max_nodes: 50 }\n",
+    )]);
+    let loaded = load(&dir.path().join("a.yaml"), &OPTIONS);
+    assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
+    let memory = loaded.spec.unwrap().memory;
+    assert_eq!(memory.episodic.unwrap().recall, 7);
+    let graph = memory.graph.unwrap();
+    assert_eq!((graph.depth, graph.max_seeds, graph.fan_out, graph.max_nodes), (3, 4, 8, 50));
+    assert_eq!(memory.model.as_deref(), Some("small"));
+    check(
+        &[("a.yaml", "model: mock\nmemory: { kind: episodic, recall: 0, recal: 2 }\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `memory.recall` must be between 1 and 20, not 0
+              --> a.yaml:2:35
+            error[KEEL_SPEC_INVALID]: unknown key `recal` in `memory`
+              --> a.yaml:2:38
+              hint: did you mean `recall`?
+        "#]],
+    );
+    check(
+        &[("a.yaml", "model: mock\nmemory: [{ kind: grph }, { recall: 2 }, 3]\n")],
+        "a.yaml",
+        expect![[r#"
+        error[KEEL_SPEC_INVALID]: unknown memory kind "grph"
+          --> a.yaml:2:18
+          hint: did you mean `graph`?
+        error[KEEL_SPEC_INVALID]: `memory[1]` needs `kind`
+          --> a.yaml:2:26
+          hint: write `memory: { kind: episodic, recall: 5 }`
+        error[KEEL_SPEC_INVALID]: `memory[2]` must be a mapping, not an integer
+          --> a.yaml:2:41
+    "#]],
     );
 }

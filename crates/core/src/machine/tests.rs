@@ -10,6 +10,7 @@ use super::*;
 use crate::BoxFuture;
 use crate::agent::{Limits, OutputSchema, RetryPolicy, ToolChoice};
 use crate::loop_control::Compaction;
+use crate::memory::{Episodic, GraphSettings, MemoryRequest, MemorySettings};
 use crate::persist::encode_message;
 use crate::provider::ProviderErrorKind;
 use crate::tool::{Tool, ToolContext, ToolSet, ToolSpec};
@@ -63,6 +64,7 @@ fn agent(edit: impl FnOnce(&mut AgentDef)) -> Arc<AgentDef> {
         schedules: Vec::new(),
         channels: Vec::new(),
         loop_control: Default::default(),
+        memory: Default::default(),
         initial_state: None,
     };
     edit(&mut def);
@@ -113,6 +115,7 @@ fn check(mut machine: Machine, inputs: Vec<Input>, expected: Expect) {
             Input::ModelFailed(e) => format!("model failed: {e}"),
             Input::ToolDone { call_id, .. } => format!("tool done {call_id}"),
             Input::Decision { call_id, decision } => format!("decision {call_id} {decision:?}"),
+            Input::MemoryDone(outcome) => format!("memory done {outcome:?}"),
             Input::Cancel => "cancel".to_owned(),
             Input::Abort(failure) => format!("abort: {failure}"),
         };
@@ -140,6 +143,9 @@ fn check(mut machine: Machine, inputs: Vec<Input>, expected: Expect) {
                 Action::CallTool { step, call } => writeln!(out, "  call tool {step} {}", call.input),
                 Action::AwaitHuman { step, id, call_id, kind } => {
                     writeln!(out, "  await human {step} {id} {call_id} {kind:?}")
+                }
+                Action::Memory { step, request } => {
+                    writeln!(out, "  memory {step} {}", render_memory(&request))
                 }
                 Action::Finish(outcome) => writeln!(out, "  finish {outcome:?}"),
             }
@@ -940,6 +946,7 @@ fn check_actions(m: &mut Machine, input: Input, expected: Expect) {
             Action::CallModel { step } => writeln!(out, "call model {step}"),
             Action::CallTool { step, .. } => writeln!(out, "call tool {step}"),
             Action::AwaitHuman { step, .. } => writeln!(out, "await human {step}"),
+            Action::Memory { step, request } => writeln!(out, "memory {step} {}", render_memory(&request)),
             Action::Finish(outcome) => writeln!(out, "finish {outcome:?}"),
         }
         .unwrap();
@@ -1130,4 +1137,98 @@ fn a_run_s_own_limits_replace_the_agent_s() {
     let result = m.transcript().last().unwrap().tool_results().next().unwrap().output.clone();
     assert!(output_to_text(&result).starts_with("abc"), "{result}");
     assert!(!output_to_text(&result).contains("defgh"), "{result}");
+}
+
+/// A memory request in one line: its fields, messages by their text.
+fn render_memory(request: &MemoryRequest) -> String {
+    match request {
+        MemoryRequest::Recall { limit } => format!("limit {limit}"),
+        MemoryRequest::Traverse { text, graph } => {
+            format!("{text:?} depth {} seeds {}", graph.depth, graph.max_seeds)
+        }
+        MemoryRequest::Episode { messages, call_index } | MemoryRequest::Extract { messages, call_index } => {
+            let texts: Vec<String> = messages.iter().map(|m| m.text()).collect();
+            format!("call_index {call_index} {texts:?}")
+        }
+    }
+}
+
+fn remembering(a: &mut AgentDef) {
+    a.memory.settings = MemorySettings {
+        episodic: Some(Episodic { recall: 3 }),
+        graph: Some(GraphSettings::default()),
+        model: None,
+    };
+}
+
+#[test]
+fn memory_is_recalled_before_the_first_turn_and_written_after_the_answer() {
+    let recalled = |context: &str| Input::MemoryDone(Ok(json!({ "context": context })));
+    let mut m = machine(agent(remembering));
+    check_actions(
+        &mut m,
+        Input::Start,
+        expect![[r#"
+        emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+        persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+        memory memory:recall limit 3
+    "#]],
+    );
+    check_actions(
+        &mut m,
+        recalled("Earlier: the user likes tea."),
+        expect![[r#"
+        memory memory:traverse "What is 2+3?" depth 2 seeds 4
+    "#]],
+    );
+    // A failed step leaves its part out; the run goes on.
+    let failed = Input::MemoryDone(Err("store away".into()));
+    check_actions(
+        &mut m,
+        failed,
+        expect![[r#"
+        emit {"type":"turn.start","turn":0}
+        call model llm:turn:0
+    "#]],
+    );
+    assert_eq!(m.model_request(1).instructions, "Be brief.\n\nEarlier: the user likes tea.");
+    check_actions(
+        &mut m,
+        text("5", 10),
+        expect![[r#"
+        emit {"type":"usage","inputTokens":10,"outputTokens":1}
+        persist #3 {"v":1,"role":"assistant","parts":[{"type":"text","text":"5"}]}
+        memory memory:episode call_index 1 ["What is 2+3?", "5"]
+    "#]],
+    );
+    check_actions(
+        &mut m,
+        recalled(""),
+        expect![[r#"
+        memory memory:extract call_index 1 ["What is 2+3?", "5"]
+    "#]],
+    );
+    // The extraction failing does not fail the run.
+    let failed = Input::MemoryDone(Err("not JSON".into()));
+    check_actions(
+        &mut m,
+        failed,
+        expect![[r#"
+        emit {"type":"run.done","text":"5","stopped":"final","usage":{"inputTokens":10,"outputTokens":1}}
+        finish Done { text: "5", output: None, stopped: Final, usage: Usage { input_tokens: 10, output_tokens: 1 } }
+    "#]],
+    );
+    assert!(m.is_finished());
+}
+
+#[test]
+fn a_cancelled_run_is_not_remembered() {
+    let mut m = machine(agent(remembering));
+    m.step(Input::Start);
+    let actions = m.step(Input::Cancel);
+    assert!(!actions.iter().any(|a| matches!(a, Action::Memory { .. })), "{actions:?}");
+    assert!(matches!(
+        actions.last(),
+        Some(Action::Finish(RunOutcome::Done { stopped: StopReason::Cancelled, .. }))
+    ));
 }
