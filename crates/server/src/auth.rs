@@ -257,13 +257,16 @@ impl Identity {
     pub(crate) fn session(&self, id: SessionId) -> SessionId {
         match &self.owner {
             None => id,
-            Some(owner) => {
-                let digest = sha2::Sha256::digest(owner.as_bytes());
-                let scope: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-                SessionId::scoped(&scope, &id)
-            }
+            Some(owner) => SessionId::scoped(&subject_scope(owner), &id),
         }
     }
+}
+
+/// The scope a JWT subject's sessions live in (`<scope>~<id>`): a digest of the subject, so
+/// that ids never show it. Its memory's owner is `user:<scope>`.
+pub fn subject_scope(subject: &str) -> String {
+    let digest = sha2::Sha256::digest(subject.as_bytes());
+    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A per-identity limit of requests per minute.

@@ -39,7 +39,7 @@ use axum::routing::{delete, get, post};
 use keel_runtime::Engine;
 use tokio_util::sync::CancellationToken;
 
-pub use auth::{JwtOptions, fetch_jwks};
+pub use auth::{JwtOptions, fetch_jwks, subject_scope};
 pub use feed::publish_to_log;
 pub use routes::{MAX_BODY, OPENAPI};
 

@@ -7,6 +7,7 @@ mod chat;
 mod check;
 mod input;
 mod mcp;
+mod memory;
 mod render;
 mod run;
 mod secrets;
@@ -90,6 +91,44 @@ enum Command {
     /// Show and cancel runs, delayed ones among them (`keel run --after`, `POST /runs`).
     #[command(subcommand)]
     Runs(RunsCommand),
+    /// Look at and erase what agents remember about their owners (episodes, entities,
+    /// relations).
+    #[command(subcommand)]
+    Memory(MemoryCommand),
+}
+
+/// `keel memory ...`
+#[derive(Subcommand)]
+pub(crate) enum MemoryCommand {
+    /// List the owners with memory, most recently written first, with counts by kind.
+    List(StoreArgs),
+    /// Print an owner's memory, most recently written first.
+    Show {
+        /// The owner: `session:<id>` (a session without per-user auth), `user:<scope>` (as
+        /// `list` prints it), or `sub:<JWT subject>`.
+        owner: String,
+        /// Only this kind: `episode`, `entity` or `relation`.
+        #[arg(long)]
+        kind: Option<String>,
+        /// One JSON object per record, one per line.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Erase an owner's memory: all of it, one kind, or one record (a user can be forgotten).
+    Rm {
+        /// The owner (see `show`).
+        owner: String,
+        /// Only this kind: `episode`, `entity` or `relation`.
+        #[arg(long)]
+        kind: Option<String>,
+        /// Only this record (its key, as `show` prints it); needs `--kind`.
+        #[arg(long, requires = "kind")]
+        key: Option<String>,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
 }
 
 /// `keel schedules ...`
@@ -401,6 +440,7 @@ pub(crate) fn main() -> ExitCode {
         Command::Cancel(args) => cancel::cancel(&args),
         Command::Schedules(command) => triggers::schedules(command),
         Command::Runs(command) => triggers::runs(command),
+        Command::Memory(command) => memory::memory(command),
     };
     match code {
         Ok(code) => ExitCode::from(code),

@@ -8,6 +8,7 @@ mod durability;
 mod instances;
 mod loop_control;
 mod mcp;
+mod memory;
 mod model;
 mod one_run;
 mod providers;
