@@ -50,6 +50,8 @@ mod subagent;
 pub use agent::{Agent, AgentBuilder, LoadError, load_spec};
 pub use keel_core::loop_control::{Compaction, StepFinished, TurnContext, TurnPlan};
 pub use keel_core::machine::RunOutcome;
+/// Memory settings and records ([`AgentBuilder::memory`]).
+pub use keel_core::memory;
 pub use keel_core::schedule::{CronSchedule, Missed, ScheduleDef};
 pub use keel_core::wire::{event_to_json, event_type};
 pub use keel_core::{

@@ -605,6 +605,37 @@ fn the_desk_example_reads_computes_and_delegates_offline() {
 }
 
 #[test]
+fn the_concierge_example_remembers_its_guest_and_repairs_an_answer_offline() {
+    keel()
+        .current_dir(repo_root())
+        .args(["check", "examples/concierge"])
+        .assert()
+        .success()
+        .stdout(predicate::str::starts_with("ok: agent `concierge`"));
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite:{}", dir.path().join("keel.db").display());
+    let example = repo_root().join("examples/concierge");
+    let run = |input: &str| {
+        let args = ["run", example.to_str().unwrap(), input, "--session", "ada", "--store", &store, "--json"];
+        let output = keel().args(args).output().unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect::<Vec<Value>>()
+    };
+    let first = run("I'm Ada, I work at Acme.");
+    assert_eq!(first.last().unwrap()["output"]["reply"], "Welcome, Ada! Noted that you work at Acme.");
+    let second = run("Book me a table.");
+    assert!(second.iter().any(|e| e["type"] == "output.repair"), "{second:?}");
+    assert_eq!(second.last().unwrap()["output"]["follow_up"], true);
+    let shown = keel().args(["memory", "show", "session:ada", "--store", &store]).output().unwrap();
+    let shown = String::from_utf8(shown.stdout).unwrap();
+    assert!(shown.contains("ada —[works_at]→ acme") && shown.contains("Ada introduced herself"), "{shown}");
+}
+
+#[test]
 fn a_retried_turn_is_announced_on_the_terminal_and_in_json() {
     let dir = agent_dir(&[(
         "agent.yaml",
