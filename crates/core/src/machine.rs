@@ -1218,30 +1218,7 @@ fn position(stored: u64, len: usize) -> usize {
 fn render_for_brief<'a>(brief: Option<&str>, messages: impl Iterator<Item = &'a Message>) -> String {
     let mut lines: Vec<String> = Vec::new();
     for message in messages {
-        for part in &message.parts {
-            let line = match part {
-                Part::Text(text) => format!("{}: {text}", message.role.as_str()),
-                Part::ToolCall(call) => format!("assistant called `{}` with {}", call.name, call.input),
-                Part::ToolResult(result) => format!(
-                    "`{}` {}: {}",
-                    result.name,
-                    if result.is_error { "failed" } else { "returned" },
-                    output_to_text(&result.output)
-                ),
-                Part::Image { media_type, .. } => {
-                    format!("{}: [an image, {media_type}]", message.role.as_str())
-                }
-                Part::File { media_type, name, .. } => {
-                    format!(
-                        "{}: [a file {}, {media_type}]",
-                        message.role.as_str(),
-                        name.as_deref().unwrap_or("")
-                    )
-                }
-                Part::Reasoning(_) | Part::Summary { .. } => continue,
-            };
-            lines.push(cut_chars(line, COMPACT_MESSAGE_CHARS));
-        }
+        lines.extend(message.plain_lines().map(|line| cut_chars(line, COMPACT_MESSAGE_CHARS)));
     }
     let mut total: usize = lines.iter().map(|line| line.len() + 1).sum();
     let mut dropped = 0;

@@ -160,6 +160,30 @@ impl Message {
         })
     }
 
+    /// The message as plain lines, for a model asked about the conversation (a compaction
+    /// brief, a memory extraction): who said what, which tool was called with what and what it
+    /// returned, placeholders for images and files. Reasoning and briefs are left out.
+    pub fn plain_lines(&self) -> impl Iterator<Item = String> + '_ {
+        let role = self.role.as_str();
+        self.parts.iter().filter_map(move |part| {
+            Some(match part {
+                Part::Text(text) => format!("{role}: {text}"),
+                Part::ToolCall(call) => format!("assistant called `{}` with {}", call.name, call.input),
+                Part::ToolResult(result) => format!(
+                    "`{}` {}: {}",
+                    result.name,
+                    if result.is_error { "failed" } else { "returned" },
+                    output_to_text(&result.output)
+                ),
+                Part::Image { media_type, .. } => format!("{role}: [an image, {media_type}]"),
+                Part::File { media_type, name, .. } => {
+                    format!("{role}: [a file {}, {media_type}]", name.as_deref().unwrap_or(""))
+                }
+                Part::Reasoning(_) | Part::Summary { .. } => return None,
+            })
+        })
+    }
+
     /// The compaction brief this message carries, with the position of the first message it
     /// keeps.
     pub fn summary(&self) -> Option<(&str, u64)> {

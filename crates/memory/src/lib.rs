@@ -23,9 +23,8 @@ use std::time::Duration;
 use keel_core::memory::{
     Episodic, GraphSettings, Memory, MemoryMerge, MemoryOutcome, MemoryRequest, MemoryScope, MemoryWrite,
 };
-use keel_core::message::output_to_text;
 use keel_core::provider::CallPurpose;
-use keel_core::{BoxFuture, DeltaSink, Message, ModelRequest, Part, Provider, Role, Store};
+use keel_core::{BoxFuture, Message, ModelRequest, Part, Provider, Store};
 use serde_json::{Value, json};
 
 mod extract;
@@ -200,7 +199,8 @@ impl MemoryEngine {
             tool_choice: None,
             purpose,
         };
-        let mut quiet = Quiet;
+        // Memory calls stream to nobody.
+        let mut quiet = keel_core::provider::DiscardDeltas;
         let reply = tokio::time::timeout(MODEL_TIMEOUT, self.provider.complete(request, &mut quiet))
             .await
             .map_err(|_| format!("the memory model did not answer within {MODEL_TIMEOUT:?}"))?
@@ -232,13 +232,6 @@ impl Memory for MemoryEngine {
             }
         })
     }
-}
-
-/// Drops deltas: memory calls stream to nobody.
-struct Quiet;
-
-impl DeltaSink for Quiet {
-    fn text_delta(&mut self, _: &str) {}
 }
 
 /// A relation as stored.
@@ -313,31 +306,13 @@ fn walk(seeds: &[String], edges: &HashMap<String, Vec<Edge>>, settings: GraphSet
 /// what and what they returned; long lines cut, and the whole bounded (the start kept).
 fn render_run(messages: &[Arc<Message>]) -> String {
     let mut text = String::new();
-    for message in messages {
-        for part in &message.parts {
-            let line = match part {
-                Part::Text(t) if message.role == Role::Tool => format!("tool: {t}"),
-                Part::Text(t) => format!("{}: {t}", message.role.as_str()),
-                Part::ToolCall(call) => format!("assistant called `{}` with {}", call.name, call.input),
-                Part::ToolResult(result) => format!(
-                    "`{}` {}: {}",
-                    result.name,
-                    if result.is_error { "failed" } else { "returned" },
-                    output_to_text(&result.output)
-                ),
-                Part::Image { media_type, .. } => {
-                    format!("{}: [an image, {media_type}]", message.role.as_str())
-                }
-                Part::File { media_type, .. } => format!("{}: [a file, {media_type}]", message.role.as_str()),
-                Part::Reasoning(_) | Part::Summary { .. } => continue,
-            };
-            text.push_str(&cut(&line, LINE_CHARS));
-            text.push('\n');
-            if text.len() > RUN_TEXT_CHARS {
-                text = cut(&text, RUN_TEXT_CHARS);
-                text.push_str("\n[the rest of the conversation is left out]\n");
-                return text;
-            }
+    for line in messages.iter().flat_map(|message| message.plain_lines()) {
+        text.push_str(&cut(&line, LINE_CHARS));
+        text.push('\n');
+        if text.len() > RUN_TEXT_CHARS {
+            text = cut(&text, RUN_TEXT_CHARS);
+            text.push_str("\n[the rest of the conversation is left out]\n");
+            return text;
         }
     }
     text

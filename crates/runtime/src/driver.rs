@@ -973,20 +973,9 @@ impl Driver<'_> {
                 self.go_live();
             }
         }
-        let call = call_model(&self.shared, machine, &self.events);
-        tokio::pin!(call);
-        let result = loop {
-            let finished = tokio::select! {
-                biased;
-                () = self.cancel.cancelled() => return Ok((Input::Cancel, None)),
-                result = &mut call => Some(result),
-                () = next_beat(&mut self.beat) => None,
-            };
-            match finished {
-                Some(result) => break result,
-                None => self.renew_lease().await,
-            }
-        };
+        let (shared, events) = (Arc::clone(&self.shared), self.events.clone());
+        let call = async move { call_model(&shared, machine, &events).await };
+        let Some(result) = self.while_leased(call).await else { return Ok((Input::Cancel, None)) };
         Ok(match result {
             Ok(reply) => {
                 let entry = JournalEntry { step, record: JournalRecord::ModelReply(reply.clone()) };
@@ -999,6 +988,24 @@ impl Driver<'_> {
                 (Input::ModelFailed(error), Some(entry))
             }
         })
+    }
+
+    /// Waits for `work`, renewing the run's lease meanwhile; `None` when the run is cancelled
+    /// first (the work is dropped).
+    async fn while_leased<T>(&mut self, work: impl std::future::Future<Output = T>) -> Option<T> {
+        tokio::pin!(work);
+        loop {
+            let finished = tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => return None,
+                done = &mut work => Some(done),
+                () = next_beat(&mut self.beat) => None,
+            };
+            match finished {
+                Some(done) => return Some(done),
+                None => self.renew_lease().await,
+            }
+        }
     }
 
     /// One memory step: from the journal when recorded, else carried out by the agent's memory.
@@ -1023,26 +1030,15 @@ impl Driver<'_> {
         }
         let owner = keel_core::memory::owner_of(&self.session);
         let engine = self.agent.memory.engine.clone();
-        let scope = MemoryScope { owner: &owner, run: &self.run_id, session: &self.session };
+        let (run, session) = (self.run_id.clone(), self.session.clone());
         let call = async {
+            let scope = MemoryScope { owner: &owner, run: &run, session: &session };
             match &engine {
                 Some(engine) => engine.call(scope, &request).await,
                 None => Err("the agent has memory settings but no memory engine".to_owned()),
             }
         };
-        tokio::pin!(call);
-        let outcome = loop {
-            let finished = tokio::select! {
-                biased;
-                () = self.cancel.cancelled() => return Ok((Input::Cancel, None)),
-                outcome = &mut call => Some(outcome),
-                () = next_beat(&mut self.beat) => None,
-            };
-            match finished {
-                Some(outcome) => break outcome,
-                None => self.renew_lease().await,
-            }
-        };
+        let Some(outcome) = self.while_leased(call).await else { return Ok((Input::Cancel, None)) };
         if let Err(error) = &outcome {
             tracing::warn!(run = %self.run_id, %step, %error, "a memory step failed; the run goes on without it");
         }
@@ -1241,14 +1237,6 @@ impl DeltaSink for EventSink<'_> {
     }
 }
 
-/// Drops deltas: a compaction's brief streams to nobody.
-struct Quiet;
-
-impl DeltaSink for Quiet {
-    fn text_delta(&mut self, _: &str) {}
-    fn reasoning_delta(&mut self, _: &str) {}
-}
-
 /// The longest `Retry-After` keel honours when `retry.max_backoff` is shorter.
 const LONGEST_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -1268,7 +1256,7 @@ async fn call_model(
     // A compaction's brief is not the answer: observers see `context.compacted`, not its text.
     let compacting = machine.model_request(1).purpose == CallPurpose::Compact;
     let mut events_sink = EventSink(events);
-    let mut quiet = Quiet;
+    let mut quiet = keel_core::provider::DiscardDeltas;
     let sink: &mut dyn DeltaSink = if compacting { &mut quiet } else { &mut events_sink };
     let mut attempt = 1;
     loop {

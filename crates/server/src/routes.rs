@@ -282,12 +282,21 @@ fn parse_limits(value: &Value, agent: &Limits) -> Result<LimitOverrides, ApiErro
             KEYS.join(", ")
         )));
     }
+    // JSON's largest exact integer: a larger (or fractional) number is no count of anything.
+    const MAX_SAFE: u64 = (1 << 53) - 1;
     let number = |key: &str| -> Result<Option<u64>, ApiError> {
+        let whole = |value: &Value| {
+            value
+                .as_u64()
+                .or_else(|| value.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0).map(|f| f as u64))
+        };
         match map.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(value) => match value.as_u64() {
-                Some(n) if n >= 1 => Ok(Some(n)),
-                _ => Err(ApiError::invalid(format!("`limits.{key}` must be a whole number of at least 1"))),
+            Some(value) => match whole(value) {
+                Some(n) if (1..=MAX_SAFE).contains(&n) => Ok(Some(n)),
+                _ => Err(ApiError::invalid(format!(
+                    "`limits.{key}` must be a whole number from 1 to {MAX_SAFE}"
+                ))),
             },
         }
     };

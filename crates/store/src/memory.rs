@@ -16,7 +16,7 @@ use keel_core::{
     SessionId, SessionSummary, StepName, StoreError, Usage,
 };
 
-use crate::backend::{Backend, Ruled, RunControl, Tx, Work};
+use crate::backend::{Backend, Ruled, RunControl, Tx, Work, memory_owner_rows};
 
 #[derive(Default)]
 struct SessionData {
@@ -363,23 +363,22 @@ impl Tx for Inner {
     }
 
     fn memory_owners(&mut self) -> Result<Vec<MemoryOwner>, StoreError> {
-        let mut owners: Vec<MemoryOwner> = self
-            .memories
-            .iter()
-            .map(|(owner, items)| {
-                let mut counts: Vec<(String, u64)> = Vec::new();
-                for (kind, _) in items.keys() {
-                    match counts.last_mut() {
-                        Some((last, n)) if last == kind => *n += 1,
-                        _ => counts.push((kind.clone(), 1)),
+        // The rows a database would give: (owner, kind, count, last written), by owner and kind.
+        let mut rows: Vec<(String, String, u64, u64)> = Vec::new();
+        let mut owners: Vec<&String> = self.memories.keys().collect();
+        owners.sort();
+        for owner in owners {
+            for item in self.memories[owner].values() {
+                match rows.last_mut() {
+                    Some((o, kind, count, at)) if o == owner && *kind == item.kind => {
+                        *count += 1;
+                        *at = (*at).max(item.updated_ms);
                     }
+                    _ => rows.push((owner.clone(), item.kind.clone(), 1, item.updated_ms)),
                 }
-                let updated_ms = items.values().map(|item| item.updated_ms).max().unwrap_or(0);
-                MemoryOwner { owner: owner.clone(), counts, updated_ms }
-            })
-            .collect();
-        owners.sort_by(|a, b| b.updated_ms.cmp(&a.updated_ms).then_with(|| a.owner.cmp(&b.owner)));
-        Ok(owners)
+            }
+        }
+        Ok(memory_owner_rows(rows.into_iter()))
     }
 }
 

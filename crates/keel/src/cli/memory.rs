@@ -89,13 +89,22 @@ async fn list(args: &StoreArgs) -> std::io::Result<u8> {
     Ok(exit::OK)
 }
 
+/// The owner and kind the arguments name, and the store: or the exit code, once the problem
+/// is printed.
+fn target(
+    argument: &str,
+    kind: Option<&str>,
+    args: &StoreArgs,
+) -> Result<(String, std::sync::Arc<dyn Store>), std::io::Result<u8>> {
+    let owner = owner(argument)
+        .and_then(|owner| check_kind(kind).map(|()| owner))
+        .map_err(|problem| fail(2, ErrorCode::RequestInvalid, problem))?;
+    Ok((owner, open(args)?))
+}
+
 async fn show(argument: &str, kind: Option<&str>, json: bool, args: &StoreArgs) -> std::io::Result<u8> {
-    let owner = match owner(argument).and_then(|owner| check_kind(kind).map(|()| owner)) {
-        Ok(owner) => owner,
-        Err(problem) => return fail(2, ErrorCode::RequestInvalid, problem),
-    };
-    let store = match open(args) {
-        Ok(store) => store,
+    let (owner, store) = match target(argument, kind, args) {
+        Ok(target) => target,
         Err(code) => return code,
     };
     let items = match store.load_memory(&owner, kind).await {

@@ -318,14 +318,17 @@ async fn a_request_may_lower_a_run_s_limits_but_never_raise_them() {
     let http = client();
     let chat = |body: Value| http.post(server.url("/chat")).json(&body).send();
 
-    let response = chat(json!({"sessionId": "a", "input": "go", "limits": {"maxTurns": 1}})).await.unwrap();
+    // `1.0` is a whole number, and `null` means absent, as for every optional field.
+    let limits = json!({"maxTurns": 1.0, "providerTimeoutMs": null});
+    let response = chat(json!({"sessionId": "a", "input": "go", "limits": limits})).await.unwrap();
     let events = read_sse(response).await;
     let done = events.iter().rev().find(|e| e.event.is_none()).unwrap().json();
     assert_eq!(done["stopped"], "max_turns", "{done}");
 
     for (limits, expected) in [
         (json!({"maxTurns": 6}), "`limits.maxTurns` is 6 here, more than the agent's 5"),
-        (json!({"maxTurns": 0}), "`limits.maxTurns` must be a whole number of at least 1"),
+        (json!({"maxTurns": 0}), "`limits.maxTurns` must be a whole number from 1 to 9007199254740991"),
+        (json!({"maxTurns": 1.5}), "`limits.maxTurns` must be a whole number"),
         (json!({"maxTurn": 1}), "unknown key `limits.maxTurn`"),
         (json!({"toolTimeoutMs": 999_999_999}), "`limits.toolTimeoutMs`"),
         (json!([1]), "`limits` must be an object"),
