@@ -515,9 +515,37 @@ pub(crate) async fn cancel(
 /// end-to-end tests).
 pub const OPENAPI: &str = include_str!("../assets/openapi.json");
 
-/// `GET /openapi.json`.
-pub(crate) async fn openapi() -> Response {
-    ([(axum::http::header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+/// `GET /openapi.json`: the document, with this agent's limits as the most a `POST /chat`
+/// body's `limits` may ask for.
+pub(crate) async fn openapi(State(state): State<Arc<AppState>>) -> Response {
+    let body = match serde_json::from_str::<Value>(OPENAPI) {
+        Ok(mut document) => {
+            with_agent_limits(&mut document, &state.engine.agent().limits);
+            document.to_string()
+        }
+        Err(_) => OPENAPI.to_owned(),
+    };
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// Sets the `maximum` of each `limits` field of the chat request to the agent's limit.
+fn with_agent_limits(document: &mut Value, limits: &Limits) {
+    let pointer = "/components/schemas/ChatRequest/oneOf/0/properties/limits/anyOf/0/properties";
+    let Some(Value::Object(fields)) = document.pointer_mut(pointer) else { return };
+    let millis = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let maxima = [
+        ("maxTurns", Some(u64::from(limits.max_turns))),
+        ("maxTotalTokens", limits.max_total_tokens),
+        ("maxToolCalls", limits.max_tool_calls.map(u64::from)),
+        ("maxToolOutputChars", Some(limits.max_tool_output_chars as u64)),
+        ("toolTimeoutMs", Some(millis(limits.tool_timeout))),
+        ("providerTimeoutMs", Some(millis(limits.provider_timeout))),
+    ];
+    for (key, maximum) in maxima {
+        if let (Some(field), Some(maximum)) = (fields.get_mut(key), maximum) {
+            field["maximum"] = maximum.into();
+        }
+    }
 }
 
 /// `GET /`: the playground page (embedded; no data in it, so it needs no auth: the page asks

@@ -340,6 +340,12 @@ async fn a_request_may_lower_a_run_s_limits_but_never_raise_them() {
         let message = body["error"]["message"].as_str().unwrap();
         assert!(message.contains(expected), "{limits}: {message}");
     }
+    // The API's document says how far this agent's limits go.
+    let document: Value = http.get(server.url("/openapi.json")).send().await.unwrap().json().await.unwrap();
+    let limits =
+        &document["components"]["schemas"]["ChatRequest"]["oneOf"][0]["properties"]["limits"]["anyOf"][0];
+    assert_eq!(limits["properties"]["maxTurns"]["maximum"], 5);
+    assert_eq!(limits["properties"]["toolTimeoutMs"]["maximum"], 60_000);
     // Nothing was stored for the refused requests.
     let (status, _) = error_of(http.get(server.url("/chat/b")).send().await.unwrap()).await;
     assert_eq!(status, 404);
