@@ -228,3 +228,54 @@ async fn over_http_a_user_s_memory_follows_them_across_sessions_and_no_one_else_
     let last = turns(&model).pop().unwrap();
     assert!(!last.contains("ada —[works_at]→ acme") && !last.contains("The user said: Ada"), "{last}");
 }
+
+const MOCK_MEMORY: &str = "model: mock
+memory: [{ kind: episodic }, { kind: graph }]
+mock:
+  script:
+    - text: Noted.
+      episode: Ada said where she works.
+      extract: 'Ada works at Acme, I think.'
+    - text: Noted again.
+      extract: { relations: [{ from: Ada, relation: works at, to: Acme }] }
+    - text: She works at Acme.
+";
+
+#[tokio::test]
+async fn keel_serve_with_the_mock_model_remembers_and_survives_malformed_extraction() {
+    let dir = agent_dir(&[("agent.yaml", MOCK_MEMORY)]);
+    let server = Served::start(dir.path(), &sqlite(dir.path()), &[]);
+    let http = client();
+    for input in ["Ada works at Acme.", "Yes, Acme.", "Where does Ada work?"] {
+        let events = read_sse(
+            http.post(server.url("/chat"))
+                .json(&json!({"sessionId": "s", "input": input}))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        let done = events.iter().rev().find(|e| e.event.is_none()).unwrap().json();
+        assert_eq!(done["type"], "run.done", "{input}: {done}");
+    }
+    let show = keel_on_store(dir.path(), &["memory", "show", "session:s", "--json"]).output().unwrap();
+    let records: Vec<Value> =
+        String::from_utf8_lossy(&show.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let keys: Vec<&str> = records.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    // The first run's extraction was not JSON: nothing from it; the second's was: its relation
+    // (confidence 0.5 when none is given) and both ends.
+    assert!(
+        keys.contains(&"ada —[works_at]→ acme") && keys.contains(&"ada") && keys.contains(&"acme"),
+        "{keys:?}"
+    );
+    let episodes: Vec<&str> = records
+        .iter()
+        .filter(|r| r["kind"] == "episode")
+        .map(|r| r["value"]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(episodes.len(), 3, "{episodes:?}");
+    assert!(episodes.contains(&"Ada said where she works."), "{episodes:?}");
+    // The transcript never shows memory: only what was said.
+    let transcript: Value = http.get(server.url("/chat/s")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(transcript["messages"].as_array().unwrap().len(), 6);
+}
