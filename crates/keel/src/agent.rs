@@ -206,9 +206,22 @@ impl Agent {
         self.engine.start(session, input.into())
     }
 
-    /// [`Agent::run`] with this run's own options: limits and budgets other than the agent's
-    /// (`RunOptions { limits: LimitOverrides { max_turns: Some(3), .. }, .. }`). They are stored
-    /// with the run, so a run re-driven after a crash keeps them.
+    /// [`Agent::run`] with this run's own options: limits and budgets other than the agent's.
+    /// They are stored with the run, so a run re-driven after a crash keeps them.
+    ///
+    /// ```
+    /// use keel::{Agent, LimitOverrides, RunOptions, StopReason};
+    ///
+    /// # tokio_test_block_on(async {
+    /// let agent = Agent::builder().model("mock").build().unwrap();
+    /// let limits = LimitOverrides { max_turns: Some(1), max_total_tokens: Some(10_000), ..LimitOverrides::default() };
+    /// let result = agent.run_with("s1", "hello", RunOptions { limits }).unwrap().result().await.unwrap();
+    /// assert_eq!(result.stopped, StopReason::Final);
+    /// # });
+    /// # fn tokio_test_block_on(f: impl std::future::Future<Output = ()>) {
+    /// #     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f)
+    /// # }
+    /// ```
     pub fn run_with(
         &self,
         session: &str,
@@ -402,6 +415,23 @@ impl AgentBuilder {
 
     /// Called before each model call: may change the model, instructions, messages, offered
     /// tools or `tool_choice` of that call. Must be deterministic (a replay calls it again).
+    ///
+    /// ```
+    /// use keel::{Agent, ToolChoice, TurnPlan};
+    ///
+    /// let agent = Agent::builder()
+    ///     .model("mock")
+    ///     .prepare_turn(|turn| TurnPlan {
+    ///         // The first turn must call a tool; later ones may answer.
+    ///         tool_choice: (turn.turn == 0).then_some(ToolChoice::Required),
+    ///         // Past ten messages, remind the model to be brief (not stored in the transcript).
+    ///         instructions: (turn.messages.len() > 10).then(|| "Be brief: the conversation is long.".to_owned()),
+    ///         ..TurnPlan::default()
+    ///     })
+    ///     .build()
+    ///     .unwrap();
+    /// # drop(agent);
+    /// ```
     pub fn prepare_turn(
         mut self,
         hook: impl Fn(&TurnContext<'_>) -> TurnPlan + Send + Sync + 'static,

@@ -91,7 +91,9 @@ impl MemoryEngine {
     }
 
     async fn traverse(&self, owner: &str, text: &str, settings: GraphSettings) -> MemoryOutcome {
-        let items = self.store.load_memory(owner, None).await.map_err(|e| e.to_string())?;
+        // Episodes are no part of the walk: only the graph's two kinds are read.
+        let mut items = self.store.load_memory(owner, Some(ENTITY)).await.map_err(|e| e.to_string())?;
+        items.extend(self.store.load_memory(owner, Some(RELATION)).await.map_err(|e| e.to_string())?);
         let mut entities: Vec<(String, u64)> = Vec::new();
         let mut edges: HashMap<String, Vec<Edge>> = HashMap::new();
         for item in &items {
