@@ -496,6 +496,11 @@ impl Machine {
     /// A memory step is done: a recall's context is kept for the turns; a failure only
     /// leaves its part out.
     fn on_memory_done(&mut self, outcome: MemoryOutcome, actions: &mut Vec<Action>) {
+        // The memory model's tokens count like a turn's (a failed call's are not known).
+        if let Some(usage) = outcome.as_ref().ok().and_then(crate::memory::outcome_usage) {
+            self.usage.add(usage);
+            actions.push(Action::Emit(Event::Usage(usage)));
+        }
         if let (Ok(value), Some(AfterMemory::Turns(context))) = (&outcome, &mut self.after_memory)
             && let Some(text) = value.get("context").and_then(Value::as_str).filter(|t| !t.trim().is_empty())
         {

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::BoxFuture;
+use crate::event::Usage;
 use crate::ids::{RunId, SessionId};
 use crate::message::Message;
 
@@ -144,8 +145,23 @@ impl MemoryRequest {
 }
 
 /// What a memory step gives back: for the steps before the first turn, the `context` the model
-/// is shown (empty when there is nothing to show); for the others, what was kept.
+/// is shown (empty when there is nothing to show); for the others, what was kept, and the
+/// `usage` of the model call they made ([`with_usage`]), counted like a turn's.
 pub type MemoryOutcome = Result<Value, String>;
+
+/// `value` with the tokens of the model call a memory step made, under `usage`.
+pub fn with_usage(mut value: Value, usage: Usage) -> Value {
+    value["usage"] =
+        serde_json::json!({ "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens });
+    value
+}
+
+/// The tokens a memory step's model call used, when it made one ([`with_usage`]).
+pub fn outcome_usage(value: &Value) -> Option<Usage> {
+    let usage = value.get("usage")?;
+    let count = |key: &str| usage.get(key).and_then(Value::as_u64).unwrap_or(0);
+    Some(Usage { input_tokens: count("input_tokens"), output_tokens: count("output_tokens") })
+}
 
 /// Who a memory step is for.
 #[derive(Clone, Copy, Debug)]

@@ -22,9 +22,10 @@ use std::time::Duration;
 
 use keel_core::memory::{
     Episodic, GraphSettings, Memory, MemoryMerge, MemoryOutcome, MemoryRequest, MemoryScope, MemoryWrite,
+    with_usage,
 };
 use keel_core::provider::CallPurpose;
-use keel_core::{BoxFuture, Message, ModelRequest, Part, Provider, Store};
+use keel_core::{BoxFuture, Message, ModelRequest, Part, Provider, Store, Usage};
 use serde_json::{Value, json};
 
 mod extract;
@@ -132,7 +133,8 @@ impl MemoryEngine {
         messages: &[Arc<Message>],
         call_index: u64,
     ) -> MemoryOutcome {
-        let reply = self.ask(EPISODE_INSTRUCTIONS, messages, call_index, CallPurpose::Episode, None).await?;
+        let (reply, usage) =
+            self.ask(EPISODE_INSTRUCTIONS, messages, call_index, CallPurpose::Episode, None).await?;
         let sentence = reply.lines().map(str::trim).find(|line| !line.is_empty()).unwrap_or_default();
         if sentence.is_empty() {
             return Err("the model wrote an empty episode".to_owned());
@@ -147,7 +149,7 @@ impl MemoryEngine {
             keep_newest: Some(Episodic::MAX_PER_OWNER),
         };
         self.store.write_memory(scope.owner, EPISODE, write).await.map_err(|e| e.to_string())?;
-        Ok(json!({ "episode": sentence }))
+        Ok(with_usage(json!({ "episode": sentence }), usage))
     }
 
     async fn extract(
@@ -157,7 +159,7 @@ impl MemoryEngine {
         call_index: u64,
     ) -> MemoryOutcome {
         let schema = extract::schema();
-        let reply =
+        let (reply, usage) =
             self.ask(EXTRACT_INSTRUCTIONS, messages, call_index, CallPurpose::Extract, Some(&schema)).await?;
         let extraction = parse_extraction(&reply)?;
         let entities = MemoryWrite {
@@ -177,7 +179,9 @@ impl MemoryEngine {
         if relation_count > 0 {
             self.store.write_memory(scope.owner, RELATION, relations).await.map_err(|e| e.to_string())?;
         }
-        Ok(json!({ "entities": entity_count, "relations": relation_count, "skipped": extraction.skipped }))
+        let kept =
+            json!({ "entities": entity_count, "relations": relation_count, "skipped": extraction.skipped });
+        Ok(with_usage(kept, usage))
     }
 
     /// One model call about the run: `instructions`, then the run as text.
@@ -188,7 +192,7 @@ impl MemoryEngine {
         call_index: u64,
         purpose: CallPurpose,
         output_schema: Option<&Value>,
-    ) -> Result<String, String> {
+    ) -> Result<(String, Usage), String> {
         let conversation = [Arc::new(Message::user(render_run(messages)))];
         let request = ModelRequest {
             model: &self.model,
@@ -207,11 +211,11 @@ impl MemoryEngine {
             .await
             .map_err(|_| format!("the memory model did not answer within {MODEL_TIMEOUT:?}"))?
             .map_err(|e| format!("the memory model failed: {e} ({})", e.code()))?;
-        Ok(reply
+        let text = reply
             .parts
             .iter()
-            .filter_map(|part| if let Part::Text(text) = part { Some(text.as_str()) } else { None })
-            .collect())
+            .filter_map(|part| if let Part::Text(text) = part { Some(text.as_str()) } else { None });
+        Ok((text.collect(), reply.usage))
     }
 }
 

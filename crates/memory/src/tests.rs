@@ -51,7 +51,13 @@ async fn an_extraction_is_normalized_merged_and_walked_within_its_bounds() {
 ```"#;
     let outcome =
         call(&engine(&store, None, Some(reply)), "r1", extract("Ada works at Acme.")).await.unwrap();
-    assert_eq!(outcome, json!({"entities": 5, "relations": 4, "skipped": 3}));
+    assert_eq!(
+        (&outcome["entities"], &outcome["relations"], &outcome["skipped"]),
+        (&json!(5), &json!(4), &json!(3))
+    );
+    // The memory model's tokens go with the outcome, to be counted like a turn's.
+    let usage = keel_core::memory::outcome_usage(&outcome).unwrap();
+    assert!(usage.input_tokens > 0 && usage.output_tokens > 0, "{outcome}");
     let relations = store.load_memory("user:ada", Some(RELATION)).await.unwrap();
     let works_at = relations.iter().find(|r| r.key == "ada lovelace —[works_at]→ acme").unwrap();
     assert_eq!(works_at.value["confidence"], json!(0.9), "duplicates keep the higher confidence");

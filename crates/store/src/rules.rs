@@ -268,8 +268,13 @@ fn commit_step(tx: &mut dyn Tx, commit: &StepCommit<'_>, now_ms: u64) -> Result<
     if let Some(entry) = entry
         && tx.append_journal(run, entry)?
     {
-        if let JournalRecord::ModelReply(reply) = &entry.record {
-            tx.add_usage(session, reply.usage, now_ms)?;
+        let usage = match &entry.record {
+            JournalRecord::ModelReply(reply) => Some(reply.usage),
+            JournalRecord::Memory(Ok(value)) => keel_core::memory::outcome_usage(value),
+            _ => None,
+        };
+        if let Some(usage) = usage {
+            tx.add_usage(session, usage, now_ms)?;
         }
         progressed = true;
     }

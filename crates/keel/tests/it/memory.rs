@@ -246,7 +246,10 @@ async fn keel_serve_with_the_mock_model_remembers_and_survives_malformed_extract
     let dir = agent_dir(&[("agent.yaml", MOCK_MEMORY)]);
     let server = Served::start(dir.path(), &sqlite(dir.path()), &[]);
     let http = client();
-    for input in ["Ada works at Acme.", "Yes, Acme.", "Where does Ada work?"] {
+    let mut run_tokens = 0;
+    // Usage events per run: the turn's, the episode's, and the extraction's when its output
+    // was usable (the first run's was not JSON).
+    for (input, usages) in [("Ada works at Acme.", 2), ("Yes, Acme.", 3), ("Where does Ada work?", 3)] {
         let events = read_sse(
             http.post(server.url("/chat"))
                 .json(&json!({"sessionId": "s", "input": input}))
@@ -257,6 +260,10 @@ async fn keel_serve_with_the_mock_model_remembers_and_survives_malformed_extract
         .await;
         let done = events.iter().rev().find(|e| e.event.is_none()).unwrap().json();
         assert_eq!(done["type"], "run.done", "{input}: {done}");
+        let seen = events.iter().filter(|e| e.event.is_none() && e.kind() == "usage").count();
+        assert_eq!(seen, usages, "{input}: {events:?}");
+        run_tokens +=
+            done["usage"]["inputTokens"].as_u64().unwrap() + done["usage"]["outputTokens"].as_u64().unwrap();
     }
     let show = keel_on_store(dir.path(), &["memory", "show", "session:s", "--json"]).output().unwrap();
     let records: Vec<Value> =
@@ -278,4 +285,7 @@ async fn keel_serve_with_the_mock_model_remembers_and_survives_malformed_extract
     // The transcript never shows memory: only what was said.
     let transcript: Value = http.get(server.url("/chat/s")).send().await.unwrap().json().await.unwrap();
     assert_eq!(transcript["messages"].as_array().unwrap().len(), 6);
+    // The session's totals count the memory model's tokens as its runs did.
+    let usage = &transcript["usage"];
+    assert_eq!(usage["inputTokens"].as_u64().unwrap() + usage["outputTokens"].as_u64().unwrap(), run_tokens);
 }
