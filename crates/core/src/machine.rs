@@ -24,7 +24,9 @@
 //!   are summarised first (an `llm:compact:N` model call) and the model sees the brief plus the
 //!   recent tail, which never starts with a tool result (its call stays with it). A model call
 //!   refused as too long for the context window is answered by one compaction, then the turn is
-//!   made again.
+//!   made again;
+//! - with `memory`, memory steps come before the first turn (what they recall joins the run's
+//!   instructions) and after the answer, before `run.done` (what the run established is kept).
 
 use std::sync::Arc;
 
@@ -196,9 +198,10 @@ pub struct Machine {
     calls: Vec<PendingCall>,
     /// The run's limits: the agent's, with the run's overrides applied.
     limits: Limits,
-    /// What the model sees: the latest compaction brief (as a user message), then the
-    /// transcript from the brief's first kept message on (briefs themselves left out).
-    context: Vec<Arc<Message>>,
+    /// What the model sees once the transcript holds a compaction brief: the latest brief (as a
+    /// user message), then the transcript from the brief's first kept message on (briefs left
+    /// out). `None`: the model sees the transcript itself (no copy of it is kept).
+    compacted: Option<Vec<Arc<Message>>>,
     /// Repair turns used for answers that did not match `output.schema`.
     repairs: u32,
     /// Compactions of this run so far (numbers the `llm:compact:N` steps).
@@ -281,11 +284,11 @@ impl Machine {
             transcript.push(Arc::new(answers));
         }
         transcript.push(Arc::new(input));
-        let context = context_of(&transcript);
+        let compacted = compacted_view(&transcript);
         let limits = agent.limits.clone();
         Machine {
             limits,
-            context,
+            compacted,
             repairs: 0,
             compactions: 0,
             forced_compaction: false,
@@ -331,14 +334,16 @@ impl Machine {
 
     /// What the model sees of the transcript (after compaction).
     pub fn context(&self) -> &[Arc<Message>] {
-        &self.context
+        self.compacted.as_deref().unwrap_or(&self.transcript)
     }
 
     /// Appends a message to the transcript and to what the model sees.
     fn push(&mut self, message: Message) {
         let message = Arc::new(message);
-        if message.summary().is_none() {
-            self.context.push(Arc::clone(&message));
+        if let Some(compacted) = &mut self.compacted
+            && message.summary().is_none()
+        {
+            compacted.push(Arc::clone(&message));
         }
         self.transcript.push(message);
     }
@@ -385,7 +390,7 @@ impl Machine {
                 .as_deref()
                 .or(self.remembered_instructions.as_deref())
                 .unwrap_or(&self.agent.instructions),
-            messages: self.plan.messages.as_deref().unwrap_or(&self.context),
+            messages: self.plan.messages.as_deref().unwrap_or(self.context()),
             tools: self.turn_tools.as_deref().unwrap_or(self.agent.tools.specs()),
             output_schema: self.agent.output_schema.as_ref().map(|s| s.schema()),
             call_index: self.call_base + u64::from(self.turns.saturating_sub(1)),
@@ -538,7 +543,7 @@ impl Machine {
                 run_id: &self.run_id,
                 session_id: &self.session_id,
                 turn,
-                messages: &self.context,
+                messages: self.context(),
                 tools: self.agent.tools.specs(),
                 usage: self.usage,
             }),
@@ -557,7 +562,7 @@ impl Machine {
     /// possible; returns whether it did.
     fn start_compaction(&mut self, forced: bool, actions: &mut Vec<Action>) -> bool {
         let Some(config) = &self.agent.loop_control.compaction else { return false };
-        if !forced && self.context.len() <= config.max_messages {
+        if !forced && self.context().len() <= config.max_messages {
             return false;
         }
         // The transcript positions of what the model sees as it is: from the latest brief's
@@ -614,7 +619,7 @@ impl Machine {
             parts: vec![Part::Summary { text: text.to_owned(), first_kept: job.first_kept as u64 }],
         });
         self.persist_last(actions, 1);
-        self.context = context_of(&self.transcript);
+        self.compacted = compacted_view(&self.transcript);
         actions.push(Action::Emit(Event::ContextCompacted {
             summarized: job.summarized as u64,
             kept: job.kept as u64,
@@ -1200,17 +1205,15 @@ fn answer_dangling_calls(history: &[Arc<Message>]) -> Option<Message> {
     (!parts.is_empty()).then_some(Message { role: Role::Tool, parts })
 }
 
-/// What the model sees of `transcript`: the latest compaction brief as a user message, then
-/// every message from the brief's first kept one on (briefs left out); the whole transcript
-/// when there is no brief.
-fn context_of(transcript: &[Arc<Message>]) -> Vec<Arc<Message>> {
-    let latest = transcript.iter().rev().find_map(|m| m.summary());
-    let Some((text, first_kept)) = latest else { return transcript.to_vec() };
+/// What the model sees of `transcript` when it holds a compaction brief: the latest brief as a
+/// user message, then every message from the brief's first kept one on (briefs left out).
+/// `None` without a brief: the model sees the transcript itself.
+fn compacted_view(transcript: &[Arc<Message>]) -> Option<Vec<Arc<Message>>> {
+    let (text, first_kept) = transcript.iter().rev().find_map(|m| m.summary())?;
     let first_kept = position(first_kept, transcript.len());
     let brief = Message::user(format!("Summary of the conversation before this point:\n{text}"));
-    std::iter::once(Arc::new(brief))
-        .chain(transcript[first_kept..].iter().filter(|m| m.summary().is_none()).cloned())
-        .collect()
+    let kept = transcript[first_kept..].iter().filter(|m| m.summary().is_none()).cloned();
+    Some(std::iter::once(Arc::new(brief)).chain(kept).collect())
 }
 
 /// A stored session position as an index into a transcript of `len` messages.

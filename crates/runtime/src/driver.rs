@@ -964,13 +964,10 @@ impl Driver<'_> {
                 return Ok((Input::ModelReply(reply), None));
             }
             Some(_) => return Err(self.corrupt(&step).await),
-            None if self.epoch.is_none() => return Err(self.finished(&step)),
             None => {
-                if let Some(stop) = self.stop_before(&step) {
+                if let Some(stop) = self.start_new_work(&step).await? {
                     return Ok((stop, None));
                 }
-                self.stop_if_shutting_down().await?;
-                self.go_live();
             }
         }
         let (shared, events) = (Arc::clone(&self.shared), self.events.clone());
@@ -988,6 +985,21 @@ impl Driver<'_> {
                 (Input::ModelFailed(error), Some(entry))
             }
         })
+    }
+
+    /// Before `step`, which the journal does not hold: fails a finished run's replay (it writes
+    /// nothing new), gives the input that ends the run instead when it must end (cancelled,
+    /// poisoned), stops for a shutdown; else the run goes live.
+    async fn start_new_work(&mut self, step: &StepName) -> Result<Option<Input>, RunFailure> {
+        if self.epoch.is_none() {
+            return Err(self.finished(step));
+        }
+        if let Some(stop) = self.stop_before(step) {
+            return Ok(Some(stop));
+        }
+        self.stop_if_shutting_down().await?;
+        self.go_live();
+        Ok(None)
     }
 
     /// Waits for `work`, renewing the run's lease meanwhile; `None` when the run is cancelled
@@ -1019,13 +1031,10 @@ impl Driver<'_> {
         match self.journal.remove(&step) {
             Some(JournalRecord::Memory(outcome)) => return Ok((Input::MemoryDone(outcome), None)),
             Some(_) => return Err(self.corrupt(&step).await),
-            None if self.epoch.is_none() => return Err(self.finished(&step)),
             None => {
-                if let Some(stop) = self.stop_before(&step) {
+                if let Some(stop) = self.start_new_work(&step).await? {
                     return Ok((stop, None));
                 }
-                self.stop_if_shutting_down().await?;
-                self.go_live();
             }
         }
         let owner = keel_core::memory::owner_of(&self.session);

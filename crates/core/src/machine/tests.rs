@@ -419,12 +419,7 @@ fn provider_failure_fails_the_run_with_its_code() {
 
 #[test]
 fn structured_output_is_parsed_and_checked() {
-    let schema = || {
-        OutputSchema::new(json!({
-            "type": "object", "properties": { "answer": { "type": "string" } }, "required": ["answer"]
-        }))
-        .unwrap()
-    };
+    let schema = answer_schema;
     let mut m = machine(agent(|a| a.output_schema = Some(schema())));
     m.step(Input::Start);
     let actions = m.step(text("```json\n{\"answer\": \"5\"}\n```", 1));
