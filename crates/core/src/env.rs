@@ -86,6 +86,9 @@ env_vars! {
     /// The PostgreSQL statement timeout.
     STORE_STATEMENT_TIMEOUT = "KEEL_STORE_STATEMENT_TIMEOUT", Runtime, "`30s`",
         "how long one statement of a `postgres://` store may run before PostgreSQL cancels it";
+    /// Where document indexes live.
+    INDEX_DIR = "KEEL_INDEX_DIR", Runtime, "`.keel/index`",
+        "where the indexes of semantic memory and skills' knowledge are kept (one folder per documents folder, a version per content); instances that share it share them";
     /// The run lease.
     RUN_LEASE = "KEEL_RUN_LEASE", Runtime, "`30s`",
         "how long a run's lease lasts without a heartbeat: how soon a process on another machine may take \

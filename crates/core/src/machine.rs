@@ -38,7 +38,7 @@ use crate::event::{Event, StopReason, Usage};
 use crate::human::{Decision, PendingKind, pending_id};
 use crate::ids::{RunId, SessionId, StepName};
 use crate::loop_control::{TurnContext, TurnPlan};
-use crate::memory::{MemoryOutcome, MemoryRequest};
+use crate::memory::{MemoryOutcome, MemoryRequest, RetrievalMode};
 use crate::message::{Message, Part, Role, ToolCall, ToolResult, output_to_text};
 use crate::provider::{CallPurpose, ModelReply, ModelRequest, ProviderError, ProviderErrorKind};
 use crate::tool::ToolSpec;
@@ -121,7 +121,8 @@ pub enum Action {
     },
     /// Carry out a memory step (see [`crate::memory`]) and feed back [`Input::MemoryDone`].
     Memory {
-        /// The step (`memory:recall`, `memory:traverse`, `memory:episode`, `memory:extract`).
+        /// The step (`memory:recall`, `memory:traverse`, `memory:retrieve`, `memory:episode`,
+        /// `memory:extract`).
         step: StepName,
         /// What to do.
         request: MemoryRequest,
@@ -454,7 +455,8 @@ impl Machine {
     }
 
     /// Before the first turn: what memory holds for the run (`memory:recall`,
-    /// `memory:traverse`), or the first turn at once without memory.
+    /// `memory:traverse`, `memory:retrieve` for each knowledge in `inject` mode), or the first
+    /// turn at once without memory.
     fn recall(&mut self, actions: &mut Vec<Action>) {
         let settings = &self.agent.memory.settings;
         if let Some(episodic) = settings.episodic {
@@ -463,6 +465,10 @@ impl Machine {
         if let Some(graph) = settings.graph {
             let text = self.transcript.last().map(|m| m.text()).unwrap_or_default();
             self.memory_steps.push_back(MemoryRequest::Traverse { text, graph });
+        }
+        for knowledge in settings.knowledge.iter().filter(|k| k.mode == RetrievalMode::Inject) {
+            let query = self.transcript.last().map(|m| m.text()).unwrap_or_default();
+            self.memory_steps.push_back(MemoryRequest::Retrieve { skill: knowledge.skill.clone(), query });
         }
         if self.memory_steps.is_empty() {
             return self.next_turn(actions);
@@ -475,7 +481,7 @@ impl Machine {
     fn next_memory_step(&mut self, actions: &mut Vec<Action>) {
         if let Some(request) = self.memory_steps.pop_front() {
             self.phase = Phase::Remembering;
-            let step = StepName::Memory(request.name().to_owned());
+            let step = StepName::Memory(request.name());
             actions.push(Action::Memory { step, request });
             return;
         }

@@ -8,6 +8,11 @@
 //! `memory:extract` after the answer), so a re-driven run never pays for one twice; a failed one
 //! never fails the run.
 //!
+//! A third kind is not about an owner: **semantic** memory (and a skill's `knowledge`) is a
+//! folder of documents the agent retrieves from ([`Knowledge`]), through a `memory:retrieve`
+//! step before the first turn (`mode: inject`) or the `search_memory`/`read_memory` tools
+//! (`mode: agentic`).
+//!
 //! The machine asks for them ([`MemoryRequest`]); the runtime carries them out through
 //! [`Memory`] (implemented by `keel-memory`), which reads and writes the store's memory records
 //! ([`MemoryItem`], [`MemoryWrite`]).
@@ -49,13 +54,93 @@ pub struct MemorySettings {
     /// The model (of the agent's provider) that writes episodes and extracts the graph; the
     /// agent's when `None`.
     pub model: Option<String>,
+    /// Documents to retrieve from: the agent's own (`kind: semantic`, no skill) and its skills'
+    /// `knowledge`.
+    pub knowledge: Vec<Knowledge>,
 }
 
 impl MemorySettings {
-    /// Whether the agent remembers anything.
+    /// Whether the agent remembers or retrieves anything.
     pub fn is_empty(&self) -> bool {
-        self.episodic.is_none() && self.graph.is_none()
+        self.episodic.is_none() && self.graph.is_none() && self.knowledge.is_empty()
     }
+}
+
+/// A folder of documents the agent retrieves from: `memory: { kind: semantic }` (no skill) or a
+/// skill's `knowledge`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Knowledge {
+    /// The skill whose knowledge it is; `None` for the agent's semantic memory.
+    pub skill: Option<String>,
+    /// The folder of documents (absolute once loaded from a spec).
+    pub source: std::path::PathBuf,
+    /// How the model gets at it.
+    pub mode: RetrievalMode,
+    /// How many passages a retrieval returns (`top_k`, 1 to [`Knowledge::MAX_TOP_K`]).
+    pub top_k: usize,
+    /// How long a passage's snippet is, in characters.
+    pub snippet_chars: usize,
+    /// Whether, and with which model, passages are also ranked by embeddings.
+    pub embeddings: Embeddings,
+}
+
+impl Knowledge {
+    /// The default `top_k`.
+    pub const DEFAULT_TOP_K: usize = 5;
+    /// The largest `top_k`.
+    pub const MAX_TOP_K: usize = 50;
+    /// The default `snippet_chars`.
+    pub const DEFAULT_SNIPPET_CHARS: usize = 240;
+    /// The range of `snippet_chars`.
+    pub const SNIPPET_CHARS: (usize, usize) = (40, 4_000);
+
+    /// Knowledge in `source` with every setting at its default.
+    pub fn new(source: impl Into<std::path::PathBuf>) -> Knowledge {
+        Knowledge {
+            skill: None,
+            source: source.into(),
+            mode: RetrievalMode::Inject,
+            top_k: Knowledge::DEFAULT_TOP_K,
+            snippet_chars: Knowledge::DEFAULT_SNIPPET_CHARS,
+            embeddings: Embeddings::Auto,
+        }
+    }
+
+    /// Its retrieval step's name within `memory:`: `retrieve`, or `retrieve:<skill>`.
+    pub fn step(&self) -> String {
+        match &self.skill {
+            Some(skill) => format!("retrieve:{skill}"),
+            None => "retrieve".to_owned(),
+        }
+    }
+
+    /// Its tools' names in `agentic` mode: `search_memory` and `read_memory`, or
+    /// `search_<skill>` and `read_<skill>`.
+    pub fn tool_names(&self) -> (String, String) {
+        let name = self.skill.as_deref().unwrap_or("memory");
+        (format!("search_{name}"), format!("read_{name}"))
+    }
+}
+
+/// How the model gets at documents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetrievalMode {
+    /// A `memory:retrieve` step before the first turn puts the best passages for the input in
+    /// the context.
+    Inject,
+    /// The model searches and reads when it wants to, with two tools.
+    Agentic,
+}
+
+/// Whether passages are ranked by embeddings too (fused with the full-text ranking).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Embeddings {
+    /// With the provider's default embedding model, when it has one.
+    Auto,
+    /// Full-text ranking only.
+    Off,
+    /// With this model of the agent's provider.
+    Model(String),
 }
 
 /// Episodic memory (`kind: episodic`).
@@ -130,16 +215,27 @@ pub enum MemoryRequest {
         /// The model call index the extraction's model call uses (the run's last turn's).
         call_index: u64,
     },
+    /// `memory:retrieve` (`memory:retrieve:<skill>`): the passages of the documents that best
+    /// match the input, as context.
+    Retrieve {
+        /// The skill whose knowledge it is; `None` for the agent's semantic memory.
+        skill: Option<String>,
+        /// The run's input.
+        query: String,
+    },
 }
 
 impl MemoryRequest {
-    /// The step's name within `memory:` (`recall`, `traverse`, `episode`, `extract`).
-    pub fn name(&self) -> &'static str {
+    /// The step's name within `memory:` (`recall`, `traverse`, `episode`, `extract`,
+    /// `retrieve`, `retrieve:<skill>`).
+    pub fn name(&self) -> String {
         match self {
-            MemoryRequest::Recall { .. } => "recall",
-            MemoryRequest::Traverse { .. } => "traverse",
-            MemoryRequest::Episode { .. } => "episode",
-            MemoryRequest::Extract { .. } => "extract",
+            MemoryRequest::Recall { .. } => "recall".to_owned(),
+            MemoryRequest::Traverse { .. } => "traverse".to_owned(),
+            MemoryRequest::Episode { .. } => "episode".to_owned(),
+            MemoryRequest::Extract { .. } => "extract".to_owned(),
+            MemoryRequest::Retrieve { skill: Some(skill), .. } => format!("retrieve:{skill}"),
+            MemoryRequest::Retrieve { skill: None, .. } => "retrieve".to_owned(),
         }
     }
 }

@@ -223,6 +223,25 @@ pub trait Provider: Send + Sync {
         request: ModelRequest<'a>,
         sink: &'a mut dyn DeltaSink,
     ) -> BoxFuture<'a, Result<ModelReply, ProviderError>>;
+
+    /// The embedding model this provider uses when the agent names none (`memory: { kind:
+    /// semantic, embeddings: auto }`); `None` when it has no embeddings to offer by default.
+    fn default_embedding_model(&self) -> Option<&str> {
+        None
+    }
+
+    /// Embeds `inputs` with `model`: one vector per input, in order. A provider without
+    /// embeddings answers [`ProviderErrorKind::Unavailable`].
+    fn embed<'a>(
+        &'a self,
+        model: &'a str,
+        inputs: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, ProviderError>> {
+        let _ = (model, inputs);
+        Box::pin(async {
+            Err(ProviderError::new(ProviderErrorKind::Unavailable, "this provider has no embeddings"))
+        })
+    }
 }
 
 impl<P: Provider + ?Sized> Provider for std::sync::Arc<P> {
@@ -232,5 +251,17 @@ impl<P: Provider + ?Sized> Provider for std::sync::Arc<P> {
         sink: &'a mut dyn DeltaSink,
     ) -> BoxFuture<'a, Result<ModelReply, ProviderError>> {
         (**self).complete(request, sink)
+    }
+
+    fn default_embedding_model(&self) -> Option<&str> {
+        (**self).default_embedding_model()
+    }
+
+    fn embed<'a>(
+        &'a self,
+        model: &'a str,
+        inputs: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, ProviderError>> {
+        (**self).embed(model, inputs)
     }
 }

@@ -27,6 +27,8 @@ pub struct Agent {
     /// Rebuilds the tool set when an MCP server's tool list changes (`None` without servers).
     /// Its watchers hold it weakly: they end with the last clone of the agent.
     _refresher: Option<Arc<Refresher>>,
+    /// The folders of documents it retrieves from.
+    libraries: Vec<Arc<keel_memory::semantic::Library>>,
 }
 
 impl fmt::Debug for Agent {
@@ -193,7 +195,25 @@ impl Agent {
         for channel in spec.channels {
             builder = builder.channel(channel);
         }
-        builder.build_async().await.map_err(LoadError::Setup)
+        let agent = builder.build_async().await.map_err(LoadError::Setup)?;
+        agent.prepare_knowledge().await;
+        Ok(agent)
+    }
+
+    /// Opens the agent's folders of documents now rather than at their first retrieval:
+    /// indexes what changed since they were last indexed, embeds new passages when the
+    /// provider has embeddings, and logs each file skipped. A folder that cannot be indexed
+    /// is logged too, and tried again at its first use: it never stops the agent.
+    pub async fn prepare_knowledge(&self) -> Vec<Result<Arc<keel_memory::semantic::Opened>, String>> {
+        let mut opened = Vec::with_capacity(self.libraries.len());
+        for library in &self.libraries {
+            let result = library.open().await;
+            if let Err(error) = &result {
+                tracing::warn!(folder = %library.knowledge().source.display(), "cannot index the documents: {error}");
+            }
+            opened.push(result);
+        }
+        opened
     }
 
     /// Starts a run: one turn of `session` answering `input` (a string, a [`Message`], or
@@ -333,6 +353,7 @@ pub struct AgentBuilder {
     loop_control: LoopControl,
     initial_state: Option<Value>,
     memory: keel_core::memory::MemorySettings,
+    index_dir: Option<std::path::PathBuf>,
 }
 
 impl AgentBuilder {
@@ -460,6 +481,23 @@ impl AgentBuilder {
     /// the authenticated user, else the session. Each memory operation is a journaled step.
     pub fn memory(mut self, memory: keel_core::memory::MemorySettings) -> Self {
         self.memory = memory;
+        self
+    }
+
+    /// A folder of documents the agent retrieves from (semantic memory; a skill's knowledge
+    /// when `knowledge.skill` is set): in `inject` mode a journaled `memory:retrieve` step puts
+    /// the best passages for each input in the context; in `agentic` mode the model gets
+    /// `search_memory` and `read_memory` tools. The folder is indexed on first use (see
+    /// [`Agent::prepare_knowledge`]) under [`Self::index_dir`].
+    pub fn knowledge(mut self, knowledge: keel_core::memory::Knowledge) -> Self {
+        self.memory.knowledge.push(knowledge);
+        self
+    }
+
+    /// Where document indexes are kept (default: `KEEL_INDEX_DIR`, else `.keel/index` in the
+    /// working directory). Instances that share it share the indexes.
+    pub fn index_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.index_dir = Some(dir.into());
         self
     }
 
@@ -633,8 +671,33 @@ impl AgentBuilder {
                 ));
             }
         };
+        let provider = match self.provider {
+            Some(provider) => provider,
+            None => keel_providers::from_model(&model, &self.provider_settings, self.mock_script.as_ref())
+                .map_err(|error| RunFailure::new(error.code(), error.message))?,
+        };
+        let index_root = self.index_dir.clone().unwrap_or_else(default_index_dir);
+        let mut own_tools = self.tools;
+        let mut libraries = Vec::new();
+        for knowledge in &self.memory.knowledge {
+            if self.memory.knowledge.iter().filter(|k| k.skill == knowledge.skill).count() > 1 {
+                return Err(invalid(match &knowledge.skill {
+                    Some(skill) => format!("skill `{skill}` has two knowledge folders; give it one"),
+                    None => "the agent has two semantic memories; give it one folder".to_owned(),
+                }));
+            }
+            let library = Arc::new(keel_memory::semantic::Library::new(
+                knowledge.clone(),
+                Arc::clone(&provider),
+                &index_root,
+            ));
+            if knowledge.mode == keel_core::memory::RetrievalMode::Agentic {
+                own_tools.extend(library.tools());
+            }
+            libraries.push(library);
+        }
         let recipe = ToolRecipe {
-            own: self.tools,
+            own: own_tools,
             servers,
             approvals: self.approvals,
             compose: self.compose,
@@ -646,11 +709,6 @@ impl AgentBuilder {
                 invalid(format!("the output schema is not a valid JSON Schema: {reason}"))
             })?),
             None => None,
-        };
-        let provider = match self.provider {
-            Some(provider) => provider,
-            None => keel_providers::from_model(&model, &self.provider_settings, self.mock_script.as_ref())
-                .map_err(|error| RunFailure::new(error.code(), error.message))?,
         };
         let definition = AgentDef {
             name: self.name.unwrap_or_else(|| "agent".to_owned()),
@@ -677,7 +735,8 @@ impl AgentBuilder {
             let agent_model = definition.model.split_once('/').map_or(definition.model.as_str(), |(_, m)| m);
             let memory_model = self.memory.model.clone().unwrap_or_else(|| agent_model.to_owned());
             let engine =
-                keel_memory::MemoryEngine::new(Arc::clone(&store), Arc::clone(&provider), memory_model);
+                keel_memory::MemoryEngine::new(Arc::clone(&store), Arc::clone(&provider), memory_model)
+                    .with_libraries(libraries.clone());
             definition.memory =
                 keel_core::memory::AgentMemory { settings: self.memory, engine: Some(Arc::new(engine)) };
         }
@@ -686,8 +745,15 @@ impl AgentBuilder {
             options.clock = clock;
         }
         let engine = Engine::with_options(Arc::new(definition), provider, store, options);
-        Ok((Agent { engine, _refresher: None }, recipe))
+        Ok((Agent { engine, _refresher: None, libraries }, recipe))
     }
+}
+
+/// `KEEL_INDEX_DIR`, else `.keel/index` (in the working directory).
+fn default_index_dir() -> std::path::PathBuf {
+    std::env::var_os(keel_core::env::INDEX_DIR.name)
+        .filter(|dir| !dir.is_empty())
+        .map_or_else(|| std::path::PathBuf::from(".keel/index"), std::path::PathBuf::from)
 }
 
 /// What an agent's tool set is made of: its own tools, its MCP servers' (as they list them

@@ -12,6 +12,9 @@
 //!   its highest confidence); before a run, `memory:traverse` walks the graph from the entities
 //!   the input mentions (breadth first, bounded by depth, fan-out and node count) and shows the
 //!   model what it found as `- alice —[works_at]→ acme`.
+//! - **semantic** ([`semantic`]): a folder of documents, indexed (full text, and embeddings
+//!   when the provider has them); before a run, `memory:retrieve` shows the model the passages
+//!   that best match the input (`inject`), or the model searches with tools (`agentic`).
 //!
 //! A failure (the model's output is not what was asked for, the store is away) is the step's
 //! outcome: the runtime logs it and the run goes on without it.
@@ -29,6 +32,7 @@ use keel_core::{BoxFuture, Message, ModelRequest, Part, Provider, Store, Usage};
 use serde_json::{Value, json};
 
 mod extract;
+pub mod semantic;
 
 pub use extract::{Extraction, normalize_name, parse_extraction};
 
@@ -67,12 +71,31 @@ pub struct MemoryEngine {
     provider: Arc<dyn Provider>,
     /// The model (of the provider) that writes episodes and extracts the graph.
     model: String,
+    /// The folders of documents the agent retrieves from.
+    libraries: Vec<Arc<semantic::Library>>,
 }
 
 impl MemoryEngine {
     /// An engine keeping memory in `store`, asking `model` of `provider` to summarise and extract.
     pub fn new(store: Arc<dyn Store>, provider: Arc<dyn Provider>, model: impl Into<String>) -> MemoryEngine {
-        MemoryEngine { store, provider, model: model.into() }
+        MemoryEngine { store, provider, model: model.into(), libraries: Vec::new() }
+    }
+
+    /// The engine with folders of documents to retrieve from (`memory:retrieve` steps).
+    pub fn with_libraries(mut self, libraries: Vec<Arc<semantic::Library>>) -> MemoryEngine {
+        self.libraries = libraries;
+        self
+    }
+
+    async fn retrieve(&self, skill: Option<&str>, query: &str) -> MemoryOutcome {
+        let library =
+            self.libraries.iter().find(|library| library.knowledge().skill.as_deref() == skill).ok_or_else(
+                || match skill {
+                    Some(skill) => format!("skill `{skill}` has no knowledge to retrieve from"),
+                    None => "the agent has no semantic memory".to_owned(),
+                },
+            )?;
+        library.retrieve(query).await
     }
 
     async fn recall(&self, owner: &str, limit: usize) -> MemoryOutcome {
@@ -235,6 +258,7 @@ impl Memory for MemoryEngine {
                 MemoryRequest::Extract { messages, call_index } => {
                     self.extract(scope, messages, *call_index).await
                 }
+                MemoryRequest::Retrieve { skill, query } => self.retrieve(skill.as_deref(), query).await,
             }
         })
     }

@@ -13,6 +13,7 @@
 //! failure ([`ProviderError::is_transient`]).
 
 pub mod anthropic;
+pub mod embed;
 pub mod framing;
 mod http;
 mod mock;

@@ -28,6 +28,8 @@ pub const DEFAULT_HOST: &str = "http://127.0.0.1:11434";
 #[derive(Clone, Debug)]
 pub struct OllamaChat {
     url: String,
+    /// `{base_url}/api/embed`.
+    embed_url: String,
     api_key: Option<String>,
     settings: ProviderSettings,
 }
@@ -62,7 +64,13 @@ impl OllamaChat {
     /// A client of `{base_url}/api/chat`. `api_key` is sent as a bearer token when set (for
     /// an Ollama behind an authenticating proxy, or ollama.com).
     pub fn new(base_url: &str, api_key: Option<String>, settings: ProviderSettings) -> OllamaChat {
-        OllamaChat { url: format!("{}/api/chat", base_url.trim_end_matches('/')), api_key, settings }
+        let base = base_url.trim_end_matches('/');
+        OllamaChat {
+            url: format!("{base}/api/chat"),
+            embed_url: format!("{base}/api/embed"),
+            api_key,
+            settings,
+        }
     }
 
     /// The endpoint's URL.
@@ -203,7 +211,41 @@ impl Provider for OllamaChat {
             decoder.finish(sink).map_err(|e| http::redact(e, key))
         })
     }
+
+    fn default_embedding_model(&self) -> Option<&str> {
+        Some(DEFAULT_EMBEDDING_MODEL)
+    }
+
+    fn embed<'a>(
+        &'a self,
+        model: &'a str,
+        inputs: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, ProviderError>> {
+        Box::pin(async move {
+            let auth = self.api_key.as_ref().map(|key| format!("Bearer {key}"));
+            let mut pairs: Vec<(&str, &str)> = Vec::new();
+            if let Some(auth) = &auth {
+                pairs.push(("authorization", auth));
+            }
+            let headers = http::headers("ollama", &pairs, &self.settings.headers)?;
+            let key = self.api_key.as_deref();
+            crate::embed::embed(
+                "ollama",
+                crate::embed::Wire::Ollama,
+                &self.embed_url,
+                headers,
+                key,
+                model,
+                inputs,
+            )
+            .await
+        })
+    }
 }
+
+/// The embedding model Ollama agents use unless they name another (`ollama pull
+/// nomic-embed-text`).
+pub const DEFAULT_EMBEDDING_MODEL: &str = "nomic-embed-text";
 
 /// Decodes an `/api/chat` NDJSON stream.
 #[derive(Default)]

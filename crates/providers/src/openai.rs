@@ -52,6 +52,8 @@ impl Flavor {
 pub struct OpenAiChat {
     flavor: Flavor,
     url: String,
+    /// `{base_url}/embeddings`.
+    embeddings_url: String,
     api_key: Option<String>,
     settings: ProviderSettings,
     /// Headers the flavor always sends (OpenRouter's attribution).
@@ -73,6 +75,7 @@ impl OpenAiChat {
         OpenAiChat {
             flavor,
             url: format!("{}/chat/completions", base_url.trim_end_matches('/')),
+            embeddings_url: format!("{}/embeddings", base_url.trim_end_matches('/')),
             api_key,
             settings,
             fixed_headers,
@@ -301,7 +304,45 @@ impl Provider for OpenAiChat {
             decoder.finish(sink).map_err(|e| http::redact(e, key))
         })
     }
+
+    fn default_embedding_model(&self) -> Option<&str> {
+        // Other servers name their models as they please: the agent names one.
+        (self.flavor == Flavor::OpenAi).then_some(DEFAULT_EMBEDDING_MODEL)
+    }
+
+    fn embed<'a>(
+        &'a self,
+        model: &'a str,
+        inputs: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, ProviderError>> {
+        Box::pin(async move {
+            let provider = self.flavor.name();
+            let auth = self.api_key.as_ref().map(|key| format!("Bearer {key}"));
+            let mut pairs: Vec<(&str, &str)> = Vec::new();
+            if let Some(auth) = &auth {
+                pairs.push(("authorization", auth));
+            }
+            let fixed: Vec<(&str, &str)> =
+                self.fixed_headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            pairs.extend(fixed);
+            let headers = http::headers(provider, &pairs, &self.settings.headers)?;
+            let key = self.api_key.as_deref();
+            crate::embed::embed(
+                provider,
+                crate::embed::Wire::OpenAi,
+                &self.embeddings_url,
+                headers,
+                key,
+                model,
+                inputs,
+            )
+            .await
+        })
+    }
 }
+
+/// The embedding model `openai/` agents use unless they name another.
+pub const DEFAULT_EMBEDDING_MODEL: &str = "text-embedding-3-small";
 
 /// Decodes a Chat Completions event stream.
 pub struct ChatStream {

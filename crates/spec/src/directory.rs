@@ -13,11 +13,8 @@ use crate::spec_file::{self, FileSpec};
 use crate::tree::{self, Kind};
 use crate::{AgentSpec, CommandToolSpec, LoadOptions, SPEC_FILE_NAMES};
 
-/// Directories of the design this build does not read yet.
-pub const NOT_YET_DIRS: &[&str] = &["memory"];
-
 const SKILL_KEYS: &[&str] =
-    &["name", "description", "license", "allowed-tools", "metadata", "compatibility", "version"];
+    &["name", "description", "license", "allowed-tools", "metadata", "compatibility", "version", "knowledge"];
 
 /// A skill: instructions (and tools) the agent gains.
 struct Skill {
@@ -25,6 +22,8 @@ struct Skill {
     description: String,
     body: String,
     tools: Vec<CommandToolSpec>,
+    /// Its documents to retrieve from (front matter `knowledge`).
+    knowledge: Option<keel_core::memory::Knowledge>,
 }
 
 /// Loads an agent directory, finding its spec file.
@@ -151,18 +150,6 @@ pub(crate) fn load_with_spec_file(
     let schedule_files = crate::schedule::load_dir(&dir.join("schedules"), diagnostics);
     let channels = crate::channel::load_dir(&dir.join("channels"), diagnostics);
 
-    for name in NOT_YET_DIRS {
-        let path = dir.join(name);
-        if path.is_dir() {
-            diagnostics.push(Diagnostic::warning(
-                ErrorCode::SpecUnsupported,
-                &path,
-                Pos::default(),
-                format!("`{name}/` is not supported by this version of keel yet; it is ignored"),
-            ));
-        }
-    }
-
     let mut spec = spec?;
     for (schedule, path) in schedule_files {
         if let Some((_, pos)) = spec.triggers.iter().find(|(other, _)| other.name == schedule.name) {
@@ -187,7 +174,9 @@ pub(crate) fn load_with_spec_file(
     let default_name = absolute.file_name().and_then(|n| n.to_str()).unwrap_or("agent").to_owned();
     let mut instructions = dir_instructions.unwrap_or_default();
     let mut skill_names = Vec::new();
+    let mut skill_knowledge = Vec::new();
     for skill in skills {
+        skill_knowledge.extend(skill.knowledge);
         for tool in skill.tools {
             if let Some(existing) = command_tools.iter().find(|t| t.def.name == tool.def.name) {
                 diagnostics.push(
@@ -223,6 +212,21 @@ pub(crate) fn load_with_spec_file(
         diagnostics,
     )?;
     agent.channels = channels;
+    agent.memory.knowledge.extend(skill_knowledge);
+    let memory_dir = absolute.join("memory");
+    if dir.join("memory").is_dir() && !agent.memory.knowledge.iter().any(|k| k.skill.is_none()) {
+        diagnostics.push(
+            Diagnostic::warning(
+                ErrorCode::SpecInvalid,
+                &memory_dir,
+                Pos::default(),
+                "`memory/` holds documents, but the agent does not retrieve from them",
+            )
+            .with_hint(
+                "add `memory: { kind: semantic }` to the spec (see docs/memory.md), or remove the folder",
+            ),
+        );
+    }
     Some(agent)
 }
 
@@ -339,23 +343,32 @@ fn load_skills(
         .into_iter()
         .filter_map(|name| {
             let skill_dir = skills_dir.join(&name);
-            let (description, body) = read_skill_file(&skill_dir.join("SKILL.md"), &name, diagnostics)?;
+            let (description, body, knowledge) =
+                read_skill_file(&skill_dir.join("SKILL.md"), &name, diagnostics)?;
             let skill_absolute = absolute.join("skills").join(&name);
             let mut tools = command_tool::load_dir(&skill_dir.join("tools"), &skill_absolute, diagnostics);
             for tool in &mut tools {
                 tool.def.working_dir = rebase(&tool.def.working_dir, &skill_dir, &skill_absolute);
             }
-            Some(Skill { name, description, body, tools })
+            let knowledge = knowledge.map(|mut knowledge| {
+                knowledge.skill = Some(name.clone());
+                if let Ok(relative) = knowledge.source.strip_prefix(&skill_dir) {
+                    knowledge.source = skill_absolute.join(relative);
+                }
+                knowledge
+            });
+            Some(Skill { name, description, body, tools, knowledge })
         })
         .collect()
 }
 
-/// Reads a SKILL.md: YAML front matter between `---` lines, then the instructions.
+/// Reads a SKILL.md: YAML front matter between `---` lines, then the instructions; and the
+/// skill's `knowledge` (a folder next to SKILL.md, `knowledge/` by default).
 fn read_skill_file(
     file: &Path,
     dir_name: &str,
     diagnostics: &mut Vec<Diagnostic>,
-) -> Option<(String, String)> {
+) -> Option<(String, String, Option<keel_core::memory::Knowledge>)> {
     let text = read_text(file, "skill", diagnostics)?;
     let missing_front_matter = || {
         Diagnostic::error(
@@ -388,6 +401,7 @@ fn read_skill_file(
     let mut map = d.map(&node, "the front matter")?;
     let name = map.take("name").and_then(|n| d.text(n, "name").map(|t| (t, n.pos)));
     let description = map.take("description").and_then(|n| d.text(n, "description"));
+    let knowledge = map.take("knowledge").and_then(|node| skill_knowledge(node, file, &mut d));
     for key in &SKILL_KEYS[2..] {
         map.take(key);
     }
@@ -406,7 +420,31 @@ fn read_skill_file(
         d.error(node.pos, "the front matter has no `description`").hint =
             Some("say in one line what the skill is for".into());
     }
-    Some((description?, body))
+    Some((description?, body, knowledge))
+}
+
+/// A skill's `knowledge`: a folder (`knowledge: docs/`) or the keys of a semantic memory
+/// (`knowledge: { source: docs/, mode: agentic, top_k: 3 }`).
+fn skill_knowledge(
+    node: &tree::Node,
+    file: &Path,
+    d: &mut Decoder<'_>,
+) -> Option<keel_core::memory::Knowledge> {
+    let skill_dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
+    if let Kind::Str(_) = &node.kind {
+        let source = d.text(node, "knowledge")?;
+        let path = skill_dir.join(&source);
+        if !path.is_dir() {
+            d.error(node.pos, format!("the knowledge folder {} does not exist", path.display())).hint =
+                Some("create it next to SKILL.md and put Markdown, text, HTML or PDF files in it".into());
+            return None;
+        }
+        return Some(keel_core::memory::Knowledge::new(path));
+    }
+    let mut map = d.map(node, "knowledge")?;
+    let knowledge = crate::spec_file::knowledge(&mut map, d, "knowledge", &skill_dir, "knowledge/");
+    map.finish(d, "knowledge", &crate::spec_file::KNOWLEDGE_KEYS[1..]);
+    knowledge
 }
 
 /// Moves every position of a tree down by `lines` (front matter starts after `---`).

@@ -30,7 +30,6 @@ use std::path::{Path, PathBuf};
 
 pub use decode::did_you_mean;
 pub use diagnostic::{Diagnostic, Pos, Severity};
-pub use directory::NOT_YET_DIRS as UNSUPPORTED_DIRS;
 pub use spec_file::NOT_YET as UNSUPPORTED_KEYS;
 
 /// An agent as its files describe it.

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use keel_core::agent::OutputSchema;
 use keel_core::loop_control::Compaction;
-use keel_core::memory::{Episodic, GraphSettings, MemorySettings};
+use keel_core::memory::{Embeddings, Episodic, GraphSettings, Knowledge, MemorySettings, RetrievalMode};
 use keel_core::{
     Concurrency, ErrorCode, HttpSettings, Limits, McpServerDef, McpTransport, MockEntry, MockFailure,
     MockScript, MockToolCall, ProviderSettings, RetryPolicy, ShellSettings, ToolChoice, WorkspaceMode,
@@ -248,7 +248,7 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         spec.initial_state = state(node, d);
     }
     if let Some(node) = map.take("memory") {
-        spec.memory = memory(node, d);
+        spec.memory = memory(node, d, &base_dir);
     }
     if let Some(node) = map.take("concurrency")
         && let Some(mode) = d.string(node, "concurrency")
@@ -766,7 +766,7 @@ fn stop_when(node: &Node, d: &mut Decoder<'_>) -> Vec<(String, Pos)> {
 }
 
 /// `memory: { kind, ... }` or a list of them: the kinds of memory the agent keeps.
-fn memory(node: &Node, d: &mut Decoder<'_>) -> MemorySettings {
+fn memory(node: &Node, d: &mut Decoder<'_>, base_dir: &Path) -> MemorySettings {
     let mut settings = MemorySettings::default();
     let entries: Vec<(&Node, String)> = match &node.kind {
         Kind::Seq(items) => {
@@ -806,14 +806,15 @@ fn memory(node: &Node, d: &mut Decoder<'_>) -> MemorySettings {
                 map.finish(d, &what, &["kind", "depth", "max_seeds", "fan_out", "max_nodes", "model"]);
             }
             Some(("semantic", pos)) => {
-                let file = d.file.clone();
-                d.push(Diagnostic::error(
-                    ErrorCode::SpecUnsupported,
-                    &file,
-                    pos,
-                    "memory of kind `semantic` (documents to retrieve from) is not supported by this version of keel yet",
-                ))
-                .hint = Some("use `kind: episodic` or `kind: graph`, or remove the entry".into());
+                let knowledge = knowledge(&mut map, d, &what, base_dir, "memory/");
+                map.finish(d, &what, KNOWLEDGE_KEYS);
+                let Some(knowledge) = knowledge else { continue };
+                if settings.knowledge.iter().any(|k| k.skill.is_none()) {
+                    d.error(pos, "the agent has two `kind: semantic` memories").hint =
+                        Some("keep one; put every document in its `source` folder".into());
+                    continue;
+                }
+                settings.knowledge.push(knowledge);
             }
             Some((other, pos)) => {
                 let hint = did_you_mean(other, &["episodic", "graph", "semantic"])
@@ -843,6 +844,75 @@ fn bounded(
 ) -> usize {
     let Some(node) = map.take(key) else { return default };
     d.int(node, &format!("{what}.{key}"), range.0 as i64, range.1 as i64).map_or(default, |n| n as usize)
+}
+
+/// The keys of a semantic memory entry (a skill's `knowledge` has them but `kind`).
+pub(crate) const KNOWLEDGE_KEYS: &[&str] =
+    &["kind", "source", "mode", "top_k", "snippet_chars", "embeddings"];
+
+/// A folder of documents to retrieve from: the keys of `memory: { kind: semantic }` and of a
+/// skill's `knowledge` (`source` relative to `base_dir`, `default_source` when absent). `None`
+/// when the folder is not there (reported).
+pub(crate) fn knowledge(
+    map: &mut crate::decode::MapReader<'_>,
+    d: &mut Decoder<'_>,
+    what: &str,
+    base_dir: &Path,
+    default_source: &str,
+) -> Option<Knowledge> {
+    let mut knowledge = Knowledge::new(base_dir.join(default_source));
+    let source = map.take("source").map(|node| (d.text(node, &format!("{what}.source")), node.pos));
+    if let Some(node) = map.take("mode") {
+        match d.text(node, &format!("{what}.mode")).as_deref() {
+            Some("inject") => knowledge.mode = RetrievalMode::Inject,
+            Some("agentic") => knowledge.mode = RetrievalMode::Agentic,
+            Some(other) => {
+                let hint = did_you_mean(other, &["inject", "agentic"]).map_or(
+                    "use `inject` (passages put in the context) or `agentic` (search and read tools)"
+                        .to_owned(),
+                    |c| format!("did you mean `{c}`?"),
+                );
+                d.error(node.pos, format!("unknown {what}.mode {other:?}")).hint = Some(hint);
+            }
+            None => {}
+        }
+    }
+    knowledge.top_k = bounded(map, d, what, "top_k", (1, Knowledge::MAX_TOP_K), Knowledge::DEFAULT_TOP_K);
+    knowledge.snippet_chars =
+        bounded(map, d, what, "snippet_chars", Knowledge::SNIPPET_CHARS, Knowledge::DEFAULT_SNIPPET_CHARS);
+    if let Some(node) = map.take("embeddings") {
+        match &node.kind {
+            Kind::Bool(false) => knowledge.embeddings = Embeddings::Off,
+            _ => match d.text(node, &format!("{what}.embeddings")).as_deref() {
+                Some("auto") => knowledge.embeddings = Embeddings::Auto,
+                Some("off" | "none") => knowledge.embeddings = Embeddings::Off,
+                Some(model) if !model.trim().is_empty() => {
+                    knowledge.embeddings = Embeddings::Model(model.trim().to_owned());
+                }
+                Some(_) => {
+                    d.error(node.pos, format!("{what}.embeddings is empty")).hint = Some(
+                        "write `auto`, `off`, or the name of an embedding model of the agent's provider"
+                            .into(),
+                    );
+                }
+                None => {}
+            },
+        }
+    }
+    let (path, pos) = match source {
+        Some((Some(given), pos)) => (base_dir.join(given), Some(pos)),
+        Some((None, _)) => return None,
+        None => (knowledge.source.clone(), None),
+    };
+    if !path.is_dir() {
+        let pos = pos.unwrap_or(map.pos);
+        d.error(pos, format!("the documents folder {} does not exist", path.display())).hint = Some(format!(
+            "create it and put Markdown, text, HTML or PDF files in it, or set `source` (default `{default_source}`, next to the spec)"
+        ));
+        return None;
+    }
+    knowledge.source = path;
+    Some(knowledge)
 }
 
 /// `state: { initial: {...} }`: the state object a new session starts with.

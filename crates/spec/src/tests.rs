@@ -333,14 +333,99 @@ fn skills_problems() {
 }
 
 #[test]
-fn features_of_later_versions_are_refused_not_ignored() {
+fn semantic_memory_and_skill_knowledge_load_and_bad_ones_are_pointed_at() {
+    use keel_core::memory::{Embeddings, RetrievalMode};
+    let dir = tree(&[
+        (
+            "a/agent.yaml",
+            "model: mock\nmemory:\n  - { kind: episodic }\n  - { kind: semantic, mode: agentic, top_k: 8, snippet_chars: 500, embeddings: nomic-embed-text }\n",
+        ),
+        ("a/memory/faq.md", "# FAQ\n"),
+        (
+            "a/skills/billing/SKILL.md",
+            "---\nname: billing\ndescription: Invoices.\nknowledge: { source: docs/, top_k: 2, embeddings: off }\n---\nQuote the invoice.\n",
+        ),
+        ("a/skills/billing/docs/vat.md", "VAT is 20%.\n"),
+        (
+            "a/skills/tax/SKILL.md",
+            "---\nname: tax\ndescription: Tax.\nknowledge: knowledge\n---\nBe exact.\n",
+        ),
+        ("a/skills/tax/knowledge/rates.md", "Rates.\n"),
+    ]);
+    let loaded = load(&dir.path().join("a"), &OPTIONS);
+    assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
+    let memory = loaded.spec.unwrap().memory;
+    assert!(memory.episodic.is_some());
+    let summary: Vec<_> = memory
+        .knowledge
+        .iter()
+        .map(|k| {
+            (
+                k.skill.clone(),
+                k.source.ends_with("memory") || k.source.ends_with("docs") || k.source.ends_with("knowledge"),
+                k.mode,
+                k.top_k,
+                k.snippet_chars,
+                k.embeddings.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            (None, true, RetrievalMode::Agentic, 8, 500, Embeddings::Model("nomic-embed-text".into())),
+            (Some("billing".into()), true, RetrievalMode::Inject, 2, 240, Embeddings::Off),
+            (Some("tax".into()), true, RetrievalMode::Inject, 5, 240, Embeddings::Auto),
+        ]
+    );
+    assert!(memory.knowledge.iter().all(|k| k.source.is_absolute() && k.source.is_dir()), "{memory:?}");
+
     check(
-        &[("a.yaml", "model: mock\nmemory: [{ kind: episodic }, { kind: semantic }]\nconcurrency: queue\n")],
+        &[
+            (
+                "a.yaml",
+                "model: mock\nmemory: [{ kind: semantic, top_k: 0 }, { kind: semantic, source: docs, top_k: 10000, mode: agentc, snippet_chars: 5 }]\n",
+            ),
+            ("memory/x.md", "x"),
+            ("docs/y.md", "y"),
+        ],
         "a.yaml",
         expect![[r#"
-            error[KEEL_SPEC_UNSUPPORTED]: memory of kind `semantic` (documents to retrieve from) is not supported by this version of keel yet
-              --> a.yaml:2:38
-              hint: use `kind: episodic` or `kind: graph`, or remove the entry
+            error[KEEL_SPEC_INVALID]: `memory[0].top_k` must be between 1 and 50, not 0
+              --> a.yaml:2:35
+            error[KEEL_SPEC_INVALID]: the agent has two `kind: semantic` memories
+              --> a.yaml:2:48
+              hint: keep one; put every document in its `source` folder
+            error[KEEL_SPEC_INVALID]: `memory[1].top_k` must be between 1 and 50, not 10000
+              --> a.yaml:2:79
+            error[KEEL_SPEC_INVALID]: unknown memory[1].mode "agentc"
+              --> a.yaml:2:92
+              hint: did you mean `agentic`?
+            error[KEEL_SPEC_INVALID]: `memory[1].snippet_chars` must be between 40 and 4000, not 5
+              --> a.yaml:2:115
+        "#]],
+    );
+    check(
+        &[("a.yaml", "model: mock\nmemory: { kind: semantic, source: nowhere, embedings: off }\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: the documents folder nowhere does not exist
+              --> a.yaml:2:35
+              hint: create it and put Markdown, text, HTML or PDF files in it, or set `source` (default `memory/`, next to the spec)
+            error[KEEL_SPEC_INVALID]: unknown key `embedings` in `memory`
+              --> a.yaml:2:44
+              hint: did you mean `embeddings`?
+        "#]],
+    );
+    // A memory/ folder nobody reads is pointed at, not silently ignored.
+    check(
+        &[("a/agent.yaml", "model: mock\n"), ("a/memory/notes.md", "x")],
+        "a",
+        expect![[r#"
+            warning[KEEL_SPEC_INVALID]: `memory/` holds documents, but the agent does not retrieve from them
+              --> a/memory
+              hint: add `memory: { kind: semantic }` to the spec (see docs/memory.md), or remove the folder
+            (loaded)
         "#]],
     );
 }

@@ -1145,6 +1145,7 @@ fn render_memory(request: &MemoryRequest) -> String {
             let texts: Vec<String> = messages.iter().map(|m| m.text()).collect();
             format!("call_index {call_index} {texts:?}")
         }
+        MemoryRequest::Retrieve { skill, query } => format!("{skill:?} {query:?}"),
     }
 }
 
@@ -1153,7 +1154,51 @@ fn remembering(a: &mut AgentDef) {
         episodic: Some(Episodic { recall: 3 }),
         graph: Some(GraphSettings::default()),
         model: None,
+        knowledge: Vec::new(),
     };
+}
+
+#[test]
+fn documents_in_inject_mode_are_retrieved_before_the_first_turn_and_agentic_ones_are_not() {
+    use crate::memory::{Knowledge, RetrievalMode};
+    let mut m = machine(agent(|a| {
+        let billing = Knowledge { skill: Some("billing".into()), ..Knowledge::new("/docs/billing") };
+        let faq =
+            Knowledge { skill: Some("faq".into()), mode: RetrievalMode::Agentic, ..Knowledge::new("/faq") };
+        a.memory.settings.knowledge = vec![Knowledge::new("/docs"), billing, faq];
+    }));
+    check_actions(
+        &mut m,
+        Input::Start,
+        expect![[r#"
+        emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
+        persist #2 {"v":1,"role":"user","parts":[{"type":"text","text":"What is 2+3?"}]}
+        memory memory:retrieve None "What is 2+3?"
+    "#]],
+    );
+    let found = |context: &str| Input::MemoryDone(Ok(json!({ "context": context, "hits": [] })));
+    check_actions(
+        &mut m,
+        found("## From your documents\n[1] sums.md: 2+3 is 5."),
+        expect![[r#"
+        memory memory:retrieve:billing Some("billing") "What is 2+3?"
+    "#]],
+    );
+    check_actions(
+        &mut m,
+        found(""),
+        expect![[r#"
+        emit {"type":"turn.start","turn":0}
+        call model llm:turn:0
+    "#]],
+    );
+    assert_eq!(
+        m.model_request(1).instructions,
+        "Be brief.\n\n## From your documents\n[1] sums.md: 2+3 is 5."
+    );
+    // Retrieval writes nothing after the answer.
+    let actions = m.step(text("5", 10));
+    assert!(matches!(actions.last(), Some(Action::Finish(_))), "{actions:?}");
 }
 
 #[test]

@@ -17,9 +17,11 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
         writeln!(stderr, "{diagnostic}")?;
     }
     let errors = loaded.diagnostics.iter().filter(|d| d.is_error()).count();
-    let warnings = loaded.diagnostics.len() - errors;
+    let mut warnings = loaded.diagnostics.len() - errors;
     match loaded.spec {
         Some(spec) => {
+            let folders = check_documents(&spec, &mut stderr)?;
+            warnings += folders.iter().map(|(_, report)| report.warnings.len()).sum::<usize>();
             let mut tools: Vec<&str> = spec.builtin_tools.iter().map(String::as_str).collect();
             tools.extend(spec.command_tools.iter().map(|t| t.def.name.as_str()));
             let tools =
@@ -31,6 +33,17 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
                 String::new()
             };
             writeln!(stdout, "ok: agent `{}` (model {}; {tools}){warned}", spec.name, spec.model)?;
+            for (folder, report) in &folders {
+                writeln!(
+                    stdout,
+                    "documents: {} ({} document{}, {} passage{})",
+                    folder.display(),
+                    report.documents,
+                    plural(report.documents),
+                    report.passages,
+                    plural(report.passages)
+                )?;
+            }
             drop(stdout);
             drop(stderr);
             if spec.mcp.is_empty() {
@@ -48,6 +61,32 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
             Ok(exit::INVALID_AGENT)
         }
     }
+}
+
+/// Reads the agent's folders of documents as indexing will, printing each file that will be
+/// skipped as a warning (a skipped file never stops the agent).
+fn check_documents(
+    spec: &keel_spec::AgentSpec,
+    stderr: &mut impl Write,
+) -> std::io::Result<Vec<(std::path::PathBuf, keel_memory::semantic::FolderReport)>> {
+    let mut reports = Vec::new();
+    for knowledge in &spec.memory.knowledge {
+        match keel_memory::semantic::check_folder(&knowledge.source) {
+            Ok(report) => {
+                for skipped in &report.warnings {
+                    writeln!(
+                        stderr,
+                        "warning: {}: {}",
+                        knowledge.source.join(&skipped.path).display(),
+                        skipped.message
+                    )?;
+                }
+                reports.push((knowledge.source.clone(), report));
+            }
+            Err(error) => writeln!(stderr, "warning: {error}")?,
+        }
+    }
+    Ok(reports)
 }
 
 /// Connects to the agent's MCP servers and lists their tools as the agent will name them.
