@@ -200,6 +200,8 @@ pub(crate) fn load_with_spec_file(
         append_skill(&mut instructions, &skill.name, &skill.description, &skill.body);
         skill_names.push(skill.name);
     }
+    let mut spec = spec;
+    spec.memory.knowledge.extend(skill_knowledge);
     let mut agent = finish(
         spec,
         default_name,
@@ -212,7 +214,6 @@ pub(crate) fn load_with_spec_file(
         diagnostics,
     )?;
     agent.channels = channels;
-    agent.memory.knowledge.extend(skill_knowledge);
     let memory_dir = absolute.join("memory");
     if dir.join("memory").is_dir() && !agent.memory.knowledge.iter().any(|k| k.skill.is_none()) {
         diagnostics.push(
@@ -479,11 +480,23 @@ pub(crate) fn finish(
     options: &LoadOptions<'_>,
     diagnostics: &mut Vec<Diagnostic>,
 ) -> Option<AgentSpec> {
-    // Subagents are tools too, for approvals and mock scripts to name.
+    // Subagents and the search and read tools of documents are tools too, for approvals and
+    // mock scripts to name.
+    let knowledge_tools: Vec<String> = spec
+        .memory
+        .knowledge
+        .iter()
+        .filter(|k| k.mode == keel_core::memory::RetrievalMode::Agentic)
+        .flat_map(|k| {
+            let (search, read) = k.tool_names();
+            [search, read]
+        })
+        .collect();
     let command_names: Vec<&str> = command_tools
         .iter()
         .map(|t| t.def.name.as_str())
         .chain(subagents.iter().map(|s| s.name.as_str()))
+        .chain(knowledge_tools.iter().map(String::as_str))
         .collect();
     for tool in &command_tools {
         if options.builtin_tools.contains(&tool.def.name.as_str()) {

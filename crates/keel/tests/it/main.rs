@@ -13,6 +13,7 @@ mod model;
 mod one_run;
 mod providers;
 mod security;
+mod semantic;
 mod serve;
 mod snapshots;
 mod support;

@@ -381,7 +381,9 @@ impl OpenIndex {
             text: text(self.fields.body),
         };
         let mut snippet = String::new();
-        if snippet_chars > 0 {
+        if snippet_chars > 0 && passage.text.chars().count() <= snippet_chars {
+            snippet = passage.text.clone();
+        } else if snippet_chars > 0 {
             if let Some(query) = words.and_then(|w| self.query(w)) {
                 let mut generator = SnippetGenerator::create(&searcher, &query, self.fields.body)
                     .map_err(|e| format!("the index search failed: {e}"))?;
