@@ -636,6 +636,46 @@ fn the_concierge_example_remembers_its_guest_and_repairs_an_answer_offline() {
 }
 
 #[test]
+fn the_helpdesk_example_answers_from_its_documents_offline() {
+    let index = tempfile::tempdir().unwrap();
+    let check = keel()
+        .current_dir(repo_root())
+        .env("KEEL_INDEX_DIR", index.path())
+        .args(["check", "examples/helpdesk"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    assert!(
+        stdout.starts_with(
+            "ok: agent `helpdesk` (model mock; tools: search_memory, read_memory, search_billing, read_billing)"
+        ) && stdout.contains("(2 documents, 5 passages)")
+            && stdout.contains("(1 document, 2 passages)"),
+        "{stdout}"
+    );
+    let run = keel()
+        .current_dir(repo_root())
+        .env("KEEL_INDEX_DIR", index.path())
+        .args(["run", "examples/helpdesk", "Can I return a gift card?", "--json"])
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let events: Vec<Value> =
+        String::from_utf8_lossy(&run.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let done = events.last().unwrap();
+    assert_eq!(done["type"], "run.done");
+    assert!(
+        done["text"]
+            .as_str()
+            .unwrap()
+            .contains("Gift cards, opened software and personalised items cannot be returned"),
+        "{done}"
+    );
+    // The index was built where KEEL_INDEX_DIR says, one library per folder.
+    assert_eq!(std::fs::read_dir(index.path()).unwrap().count(), 2);
+}
+
+#[test]
 fn a_retried_turn_is_announced_on_the_terminal_and_in_json() {
     let dir = agent_dir(&[(
         "agent.yaml",

@@ -32,8 +32,10 @@ pub use index::{OpenIndex, Passage, Vectors};
 pub const RRF_K: f32 = 60.0;
 /// How long embedding one query may take before the search goes on by full text alone.
 const QUERY_EMBEDDING_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long embedding the passages may take at opening.
-const PASSAGE_EMBEDDING_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// How many passages are given to the provider at once at opening (it may send them in smaller
+/// requests), and how long each such batch may take.
+const EMBEDDING_BATCH: usize = 256;
+const EMBEDDING_BATCH_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// One folder of documents to retrieve from. See the module docs.
 pub struct Library {
@@ -154,10 +156,19 @@ impl Library {
         let hashes = index.passage_hashes();
         let missing: Vec<usize> = (0..inputs.len()).filter(|&i| !reusable.contains_key(&hashes[i])).collect();
         let texts: Vec<String> = missing.iter().map(|&i| inputs[i].clone()).collect();
-        let made = tokio::time::timeout(PASSAGE_EMBEDDING_TIMEOUT, self.provider.embed(model, &texts))
-            .await
-            .map_err(|_| format!("embedding the passages took over {PASSAGE_EMBEDDING_TIMEOUT:?}"))?
-            .map_err(|e| format!("embedding model `{model}`: {e} ({})", e.code()))?;
+        let mut made = Vec::with_capacity(texts.len());
+        for batch in texts.chunks(EMBEDDING_BATCH) {
+            let vectors = tokio::time::timeout(EMBEDDING_BATCH_TIMEOUT, self.provider.embed(model, batch))
+                .await
+                .map_err(|_| {
+                    format!("embedding {} passages took over {EMBEDDING_BATCH_TIMEOUT:?}", batch.len())
+                })?
+                .map_err(|e| format!("embedding model `{model}`: {e} ({})", e.code()))?;
+            made.extend(vectors);
+            if texts.len() > EMBEDDING_BATCH {
+                tracing::info!(model, done = made.len(), of = texts.len(), "embedding passages");
+            }
+        }
         if made.len() != texts.len() {
             return Err(format!(
                 "embedding model `{model}` answered {} vectors for {}",
