@@ -97,7 +97,7 @@ pub(crate) fn transport_error(provider: &str, url: &str, error: &reqwest::Error)
     if error.is_connect() {
         return ProviderError::new(
             ProviderErrorKind::Transient,
-            format!("{provider}: could not connect to {url}: {detail}"),
+            format!("{provider}: could not connect to {url}: {detail}{}", connect_hint(provider)),
         );
     }
     ProviderError::new(
@@ -260,7 +260,36 @@ pub(crate) fn error_response(provider: &str, status: Option<u16>, body: &[u8], h
     if let Some(kind) = refine(&info, &message) {
         error.kind = kind;
     }
+    error.message.push_str(status_hint(provider, error.kind));
     error
+}
+
+/// What to check when a provider's server cannot be reached, by provider.
+fn connect_hint(provider: &str) -> &'static str {
+    match provider {
+        "ollama" => {
+            " (is Ollama running? start it with `ollama serve`, or set OLLAMA_HOST to where it listens)"
+        }
+        "openai-compatible" => {
+            " (is the server running? check `provider.base_url` or OPENAI_BASE_URL: its host, port and `/v1`)"
+        }
+        _ => " (check the network, a proxy, and the provider's base URL if you set one)",
+    }
+}
+
+/// What to check after an answer that says the key or the address is wrong, by provider.
+fn status_hint(provider: &str, kind: ProviderErrorKind) -> &'static str {
+    match (kind, provider) {
+        (ProviderErrorKind::Auth, "openai" | "openai-compatible") => " (check OPENAI_API_KEY)",
+        (ProviderErrorKind::Auth, "openrouter") => " (check OPENROUTER_API_KEY)",
+        (ProviderErrorKind::Auth, "anthropic") => " (check ANTHROPIC_API_KEY)",
+        (ProviderErrorKind::Auth, "ollama") => " (check OLLAMA_API_KEY)",
+        (ProviderErrorKind::NotFound, "ollama") => " (is the model pulled? `ollama pull <model>`)",
+        (ProviderErrorKind::NotFound, _) => {
+            " (check the model's name, and `provider.base_url` if you set one)"
+        }
+        _ => "",
+    }
 }
 
 /// What the error's type, code or message say beyond the status.

@@ -381,7 +381,10 @@ async fn http_errors_are_classified_with_their_retry_after() {
     // A server that echoes the key in its message does not get it printed.
     let echoed =
         fault(Reply::json(401, &json!({"error": {"message": "Incorrect API key provided: sk-test."}}))).await;
-    assert_eq!(echoed.message, "openai answered HTTP 401: Incorrect API key provided: [redacted].");
+    assert_eq!(
+        echoed.message,
+        "openai answered HTTP 401: Incorrect API key provided: [redacted]. (check OPENAI_API_KEY)"
+    );
 
     let missing = fault(Reply::json(
         404,

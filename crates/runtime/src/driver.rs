@@ -1270,6 +1270,19 @@ async fn call_model(
     let mut attempt = 1;
     loop {
         let request = machine.model_request(attempt);
+        // What is asked, by size only: the content stays out of logs.
+        tracing::debug!(
+            model = request.model,
+            call = request.call_index,
+            attempt,
+            purpose = ?request.purpose,
+            messages = request.messages.len(),
+            message_chars = request.messages.iter().map(|m| m.text().len()).sum::<usize>(),
+            instructions_chars = request.instructions.len(),
+            tools = request.tools.len(),
+            "model request"
+        );
+        let started = std::time::Instant::now();
         let result = match tokio::time::timeout(timeout, shared.provider.complete(request, &mut *sink)).await
         {
             Ok(result) => result,
@@ -1279,7 +1292,22 @@ async fn call_model(
             )),
         };
         let error = match result {
-            Ok(reply) => return Ok(reply),
+            Ok(reply) => {
+                let calls = reply.parts.iter().filter(|p| matches!(p, keel_core::Part::ToolCall(_))).count();
+                tracing::debug!(
+                    ms = started.elapsed().as_millis() as u64,
+                    text_chars = reply
+                        .parts
+                        .iter()
+                        .map(|p| if let keel_core::Part::Text(t) = p { t.len() } else { 0 })
+                        .sum::<usize>(),
+                    tool_calls = calls,
+                    input_tokens = reply.usage.input_tokens,
+                    output_tokens = reply.usage.output_tokens,
+                    "model reply"
+                );
+                return Ok(reply);
+            }
             Err(error) => error,
         };
         let next = attempt + 1;
@@ -1308,7 +1336,9 @@ async fn call_model(
             }
             wait = wait.max(after);
         }
-        tracing::warn!(attempt, ?wait, %error, compacting, "model call failed; retrying");
+        // Info, not a warning: the `turn.retry` event is how a retry is shown (the terminal
+        // prints it once); the log keeps it for servers (`keel serve` logs info).
+        tracing::info!(attempt, ?wait, %error, compacting, "model call failed; retrying");
         if compacting {
             tokio::time::sleep(wait).await;
             attempt = next;

@@ -460,7 +460,10 @@ fn init_logging(default: &str) {
     // start, a line it dropped): unless asked for (`KEEL_LOG=rmcp=debug`), it stays quiet.
     let filter = tracing_subscriber::EnvFilter::try_from_env(keel_core::env::LOG.name)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},rmcp=off")));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only for a terminal: `keel serve 2> serve.log` writes plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     let _ = if std::env::var(keel_core::env::LOG_FORMAT.name).is_ok_and(|f| f == "json") {
         builder.json().with_current_span(true).with_span_list(false).try_init()
     } else {

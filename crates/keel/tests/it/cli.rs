@@ -676,6 +676,46 @@ fn the_helpdesk_example_answers_from_its_documents_offline() {
 }
 
 #[test]
+fn a_provider_that_is_not_running_is_named_once_per_retry_with_what_to_check_and_logs_are_plain_text() {
+    // A port nobody listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dir = agent_dir(&[(
+        "agent.yaml",
+        "model: ollama/llama3.2\nretry: { max_attempts: 2, initial_backoff: 10ms }\n",
+    )]);
+    let run = |log: &str| {
+        keel()
+            .current_dir(dir.path())
+            .env("OLLAMA_HOST", format!("127.0.0.1:{port}"))
+            .env("KEEL_LOG", log)
+            .args(["run", ".", "hi"])
+            .output()
+            .unwrap()
+    };
+    let out = run("warn");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let retries: Vec<&str> = stderr.lines().filter(|l| l.contains("could not connect")).collect();
+    assert_eq!(retries.len(), 2, "one line for the retry, one for the failure: {stderr}");
+    assert!(retries[0].starts_with("↻ the model call failed (KEEL_PROVIDER_ERROR"), "{stderr}");
+    assert!(stderr.contains("is Ollama running? start it with `ollama serve`"), "{stderr}");
+    assert!(!stderr.contains('\u{1b}'), "colour codes in a file: {stderr:?}");
+
+    // Debug logs say what was asked and answered, by size, never the content.
+    let out = run("keel_runtime=debug");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let request = stderr.lines().find(|l| l.contains("model request")).unwrap_or_else(|| panic!("{stderr}"));
+    assert!(
+        request.contains("model=\"llama3.2\"")
+            && request.contains("messages=1")
+            && request.contains("message_chars=2"),
+        "{request}"
+    );
+    assert!(!request.contains("hi\""), "{request}");
+    assert!(!stderr.contains('\u{1b}'), "{stderr:?}");
+}
+
+#[test]
 fn a_retried_turn_is_announced_on_the_terminal_and_in_json() {
     let dir = agent_dir(&[(
         "agent.yaml",

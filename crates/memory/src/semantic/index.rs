@@ -190,7 +190,8 @@ fn open_version(dir: &Path, digest: &str) -> Option<Opened> {
     let index = tantivy::Index::open_in_dir(dir).ok()?;
     register_tokenizer(&index);
     let (_, fields) = schema();
-    let reader = index.reader().ok()?;
+    // A version never changes once built: no watcher thread for commits that never come.
+    let reader = index.reader_builder().reload_policy(tantivy::ReloadPolicy::Manual).try_into().ok()?;
     Some((index, reader, fields, manifest))
 }
 
