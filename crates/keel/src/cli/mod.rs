@@ -52,9 +52,13 @@ Exit codes:
        waits for a human
   130  interrupted (Ctrl-C), or the run was cancelled";
 
+/// `keel --version`: the crate's version and the git revision it was built from (`unknown`
+/// outside a git checkout, `-dirty` with uncommitted changes), set by `build.rs`.
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("BUILD_GIT_REVISION"), ")");
+
 /// keel: run durable AI agents.
 #[derive(Parser)]
-#[command(name = "keel", version, about, after_help = EXIT_CODES, propagate_version = true)]
+#[command(name = "keel", version = VERSION, about, after_help = EXIT_CODES, propagate_version = true)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -95,6 +99,13 @@ enum Command {
     /// relations).
     #[command(subcommand)]
     Memory(MemoryCommand),
+    /// Print a shell completion script: `keel completions bash > /etc/bash_completion.d/keel`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print keel's manual page (roff): `keel man > ~/.local/share/man/man1/keel.1`.
+    Man,
 }
 
 /// `keel memory ...`
@@ -441,6 +452,17 @@ pub(crate) fn main() -> ExitCode {
         Command::Schedules(command) => triggers::schedules(command),
         Command::Runs(command) => triggers::runs(command),
         Command::Memory(command) => memory::memory(command),
+        Command::Completions { shell } => {
+            // Into a buffer first: the generator panics when its writer fails (`| head`).
+            let mut command = <Cli as clap::CommandFactory>::command();
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut command, "keel", &mut script);
+            std::io::Write::write_all(&mut std::io::stdout(), &script).map(|()| exit::OK)
+        }
+        Command::Man => {
+            let command = <Cli as clap::CommandFactory>::command();
+            clap_mangen::Man::new(command).render(&mut std::io::stdout()).map(|()| exit::OK)
+        }
     };
     match code {
         Ok(code) => ExitCode::from(code),

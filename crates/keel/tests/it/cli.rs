@@ -716,6 +716,37 @@ fn a_provider_that_is_not_running_is_named_once_per_retry_with_what_to_check_and
 }
 
 #[test]
+fn version_completions_and_the_manual_come_from_the_cli_itself() {
+    let version = keel().arg("--version").output().unwrap();
+    let version = String::from_utf8(version.stdout).unwrap();
+    let revision = version
+        .trim()
+        .strip_prefix(&format!("keel {} (", env!("CARGO_PKG_VERSION")))
+        .unwrap_or_else(|| panic!("{version}"));
+    let revision = revision.strip_suffix(')').unwrap().trim_end_matches("-dirty");
+    assert!(
+        revision == "unknown" || (revision.len() == 12 && revision.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{version}"
+    );
+    for (shell, marker) in
+        [("bash", "complete -F _keel"), ("zsh", "#compdef keel"), ("fish", "complete -c keel")]
+    {
+        let script = keel().args(["completions", shell]).output().unwrap();
+        assert!(script.status.success());
+        let script = String::from_utf8(script.stdout).unwrap();
+        assert!(
+            script.contains(marker) && script.contains("memory") && script.contains("serve"),
+            "{shell}: {script}"
+        );
+    }
+    let man = keel().arg("man").output().unwrap();
+    let man = String::from_utf8(man.stdout).unwrap();
+    assert!(man.contains(".TH keel 1") && man.contains("serve") && man.contains("Exit codes"), "{man}");
+    let bad = keel().args(["completions", "tcsh"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}
+
+#[test]
 fn a_retried_turn_is_announced_on_the_terminal_and_in_json() {
     let dir = agent_dir(&[(
         "agent.yaml",
