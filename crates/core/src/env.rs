@@ -86,6 +86,9 @@ env_vars! {
     /// The PostgreSQL statement timeout.
     STORE_STATEMENT_TIMEOUT = "KEEL_STORE_STATEMENT_TIMEOUT", Runtime, "`30s`",
         "how long one statement of a `postgres://` store may run before PostgreSQL cancels it";
+    /// Extra root certificates.
+    CA_BUNDLE = "KEEL_CA_BUNDLE", Runtime, "unset",
+        "a PEM file of root certificates trusted besides the system's, for model providers (a company proxy or a private CA); a file that is not PEM stops keel at start";
     /// Where document indexes live.
     INDEX_DIR = "KEEL_INDEX_DIR", Runtime, "`.keel/index`",
         "where the indexes of semantic memory and skills' knowledge are kept (one folder per documents folder, a version per content); instances that share it share them";

@@ -140,6 +140,8 @@ error_codes! {
     ShuttingDown = "KEEL_SHUTTING_DOWN",
     /// An HTTP request is malformed: not JSON, a missing field, a value of the wrong type.
     RequestInvalid = "KEEL_REQUEST_INVALID",
+    /// A setting of keel's environment is not usable (`KEEL_CA_BUNDLE` is not a PEM file).
+    ConfigInvalid = "KEEL_CONFIG_INVALID",
     /// The owner has no memory of that kind or key (`keel memory show|rm`).
     MemoryNotFound = "KEEL_MEMORY_NOT_FOUND",
     /// An HTTP request body is over the limit (1 MB).

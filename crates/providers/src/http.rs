@@ -13,17 +13,49 @@ use serde_json::Value;
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 
 /// The process-wide client: one connection pool, TLS (rustls) checked against the system's CA
-/// certificates.
+/// certificates and those of `KEEL_CA_BUNDLE`; through the proxy `HTTPS_PROXY`/`HTTP_PROXY`/
+/// `ALL_PROXY` name, except for the hosts of `NO_PROXY` (reqwest reads them). Certificate
+/// verification cannot be turned off.
 pub(crate) fn client() -> &'static reqwest::Client {
     static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
     CLIENT.get_or_init(|| {
+        let roots = match ca_bundle() {
+            Ok(roots) => roots.to_vec(),
+            Err(error) => {
+                // The CLI refuses to start with a bad bundle; a library caller is told here.
+                tracing::error!("{error}: only the system's certificates are trusted");
+                Vec::new()
+            }
+        };
         reqwest::Client::builder()
             .user_agent(concat!("keel/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(Duration::from_secs(10))
             .tcp_nodelay(true)
+            .tls_certs_merge(roots)
             .build()
             .expect("the HTTP client builds with static settings")
     })
+}
+
+/// The extra root certificates `KEEL_CA_BUNDLE` names (a PEM file), read once; none when it is
+/// not set. An error names the file and what is wrong with it.
+pub fn ca_bundle() -> Result<&'static [reqwest::Certificate], String> {
+    static ROOTS: OnceLock<Result<Vec<reqwest::Certificate>, String>> = OnceLock::new();
+    let roots = ROOTS.get_or_init(|| {
+        let variable = keel_core::env::CA_BUNDLE.name;
+        let Some(path) = std::env::var_os(variable).filter(|p| !p.is_empty()) else { return Ok(Vec::new()) };
+        let shown = std::path::Path::new(&path).display().to_string();
+        let bytes = std::fs::read(&path).map_err(|e| format!("{variable}={shown} cannot be read: {e}"))?;
+        let roots = reqwest::Certificate::from_pem_bundle(&bytes)
+            .map_err(|e| format!("{variable}={shown} is not a PEM bundle of certificates: {e}"))?;
+        if roots.is_empty() {
+            return Err(format!(
+                "{variable}={shown} holds no certificate: expected PEM blocks `-----BEGIN CERTIFICATE-----`"
+            ));
+        }
+        Ok(roots)
+    });
+    roots.as_deref().map_err(Clone::clone)
 }
 
 /// Builds the header map of a request, refusing names and values HTTP cannot carry (a key

@@ -16,6 +16,8 @@ pub mod anthropic;
 pub mod embed;
 pub mod framing;
 mod http;
+
+pub use http::ca_bundle;
 mod mock;
 pub mod ollama;
 pub mod openai;

@@ -440,6 +440,10 @@ pub(crate) fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(if matches!(cli.command, Command::Serve(_)) { "info" } else { "warn" });
     hide_from_tools();
+    if let Err(error) = keel_providers::ca_bundle() {
+        eprintln!("error[{}]: {error}", keel_core::ErrorCode::ConfigInvalid.as_str());
+        return ExitCode::from(exit::INVALID_AGENT);
+    }
     let code = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Chat(args) => chat::chat(args),

@@ -520,3 +520,182 @@ async fn a_retry_after_longer_than_keel_waits_fails_the_call_at_once() {
     );
     assert_eq!(server.requests().len(), 1);
 }
+
+/// A child process that prints its port first, killed when dropped.
+struct Peer {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Peer {
+    fn start(script: &str, args: &[&Path]) -> Peer {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new("python3")
+            .arg(crate::support::repo_root().join("tests/peers").join(script))
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("python3 runs the test peers");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let port = line.trim().parse().unwrap_or_else(|_| panic!("{script} printed {line:?}"));
+        Peer { child, port }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A test CA and a certificate it signs for `localhost` and 127.0.0.1 (openssl's command line).
+fn test_ca(dir: &Path) {
+    let openssl = |args: &[&str]| {
+        let out =
+            std::process::Command::new("openssl").args(args).current_dir(dir).output().expect("openssl runs");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    std::fs::write(
+        dir.join("ca.ext"),
+        "basicConstraints=critical,CA:TRUE\nkeyUsage=critical,keyCertSign,cRLSign\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("server.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    openssl(&[
+        "req",
+        "-new",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.csr",
+        "-subj",
+        "/CN=keel test CA",
+    ]);
+    openssl(&[
+        "x509", "-req", "-in", "ca.csr", "-signkey", "ca.key", "-out", "ca.pem", "-days", "2", "-extfile",
+        "ca.ext",
+    ]);
+    openssl(&[
+        "req",
+        "-new",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "server.ext",
+    ]);
+}
+
+#[test]
+fn a_private_ca_is_trusted_through_keel_ca_bundle_and_providers_go_through_the_https_proxy() {
+    let dir = agent_dir(&[]);
+    test_ca(dir.path());
+    let server =
+        Peer::start("tls_chat_server.py", &[&dir.path().join("server.pem"), &dir.path().join("server.key")]);
+    let proxy_log = dir.path().join("proxy.log");
+    let proxy = Peer::start("connect_proxy.py", &[&proxy_log]);
+    std::fs::write(
+        dir.path().join("agent.yaml"),
+        format!(
+            "model: openai-compatible/tls\nprovider: {{ base_url: 'https://localhost:{}/v1' }}\nretry: {{ max_attempts: 1 }}\n",
+            server.port
+        ),
+    )
+    .unwrap();
+    let run = |env: &[(&str, String)]| {
+        let mut command = keel();
+        command.current_dir(dir.path()).args(["run", ".", "hi"]);
+        for variable in [
+            "HTTPS_PROXY",
+            "https_proxy",
+            "HTTP_PROXY",
+            "http_proxy",
+            "ALL_PROXY",
+            "all_proxy",
+            "NO_PROXY",
+            "no_proxy",
+        ] {
+            command.env_remove(variable);
+        }
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        command.output().unwrap()
+    };
+    let bundle = dir.path().join("ca.pem").display().to_string();
+
+    // The system does not know the test CA: refused, however often it is asked.
+    let out = run(&[]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("KEEL_PROVIDER_ERROR") && stderr.contains(&format!("localhost:{}", server.port)),
+        "{stderr}"
+    );
+
+    let out = run(&[("KEEL_CA_BUNDLE", bundle.clone())]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "Hello over TLS.");
+    assert!(!proxy_log.exists(), "no proxy was set");
+
+    // Through the proxy: the tunnel is made to the provider, TLS still checked end to end.
+    let proxy_url = format!("http://127.0.0.1:{}", proxy.port);
+    let out = run(&[("KEEL_CA_BUNDLE", bundle.clone()), ("HTTPS_PROXY", proxy_url.clone())]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read_to_string(&proxy_log).unwrap(), format!("localhost:{}\n", server.port));
+    let out = run(&[("HTTPS_PROXY", proxy_url.clone())]);
+    assert!(!out.status.success(), "the proxy does not make an unknown CA trusted");
+    // NO_PROXY names the host: straight there.
+    let out =
+        run(&[("KEEL_CA_BUNDLE", bundle), ("HTTPS_PROXY", proxy_url), ("NO_PROXY", "localhost".to_owned())]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        std::fs::read_to_string(&proxy_log).unwrap().lines().count(),
+        2,
+        "the failed run tunnelled too, the NO_PROXY one did not"
+    );
+
+    // A bundle that is not PEM stops keel at once, naming the file.
+    std::fs::write(dir.path().join("not.pem"), "this is not a certificate\n").unwrap();
+    let out = run(&[("KEEL_CA_BUNDLE", dir.path().join("not.pem").display().to_string())]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with("error[KEEL_CONFIG_INVALID]: KEEL_CA_BUNDLE=")
+            && stderr.contains("not.pem holds no certificate"),
+        "{stderr}"
+    );
+    let out = run(&[("KEEL_CA_BUNDLE", "/nonexistent/ca.pem".to_owned())]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/ca.pem cannot be read"), "{out:?}");
+}
