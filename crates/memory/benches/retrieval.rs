@@ -261,6 +261,25 @@ async fn main() {
         vectors.dims(),
         started.elapsed().as_secs_f64()
     );
+    // The vector ranking alone, for comparison (what fusion adds to each).
+    let provider = compatible(url);
+    let (mut found_in_5, mut reciprocal) = (0.0, 0.0);
+    for question in &questions {
+        let query = provider.embed(&args.model, std::slice::from_ref(&question.text)).await.unwrap();
+        let nearest = vectors.nearest(&query[0], 10);
+        let rank = nearest.iter().position(|(ord, _)| {
+            let (passage, _) = opened.index.passage(*ord, None, 0).unwrap().unwrap();
+            question.relevant.contains(&passage.source)
+        });
+        if rank.is_some_and(|r| r < 5) {
+            found_in_5 += 1.0;
+        }
+        if let Some(rank) = rank {
+            reciprocal += 1.0 / (rank as f64 + 1.0);
+        }
+    }
+    let n = questions.len() as f64;
+    println!("{:<10} recall@5 {:.3}  MRR@10 {:.3}", "vectors", found_in_5 / n, reciprocal / n);
     let fused_quality = quality(&fused, &questions).await;
     report("fused", &fused_quality, latency(&fused, &questions).await, " (the query's embedding included)");
 }
