@@ -64,6 +64,19 @@ impl MemorySettings {
     pub fn is_empty(&self) -> bool {
         self.episodic.is_none() && self.graph.is_none() && self.knowledge.is_empty()
     }
+
+    /// The tools the model gets for documents in `agentic` mode (`search_memory`,
+    /// `read_memory`, `search_<skill>`...), in order.
+    pub fn knowledge_tools(&self) -> Vec<String> {
+        self.knowledge
+            .iter()
+            .filter(|k| k.mode == RetrievalMode::Agentic)
+            .flat_map(|k| {
+                let (search, read) = k.tool_names();
+                [search, read]
+            })
+            .collect()
+    }
 }
 
 /// A folder of documents the agent retrieves from: `memory: { kind: semantic }` (no skill) or a

@@ -482,16 +482,7 @@ pub(crate) fn finish(
 ) -> Option<AgentSpec> {
     // Subagents and the search and read tools of documents are tools too, for approvals and
     // mock scripts to name.
-    let knowledge_tools: Vec<String> = spec
-        .memory
-        .knowledge
-        .iter()
-        .filter(|k| k.mode == keel_core::memory::RetrievalMode::Agentic)
-        .flat_map(|k| {
-            let (search, read) = k.tool_names();
-            [search, read]
-        })
-        .collect();
+    let knowledge_tools = spec.memory.knowledge_tools();
     let command_names: Vec<&str> = command_tools
         .iter()
         .map(|t| t.def.name.as_str())

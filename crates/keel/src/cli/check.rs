@@ -24,16 +24,7 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
             warnings += folders.iter().map(|(_, report)| report.warnings.len()).sum::<usize>();
             let mut tools: Vec<&str> = spec.builtin_tools.iter().map(String::as_str).collect();
             tools.extend(spec.command_tools.iter().map(|t| t.def.name.as_str()));
-            let knowledge_tools: Vec<String> = spec
-                .memory
-                .knowledge
-                .iter()
-                .filter(|k| k.mode == keel_core::memory::RetrievalMode::Agentic)
-                .flat_map(|k| {
-                    let (search, read) = k.tool_names();
-                    [search, read]
-                })
-                .collect();
+            let knowledge_tools = spec.memory.knowledge_tools();
             tools.extend(knowledge_tools.iter().map(String::as_str));
             let tools =
                 if tools.is_empty() { "no tools".to_owned() } else { format!("tools: {}", tools.join(", ")) };
