@@ -43,6 +43,7 @@ pub(crate) struct Metrics {
     delayed_deferred: Counter,
     deliveries: Family<Labels, Counter>,
     replies: Family<Labels, Counter>,
+    human: Family<Labels, Counter>,
     /// The trigger loop's counters, copied into the ones above when the metrics are read.
     triggers: Mutex<Option<Arc<keel_runtime::TriggerStats>>>,
 }
@@ -154,8 +155,15 @@ impl Metrics {
             "Final answers posted back to a channel's platform, by channel and outcome (sent, failed, skipped)",
             replies.clone(),
         );
+        let human = Family::<Labels, Counter>::default();
+        registry.register(
+            "human_inputs",
+            "Approvals and questions, by kind (approval, question) and outcome (requested; approved, rejected, answered: decided over HTTP here)",
+            human.clone(),
+        );
         Metrics {
             registry,
+            human,
             deliveries,
             replies,
             schedule_fires,
@@ -217,6 +225,8 @@ impl Metrics {
             Event::ToolError { .. } => {
                 self.tool_calls.get_or_create(&vec![("outcome", "error".to_owned())]).inc();
             }
+            Event::ApprovalRequested { .. } => self.human_input("approval", "requested"),
+            Event::QuestionAsked { .. } => self.human_input("question", "requested"),
             Event::Usage(usage) => {
                 self.tokens
                     .get_or_create(&vec![("direction", "input".to_owned())])
@@ -227,6 +237,11 @@ impl Metrics {
             }
             _ => {}
         }
+    }
+
+    /// An approval or a question requested, or decided.
+    pub(crate) fn human_input(&self, kind: &str, outcome: &str) {
+        self.human.get_or_create(&vec![("kind", kind.to_owned()), ("outcome", outcome.to_owned())]).inc();
     }
 
     pub(crate) fn run_started(&self) {

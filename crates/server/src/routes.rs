@@ -475,6 +475,12 @@ pub(crate) async fn decide(
         return Err(keel_core::StoreError::not_pending(&id).into());
     };
     check_decision(&pending, &decision)?;
+    let (kind, outcome) = match &decision {
+        Decision::Approve { .. } => ("approval", "approved"),
+        Decision::Reject { .. } => ("approval", "rejected"),
+        Decision::Answer(_) => ("question", "answered"),
+        Decision::TimedOut => ("approval", "timed_out"),
+    };
     let subscriber = state.feeds.subscribe(&session, None).await?;
     let by = identity.describe();
     if state.engine.is_running(&session) {
@@ -484,6 +490,7 @@ pub(crate) async fn decide(
         let handle = state.engine.decide(&id, decision, &by).await?;
         drop(state.feeds.forward(&session, handle));
     }
+    state.metrics.human_input(kind, outcome);
     Ok(sse(subscription(&state, subscriber, Some(pending.run_id))))
 }
 

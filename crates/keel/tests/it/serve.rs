@@ -401,6 +401,11 @@ async fn an_approval_is_decided_over_http_and_the_continued_run_streams() {
             Some("done"),
             "the stream ends while the run waits"
         );
+        let metrics = http.get(server.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(
+            metrics.contains("keel_human_inputs_total{kind=\"approval\",outcome=\"requested\"} 1"),
+            "{metrics}"
+        );
         requested["approvalId"].as_str().unwrap().to_owned()
         // The server stops here: the approval must outlive it.
     };
@@ -420,6 +425,14 @@ async fn an_approval_is_decided_over_http_and_the_continued_run_streams() {
     assert_eq!(kinds.last().map(String::as_str), Some("run.done"));
     let again = http.post(&url).json(&json!({"approved": true})).send().await.unwrap();
     assert_eq!(error_of(again).await, (404, "KEEL_NOT_PENDING".to_owned()));
+    // This server decided it (the request was made by the one before); refused decisions
+    // are not counted.
+    let metrics = http.get(server.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(
+        metrics.contains("keel_human_inputs_total{kind=\"approval\",outcome=\"approved\"} 1"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("outcome=\"requested\""), "{metrics}");
 }
 
 #[tokio::test]
