@@ -158,7 +158,19 @@ pub fn open_or_build(source: &Path, library: &Path) -> Result<OpenIndex, String>
     let dir = library.join(&digest[..32]);
     let (open, built) = match open_version(&dir, &digest) {
         Some(open) => (open, false),
-        None => (build(&found, library, &dir, &digest)?, true),
+        None => match build(&found, library, &dir, &digest) {
+            Ok(open) => (open, true),
+            Err(problem) => {
+                // A read-only disk (a container's image) still gets its documents: indexed in
+                // memory, at each start.
+                tracing::warn!("{problem}: indexing the documents in memory (built again at each start)");
+                (
+                    build_in_memory(&found, &digest)
+                        .map_err(|e| format!("cannot index the documents: {e}"))?,
+                    true,
+                )
+            }
+        },
     };
     let (index, reader, fields, manifest) = open;
     warnings.extend(manifest.warnings.iter().cloned());
@@ -219,7 +231,32 @@ fn build(found: &[documents::Found], library: &Path, dir: &Path, digest: &str) -
 fn write_version(found: &[documents::Found], dir: &Path, digest: &str) -> Result<(), String> {
     let (schema, fields) = schema();
     let index = tantivy::Index::create_in_dir(dir, schema).map_err(|e| e.to_string())?;
-    register_tokenizer(&index);
+    let manifest = fill(&index, fields, found, digest)?;
+    let bytes = serde_json::to_vec(&manifest).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join(MANIFEST), bytes).map_err(|e| e.to_string())
+}
+
+/// The version built in memory, when it cannot be written where versions live.
+fn build_in_memory(found: &[documents::Found], digest: &str) -> Result<Opened, String> {
+    let (schema, fields) = schema();
+    let index = tantivy::Index::create_in_ram(schema);
+    let manifest = fill(&index, fields, found, digest)?;
+    let reader = index
+        .reader_builder()
+        .reload_policy(tantivy::ReloadPolicy::Manual)
+        .try_into()
+        .map_err(|e: tantivy::TantivyError| e.to_string())?;
+    Ok((index, reader, fields, manifest))
+}
+
+/// Reads and chunks the documents into `index`; what it holds, as its manifest says.
+fn fill(
+    index: &tantivy::Index,
+    fields: Fields,
+    found: &[documents::Found],
+    digest: &str,
+) -> Result<Manifest, String> {
+    register_tokenizer(index);
     let mut writer: tantivy::IndexWriter =
         index.writer_with_num_threads(1, 64 * 1024 * 1024).map_err(|e| e.to_string())?;
     let mut manifest = Manifest {
@@ -259,8 +296,7 @@ fn write_version(found: &[documents::Found], dir: &Path, digest: &str) -> Result
     }
     writer.commit().map_err(|e| e.to_string())?;
     writer.wait_merging_threads().map_err(|e| e.to_string())?;
-    let bytes = serde_json::to_vec(&manifest).map_err(|e| e.to_string())?;
-    std::fs::write(dir.join(MANIFEST), bytes).map_err(|e| e.to_string())
+    Ok(manifest)
 }
 
 fn passage_hash(title: &str, text: &str) -> String {
@@ -472,6 +508,10 @@ impl OpenIndex {
     /// Removes the library's other versions (an older content of the folder), now that this
     /// one is complete; a process still reading one keeps its open files.
     pub fn prune_others(&self) {
+        // An index in memory (its folder could not be written) leaves the folder alone.
+        if !self.dir.is_dir() {
+            return;
+        }
         let Some(library) = self.dir.parent() else { return };
         let Ok(entries) = std::fs::read_dir(library) else { return };
         for entry in entries.filter_map(Result::ok) {

@@ -381,3 +381,18 @@ fn vectors_round_trip_and_damaged_files_are_refused() {
     assert!(Vectors::read(&path).is_none());
     assert!(Vectors::new(vec![vec![1.0], vec![1.0, 2.0]]).is_none());
 }
+
+#[tokio::test]
+async fn an_index_folder_that_cannot_be_written_leaves_the_documents_indexed_in_memory() {
+    let docs = folder(&[("refunds.md", REFUNDS.as_bytes())]);
+    // A file where the index folder should be: nothing can be created under it.
+    let blocked = tempfile::NamedTempFile::new().unwrap();
+    let embedder = ConceptEmbedder::new(false);
+    let library = library(docs.path(), blocked.path(), embedder.clone(), Embeddings::Auto);
+    let opened = library.open().await.unwrap();
+    assert!(opened.index.built && opened.vectors.is_some());
+    let found = library.search("gift cards", 1).await.unwrap();
+    assert_eq!(ids(&found), ["refunds.md#2"]);
+    assert_eq!(found.ranking, "fused");
+    assert_eq!(std::fs::metadata(blocked.path()).unwrap().len(), 0, "nothing written");
+}
