@@ -11,7 +11,7 @@
 //!
 //! ```text
 //! bench/retrieval/fetch.sh                    # corpus and model into target/retrieval
-//! python3 bench/retrieval/embed_server.py target/retrieval/minilm 8089 &
+//! target/retrieval/venv/bin/python bench/retrieval/embed_server.py target/retrieval/minilm 8089 &
 //! cargo bench -p keel-memory --bench retrieval -- --corpus target/retrieval/sotu \
 //!     --embeddings http://127.0.0.1:8089/v1
 //! ```

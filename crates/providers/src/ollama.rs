@@ -61,6 +61,13 @@ pub fn host_url(host: &str) -> String {
 }
 
 impl OllamaChat {
+    /// A request's headers: the key as a bearer token when set, then the spec's.
+    fn headers(&self) -> Result<reqwest::header::HeaderMap, ProviderError> {
+        let auth = self.api_key.as_ref().map(|key| format!("Bearer {key}"));
+        let pairs: Vec<(&str, &str)> = auth.iter().map(|auth| ("authorization", auth.as_str())).collect();
+        http::headers("ollama", &pairs, &self.settings.headers)
+    }
+
     /// A client of `{base_url}/api/chat`. `api_key` is sent as a bearer token when set (for
     /// an Ollama behind an authenticating proxy, or ollama.com).
     pub fn new(base_url: &str, api_key: Option<String>, settings: ProviderSettings) -> OllamaChat {
@@ -191,12 +198,7 @@ impl Provider for OllamaChat {
     ) -> BoxFuture<'a, Result<ModelReply, ProviderError>> {
         Box::pin(async move {
             let body = self.request_body(&request)?;
-            let auth = self.api_key.as_ref().map(|key| format!("Bearer {key}"));
-            let mut pairs: Vec<(&str, &str)> = Vec::new();
-            if let Some(auth) = &auth {
-                pairs.push(("authorization", auth));
-            }
-            let headers = http::headers("ollama", &pairs, &self.settings.headers)?;
+            let headers = self.headers()?;
             let key = self.api_key.as_deref();
             let mut response =
                 http::post("ollama", &self.url, headers, &body).await.map_err(|e| http::redact(e, key))?;
@@ -222,12 +224,7 @@ impl Provider for OllamaChat {
         inputs: &'a [String],
     ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, ProviderError>> {
         Box::pin(async move {
-            let auth = self.api_key.as_ref().map(|key| format!("Bearer {key}"));
-            let mut pairs: Vec<(&str, &str)> = Vec::new();
-            if let Some(auth) = &auth {
-                pairs.push(("authorization", auth));
-            }
-            let headers = http::headers("ollama", &pairs, &self.settings.headers)?;
+            let headers = self.headers()?;
             let key = self.api_key.as_deref();
             crate::embed::embed(
                 "ollama",

@@ -87,6 +87,18 @@ impl OpenAiChat {
         &self.url
     }
 
+    /// A request's headers: the key, `extra`, the flavor's own, the spec's.
+    fn headers(&self, extra: Option<(&str, &str)>) -> Result<reqwest::header::HeaderMap, ProviderError> {
+        let auth = self.api_key.as_ref().map(|key| format!("Bearer {key}"));
+        let mut pairs: Vec<(&str, &str)> = Vec::new();
+        if let Some(auth) = &auth {
+            pairs.push(("authorization", auth));
+        }
+        pairs.extend(extra);
+        pairs.extend(self.fixed_headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        http::headers(self.flavor.name(), &pairs, &self.settings.headers)
+    }
+
     /// The JSON body of a request.
     pub fn request_body(&self, request: &ModelRequest<'_>) -> Result<Value, ProviderError> {
         let settings = &self.settings;
@@ -274,16 +286,7 @@ impl Provider for OpenAiChat {
         Box::pin(async move {
             let provider = self.flavor.name();
             let body = self.request_body(&request)?;
-            let auth = self.api_key.as_ref().map(|key| format!("Bearer {key}"));
-            let mut pairs: Vec<(&str, &str)> = Vec::new();
-            if let Some(auth) = &auth {
-                pairs.push(("authorization", auth));
-            }
-            pairs.push(("accept", "text/event-stream"));
-            let fixed: Vec<(&str, &str)> =
-                self.fixed_headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-            pairs.extend(fixed);
-            let headers = http::headers(provider, &pairs, &self.settings.headers)?;
+            let headers = self.headers(Some(("accept", "text/event-stream")))?;
             let key = self.api_key.as_deref();
             let mut response =
                 http::post(provider, &self.url, headers, &body).await.map_err(|e| http::redact(e, key))?;
@@ -317,15 +320,7 @@ impl Provider for OpenAiChat {
     ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, ProviderError>> {
         Box::pin(async move {
             let provider = self.flavor.name();
-            let auth = self.api_key.as_ref().map(|key| format!("Bearer {key}"));
-            let mut pairs: Vec<(&str, &str)> = Vec::new();
-            if let Some(auth) = &auth {
-                pairs.push(("authorization", auth));
-            }
-            let fixed: Vec<(&str, &str)> =
-                self.fixed_headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-            pairs.extend(fixed);
-            let headers = http::headers(provider, &pairs, &self.settings.headers)?;
+            let headers = self.headers(None)?;
             let key = self.api_key.as_deref();
             crate::embed::embed(
                 provider,

@@ -2,12 +2,12 @@
 //! OpenAI-compatible model that reads what it is sent), repair turns, per-run limits over HTTP,
 //! stop conditions and the session state.
 
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 
 use keel_testkit::{Recorded, Reply, WireServer};
 use serde_json::{Value, json};
 
+use crate::memory::keel_run;
 use crate::serve::{Served, client, error_of, read_sse, sqlite};
 use crate::support::{agent_dir, keel_on_store};
 
@@ -171,16 +171,6 @@ async fn two_hundred_turns_stay_under_the_message_budget_and_every_call_keeps_it
     ));
 }
 
-/// `keel run` on `dir` with `env`, to its end.
-fn keel_run(dir: &std::path::Path, input: &str, env: &[(&str, &str)]) -> std::process::Output {
-    let mut command = keel_on_store(dir, &["run", ".", input, "--session", "s"]);
-    command.env("OPENAI_API_KEY", "sk-fake").stdin(Stdio::null());
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    command.output().unwrap()
-}
-
 // Multi-threaded: the fake model answers while the test waits on `keel run` processes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_killed_right_after_a_brief_never_pays_for_that_brief_again() {
@@ -188,21 +178,21 @@ async fn a_process_killed_right_after_a_brief_never_pays_for_that_brief_again() 
     let dir =
         agent_dir(&[("agent.yaml", &compacting_agent(&model.url(), "{ max_messages: 4, keep_recent: 2 }"))]);
     for turn in 0..2 {
-        let out = keel_run(dir.path(), &format!("day? {turn}"), &[]);
+        let out = keel_run(dir.path(), "s", &format!("day? {turn}"), &[]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     }
     let asked = |model: &WireServer| model.requests().len();
     let before = asked(&model);
     // The third run compacts first (its input makes 9 messages, over 4): the process dies right
     // after the brief's commit, before the turn it was for.
-    let out = keel_run(dir.path(), "day? 2", &[("KEEL_FAULT", "after_commit:llm:compact:0")]);
+    let out = keel_run(dir.path(), "s", "day? 2", &[("KEEL_FAULT", "after_commit:llm:compact:0")]);
     assert!(!out.status.success(), "the fault point did not fire");
     let at_kill = asked(&model);
     assert_eq!(at_kill, before + 1, "the killed process asked for one brief, then died");
     assert!(seen(&model.requests()[at_kill - 1]).brief);
     // The next input finishes the interrupted run first (its process is provably gone), from
     // its journal: the brief is not asked for again, and the turn sees it.
-    let out = keel_run(dir.path(), "day? 3", &[]);
+    let out = keel_run(dir.path(), "s", "day? 3", &[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let requests = model.requests();
     let next = seen(&requests[at_kill]);

@@ -41,7 +41,8 @@ fn purpose(request: &Recorded) -> Purpose {
     }
 }
 
-fn text_reply(text: &str) -> Reply {
+/// One streamed OpenAI chat completion answering `text` (10 tokens in, 5 out).
+pub(crate) fn text_reply(text: &str) -> Reply {
     let chunk = json!({
         "id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": "fake",
         "choices": [{ "index": 0, "delta": { "role": "assistant", "content": text }, "finish_reason": "stop" }],
@@ -92,7 +93,13 @@ fn agent(base_url: &str) -> String {
     )
 }
 
-fn keel_run(dir: &std::path::Path, session: &str, input: &str, env: &[(&str, &str)]) -> std::process::Output {
+/// `keel run . <input> --session <session>` in `dir` on its SQLite store, with a fake OpenAI key.
+pub(crate) fn keel_run(
+    dir: &std::path::Path,
+    session: &str,
+    input: &str,
+    env: &[(&str, &str)],
+) -> std::process::Output {
     let mut command = keel_on_store(dir, &["run", ".", input, "--session", session]);
     command.env("OPENAI_API_KEY", "sk-fake").stdin(Stdio::null());
     for (key, value) in env {

@@ -3,11 +3,10 @@
 //! text, a killed run that never embeds its query again, search and read tools (`agentic`)
 //! over `keel serve` with the mock model, and `keel check` on bad folders and settings.
 
-use std::process::Stdio;
-
 use keel_testkit::{Recorded, Reply, WireServer};
 use serde_json::{Value, json};
 
+use crate::memory::{keel_run, text_reply};
 use crate::serve::{Served, client, read_sse, sqlite};
 use crate::support::{agent_dir, keel, keel_on_store};
 
@@ -24,14 +23,6 @@ fn embedding(text: &str) -> Vec<f32> {
         CONCEPTS.iter().map(|words| words.iter().filter(|w| text.contains(*w)).count() as f32).collect();
     vector.push(0.1);
     vector
-}
-
-fn text_reply(text: &str) -> Reply {
-    let chunk = json!({
-        "id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": "fake",
-        "choices": [{ "index": 0, "delta": { "role": "assistant", "content": text }, "finish_reason": "stop" }],
-    });
-    Reply::sse(format!("data: {chunk}\n\ndata: [DONE]\n\n"))
 }
 
 /// A fake OpenAI server: `/v1/embeddings` embeds by concepts, chat turns answer "Noted.".
@@ -82,15 +73,6 @@ fn inject_agent(base_url: &str) -> String {
     )
 }
 
-fn keel_run(dir: &std::path::Path, input: &str, env: &[(&str, &str)]) -> std::process::Output {
-    let mut command = keel_on_store(dir, &["run", ".", input, "--session", "s"]);
-    command.env("OPENAI_API_KEY", "sk-fake").stdin(Stdio::null());
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    command.output().unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_best_passages_join_the_context_ranked_by_full_text_and_embeddings_and_a_killed_run_never_embeds_again()
  {
@@ -102,7 +84,7 @@ async fn the_best_passages_join_the_context_ranked_by_full_text_and_embeddings_a
         ("memory/money.md", MONEY),
     ]);
     // "money back" shares no word with the refund policy: the embeddings find it.
-    let out = keel_run(dir.path(), "Can I get my money back?", &[]);
+    let out = keel_run(dir.path(), "s", "Can I get my money back?", &[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "Noted.");
     let seen = turns(&model);
@@ -123,12 +105,16 @@ async fn the_best_passages_join_the_context_ranked_by_full_text_and_embeddings_a
     // Killed right after its retrieval is journaled: the next process finishes that run from
     // its journal (no query embedded for it again, no passage embedded again: the index and its
     // vectors are on disk), then makes the new run's own retrieval.
-    let out =
-        keel_run(dir.path(), "Is a gift card refunded?", &[("KEEL_FAULT", "after_commit:memory:retrieve")]);
+    let out = keel_run(
+        dir.path(),
+        "s",
+        "Is a gift card refunded?",
+        &[("KEEL_FAULT", "after_commit:memory:retrieve")],
+    );
     assert!(!out.status.success(), "the fault point did not fire");
     assert_eq!(embedded(&model), [4, 1, 1]);
     assert_eq!(turns(&model).len(), 1);
-    let out = keel_run(dir.path(), "When do parcels leave?", &[]);
+    let out = keel_run(dir.path(), "s", "When do parcels leave?", &[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(embedded(&model), [4, 1, 1, 1], "one query embedding per run, passages never again");
     let seen = turns(&model);

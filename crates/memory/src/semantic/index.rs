@@ -299,6 +299,12 @@ fn fill(
     Ok(manifest)
 }
 
+/// The name of a version's file of `model`'s vectors.
+fn vectors_file(model: &str) -> String {
+    let hash = hex::encode(Sha256::digest(model.as_bytes()));
+    format!("vectors-{}.bin", &hash[..16])
+}
+
 fn passage_hash(title: &str, text: &str) -> String {
     let mut hasher = Sha256::new();
     hasher.update(title.as_bytes());
@@ -459,8 +465,7 @@ impl OpenIndex {
 
     /// Where this version keeps `model`'s vectors.
     pub fn vectors_path(&self, model: &str) -> PathBuf {
-        let hash = hex::encode(Sha256::digest(model.as_bytes()));
-        self.dir.join(format!("vectors-{}.bin", &hash[..16]))
+        self.dir.join(vectors_file(model))
     }
 
     /// `model`'s vectors of this version, when they were made.
@@ -486,10 +491,7 @@ impl OpenIndex {
             else {
                 continue;
             };
-            let hash = hex::encode(Sha256::digest(model.as_bytes()));
-            let Some(vectors) = Vectors::read(&dir.join(format!("vectors-{}.bin", &hash[..16]))) else {
-                continue;
-            };
+            let Some(vectors) = Vectors::read(&dir.join(vectors_file(model))) else { continue };
             if vectors.len() != manifest.passages.len() {
                 continue;
             }
