@@ -2,6 +2,8 @@
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "the CLI is where output belongs")]
 
 mod approvals;
+mod build;
+mod bundle;
 mod cancel;
 mod chat;
 mod check;
@@ -99,6 +101,16 @@ enum Command {
     /// relations).
     #[command(subcommand)]
     Memory(MemoryCommand),
+    /// Build an agent into something to deploy: one executable that serves it (`native`), or a
+    /// Docker build context for an image holding that executable and nothing else (`docker`).
+    Build(BuildArgs),
+    /// Exit 0 when the `keel serve` that HOST and PORT name answers `/health` (the docker
+    /// image's HEALTHCHECK).
+    Health {
+        /// Ask this URL instead (`http://127.0.0.1:3000/health`).
+        #[arg(long)]
+        url: Option<String>,
+    },
     /// Print a shell completion script: `keel completions bash > /etc/bash_completion.d/keel`.
     Completions {
         /// The shell.
@@ -421,6 +433,42 @@ pub(crate) struct McpArgs {
     pub(crate) model: Option<String>,
 }
 
+/// Arguments of `keel build`.
+#[derive(clap::Args)]
+pub(crate) struct BuildArgs {
+    /// The agent: a directory with agent.yaml, or a spec file (.yaml, .toml, .json), which is
+    /// packed with the directory it is in.
+    pub(crate) agent: PathBuf,
+    /// What to build.
+    #[arg(long, value_enum, default_value = "native")]
+    pub(crate) target: BuildTarget,
+    /// Where to write it (default `.keel/build/<target>`).
+    #[arg(long)]
+    pub(crate) out: Option<PathBuf>,
+    /// The keel executable the artifact is made from (default: this one). Give a statically
+    /// linked keel to make the docker image a single file.
+    #[arg(long)]
+    pub(crate) keel: Option<PathBuf>,
+}
+
+/// The targets of `keel build`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum BuildTarget {
+    /// One executable with the agent inside, for this kind of machine.
+    Native,
+    /// A Docker build context: an image FROM scratch, non-root, serving on 0.0.0.0:3000.
+    Docker,
+}
+
+impl BuildTarget {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            BuildTarget::Native => "native",
+            BuildTarget::Docker => "docker",
+        }
+    }
+}
+
 /// Arguments of `keel check`.
 #[derive(clap::Args)]
 pub(crate) struct CheckArgs {
@@ -437,7 +485,14 @@ pub(crate) fn main() -> ExitCode {
     // First, while keel has one thread: the environment may be changed safely only then.
     #[cfg(target_os = "linux")]
     secrets::scrub_environment_block();
-    let cli = Cli::parse();
+    let arguments = match bundle::command_line() {
+        Ok(arguments) => arguments,
+        Err(error) => {
+            eprintln!("error: cannot open the agent this executable carries: {error}");
+            return ExitCode::from(exit::INVALID_AGENT);
+        }
+    };
+    let cli = Cli::parse_from(arguments);
     init_logging(if matches!(cli.command, Command::Serve(_)) { "info" } else { "warn" });
     hide_from_tools();
     if let Err(error) = keel_providers::ca_bundle() {
@@ -456,6 +511,8 @@ pub(crate) fn main() -> ExitCode {
         Command::Schedules(command) => triggers::schedules(command),
         Command::Runs(command) => triggers::runs(command),
         Command::Memory(command) => memory::memory(command),
+        Command::Build(args) => build::build(&args),
+        Command::Health { url } => build::health(url.as_deref()),
         Command::Completions { shell } => {
             // Into a buffer first: the generator panics when its writer fails (`| head`).
             let mut command = <Cli as clap::CommandFactory>::command();

@@ -2,6 +2,7 @@
 
 mod api;
 mod approvals;
+mod build;
 mod channels;
 mod cli;
 mod durability;

@@ -42,13 +42,21 @@ impl Served {
         for (key, value) in env {
             command.env(key, value);
         }
+        Served::spawn(command)
+    }
+
+    /// Starts `command`, a `keel serve` (or an artifact of `keel build` serving), and waits
+    /// for the address it prints.
+    pub(crate) fn spawn(mut command: Command) -> Served {
+        command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = command.spawn().unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let mut base = None;
         for line in lines.by_ref() {
             let line = line.unwrap();
             if let Some(at) = line.find("http://").filter(|_| line.starts_with("keel serve: agent")) {
-                let address = line[at..].split_whitespace().next().unwrap().to_owned();
+                // A server on every address is reached on this machine's.
+                let address = line[at..].split_whitespace().next().unwrap().replace("0.0.0.0", "127.0.0.1");
                 base = Some(address);
                 break;
             }
