@@ -89,6 +89,9 @@ env_vars! {
     /// Extra root certificates.
     CA_BUNDLE = "KEEL_CA_BUNDLE", Runtime, "unset",
         "a PEM file of root certificates trusted besides the system's, for model providers (a company proxy or a private CA); a file that is not PEM stops keel at start";
+    /// Content in spans.
+    OTEL_RECORD_CONTENT = "KEEL_OTEL_RECORD_CONTENT", Runtime, "`false`",
+        "`true` puts prompts, replies and tool inputs and results into the OpenTelemetry spans (off: spans carry names, models, token counts, ids and errors only)";
     /// Where document indexes live.
     INDEX_DIR = "KEEL_INDEX_DIR", Runtime, "`.keel/index`",
         "where the indexes of semantic memory and skills' knowledge are kept (one folder per documents folder, a version per content); instances that share it share them";

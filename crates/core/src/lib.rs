@@ -33,6 +33,7 @@ pub mod persist;
 pub mod provider;
 pub mod schedule;
 pub mod store;
+pub mod telemetry;
 pub mod tool;
 pub mod wire;
 
@@ -50,7 +51,7 @@ pub use ids::{RunId, SessionId, StepName};
 pub use loop_control::{Compaction, Hooks, LoopControl, StepFinished, TurnContext, TurnPlan};
 pub use message::{Message, Part, Role};
 pub use provider::{
-    CallPurpose, DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind,
+    CallPurpose, DeltaSink, ModelReply, ModelRequest, Provider, ProviderError, ProviderErrorKind, ReplyInfo,
 };
 pub use store::{
     Claim, Committed, DecidedInput, DelayedRun, DelayedRunRecord, DelayedState, Fence, LeaseStatus, OpenRun,

@@ -66,6 +66,16 @@ pub struct ModelReply {
     pub usage: Usage,
 }
 
+/// What a provider said of its reply besides its content: for traces (`gen_ai.response.*`),
+/// never journaled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplyInfo<'a> {
+    /// The model that answered, as the provider names it (`gpt-4o-mini-2024-07-18`).
+    pub response_model: Option<&'a str>,
+    /// Why it stopped, in the provider's words (`stop`, `tool_calls`, `end_turn`, `length`).
+    pub finish_reason: Option<&'a str>,
+}
+
 /// Receives text as the model streams it. Called on the task driving the run.
 pub trait DeltaSink: Send {
     /// A new piece of the answer's text.
@@ -73,6 +83,9 @@ pub trait DeltaSink: Send {
 
     /// A new piece of the model's reasoning (thinking), for models that show it.
     fn reasoning_delta(&mut self, _delta: &str) {}
+
+    /// Once the reply is complete: what the provider said of it.
+    fn reply_info(&mut self, _info: ReplyInfo<'_>) {}
 }
 
 /// A sink that drops every delta (for callers that only want the final reply).

@@ -328,6 +328,8 @@ struct BlockJson<'a> {
 struct MessageJson {
     #[serde(default)]
     usage: Option<UsageJson>,
+    #[serde(default)]
+    model: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -373,7 +375,7 @@ impl MessagesStream {
             ));
         }
         last?;
-        Ok(self.state.reply.finish())
+        Ok(self.state.reply.finish(sink))
     }
 }
 
@@ -393,8 +395,11 @@ impl State {
         })?;
         match &*parsed.kind {
             "message_start" => {
-                if let Some(usage) = parsed.message.and_then(|m| m.usage) {
-                    self.usage(&usage);
+                if let Some(message) = parsed.message {
+                    self.reply.answered_by(message.model.as_deref());
+                    if let Some(usage) = message.usage {
+                        self.usage(&usage);
+                    }
                 }
             }
             "content_block_start" => {
@@ -465,8 +470,8 @@ impl State {
                 if let Some(usage) = parsed.usage {
                     self.usage(&usage);
                 }
-                if parsed.delta.is_some_and(|d| d.stop_reason.is_some()) {
-                    self.reply.finished = true;
+                if let Some(reason) = parsed.delta.as_ref().and_then(|d| d.stop_reason.as_deref()) {
+                    self.reply.stopped(reason);
                 }
             }
             "message_stop" => self.stopped = true,

@@ -16,7 +16,7 @@ const ERROR_BODY_LIMIT: usize = 64 * 1024;
 /// certificates and those of `KEEL_CA_BUNDLE`; through the proxy `HTTPS_PROXY`/`HTTP_PROXY`/
 /// `ALL_PROXY` name, except for the hosts of `NO_PROXY` (reqwest reads them). Certificate
 /// verification cannot be turned off.
-pub(crate) fn client() -> &'static reqwest::Client {
+pub fn client() -> &'static reqwest::Client {
     static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
     CLIENT.get_or_init(|| {
         let roots = match ca_bundle() {
@@ -97,14 +97,13 @@ pub(crate) async fn post(
     body: &Value,
 ) -> Result<reqwest::Response, ProviderError> {
     let body = serde_json::to_vec(body).expect("a JSON value always serializes");
-    let response = client()
-        .post(url)
-        .headers(headers)
-        .header(CONTENT_TYPE, "application/json")
-        .body(body)
-        .send()
-        .await
-        .map_err(|error| transport_error(provider, url, &error))?;
+    let mut request = client().post(url).headers(headers).header(CONTENT_TYPE, "application/json");
+    // The call's trace context (`traceparent`), when spans are on: the provider's own traces
+    // join the run's.
+    for (name, value) in keel_core::telemetry::trace_headers() {
+        request = request.header(name, value);
+    }
+    let response = request.body(body).send().await.map_err(|error| transport_error(provider, url, &error))?;
     let status = response.status();
     if status.is_success() {
         return Ok(response);

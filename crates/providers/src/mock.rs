@@ -125,6 +125,11 @@ fn reply_with_text(
     // A rough, deterministic estimate: serializing inputs just to count them costs more than
     // the estimate is worth.
     let output_chars = text.len() + 24 * calls.len();
+    let finish_reason = if calls.is_empty() { "stop" } else { "tool_calls" };
+    sink.reply_info(keel_core::ReplyInfo {
+        response_model: Some("mock"),
+        finish_reason: Some(finish_reason),
+    });
     let mut parts = Vec::with_capacity(calls.len() + 1);
     if !text.is_empty() {
         parts.push(Part::Text(text.to_owned()));

@@ -257,6 +257,10 @@ struct LineJson<'a> {
     message: Option<MessageJson<'a>>,
     #[serde(default)]
     done: bool,
+    #[serde(default, borrow)]
+    done_reason: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    model: Option<Text<'a>>,
     #[serde(default)]
     prompt_eval_count: Option<u64>,
     #[serde(default)]
@@ -314,7 +318,7 @@ impl ChatLines {
             ));
         }
         last?;
-        Ok(self.reply.finish())
+        Ok(self.reply.finish(sink))
     }
 }
 
@@ -346,8 +350,9 @@ fn on_line(line: &str, reply: &mut ReplyBuilder, sink: &mut dyn DeltaSink) -> Re
             reply.whole_call(call.id.as_deref(), &call.function.name, input);
         }
     }
+    reply.answered_by(parsed.model.as_deref());
     if parsed.done {
-        reply.finished = true;
+        reply.stopped(parsed.done_reason.as_deref().unwrap_or("stop"));
         reply.usage.input_tokens = parsed.prompt_eval_count.unwrap_or(0);
         reply.usage.output_tokens = parsed.eval_count.unwrap_or(0);
     }

@@ -351,6 +351,8 @@ pub struct ChatStream {
 struct Chunk<'a> {
     #[serde(default, borrow)]
     choices: Vec<Choice<'a>>,
+    #[serde(default, borrow)]
+    model: Option<Text<'a>>,
     #[serde(default)]
     usage: Option<UsageJson>,
     #[serde(default)]
@@ -442,7 +444,7 @@ impl ChatStream {
             ));
         }
         last?;
-        Ok(self.reply.finish())
+        Ok(self.reply.finish(sink))
     }
 }
 
@@ -476,6 +478,7 @@ fn on_event(
 }
 
 fn apply_chunk(chunk: Chunk<'_>, reply: &mut ReplyBuilder, sink: &mut dyn DeltaSink) {
+    reply.answered_by(chunk.model.as_deref());
     if let Some(usage) = chunk.usage {
         reply.usage = Usage { input_tokens: usage.prompt_tokens, output_tokens: usage.completion_tokens };
     }
@@ -503,8 +506,8 @@ fn apply_chunk(chunk: Chunk<'_>, reply: &mut ReplyBuilder, sink: &mut dyn DeltaS
                 );
             }
         }
-        if choice.finish_reason.is_some() {
-            reply.finished = true;
+        if let Some(reason) = &choice.finish_reason {
+            reply.stopped(reason);
         }
     }
 }
@@ -544,5 +547,5 @@ fn complete_from_json(
     }
     let mut reply = ReplyBuilder::default();
     apply_chunk(chunk, &mut reply, sink);
-    Ok(reply.finish())
+    Ok(reply.finish(sink))
 }

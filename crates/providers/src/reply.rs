@@ -68,9 +68,30 @@ pub(crate) struct ReplyBuilder {
     pub(crate) usage: Usage,
     /// The provider said why it stopped (`finish_reason`, `stop_reason`, `done`).
     pub(crate) finished: bool,
+    /// Why, in its words, when it said.
+    pub(crate) finish_reason: Option<String>,
+    /// The model that answered, when the provider named it.
+    pub(crate) response_model: Option<String>,
 }
 
 impl ReplyBuilder {
+    /// Why the provider stopped: the reply is complete.
+    pub(crate) fn stopped(&mut self, reason: &str) {
+        self.finished = true;
+        if self.finish_reason.is_none() {
+            self.finish_reason = Some(reason.to_owned());
+        }
+    }
+
+    /// The model the provider says answered (the first it names).
+    pub(crate) fn answered_by(&mut self, model: Option<&str>) {
+        if self.response_model.is_none()
+            && let Some(model) = model.filter(|m| !m.is_empty())
+        {
+            self.response_model = Some(model.to_owned());
+        }
+    }
+
     /// A piece of the answer's text.
     pub(crate) fn text(&mut self, delta: &str, sink: &mut dyn DeltaSink) {
         if delta.is_empty() {
@@ -182,7 +203,11 @@ impl ReplyBuilder {
     ///
     /// Arguments that are empty (a tool without parameters) become `{}`; arguments that are not
     /// JSON are kept as a JSON string, which the run turns into a tool error the model can fix.
-    pub(crate) fn finish(self) -> ModelReply {
+    pub(crate) fn finish(self, sink: &mut dyn DeltaSink) -> ModelReply {
+        sink.reply_info(keel_core::ReplyInfo {
+            response_model: self.response_model.as_deref(),
+            finish_reason: self.finish_reason.as_deref(),
+        });
         let mut parts: Vec<Part> = self
             .parts
             .into_iter()

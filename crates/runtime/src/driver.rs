@@ -36,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admission::{Admission, SessionClaim};
 use crate::handle::{Admitted, RunHandle, RunResult, tell_admitted};
 use crate::shared::{Shared, nobody_drives};
+use crate::spans;
 
 /// How a run begins.
 pub(crate) enum Plan {
@@ -78,21 +79,48 @@ pub(crate) async fn run_guarded(
     events: UnboundedSender<Event>,
     admitted: Admitted,
     cancel: CancellationToken,
+    parent: Option<opentelemetry::Context>,
 ) -> Result<RunResult, RunFailure> {
     use futures::FutureExt;
+    use opentelemetry::trace::FutureExt as _;
     let run_id = plan.run_id().clone();
     let epoch = AtomicU64::new(0);
     // Boxed: the run's future is large, and boxing it once is cheaper than moving it through
     // the panic guard and into the task.
     let future = Box::pin(run(Arc::clone(&shared), plan, events.clone(), admitted, cancel, &epoch));
-    match std::panic::AssertUnwindSafe(future).catch_unwind().await {
+    let guarded = std::panic::AssertUnwindSafe(future).catch_unwind();
+    let span = spans::invoke_agent(parent.as_ref(), &shared.agent(), &run_id);
+    let outcome = match span.clone() {
+        Some(context) => guarded.with_context(context).await,
+        None => guarded.await,
+    };
+    let result = guarded_result(&shared, &run_id, &epoch, &events, outcome).await;
+    spans::end_run(
+        span,
+        match &result {
+            Ok(done) => Ok(done.usage),
+            Err(failure) => Err((failure.code, &failure.message)),
+        },
+    );
+    result
+}
+
+/// The result of a run's task, a panic turned into a failure (its lease released).
+async fn guarded_result(
+    shared: &Shared,
+    run_id: &RunId,
+    epoch: &AtomicU64,
+    events: &UnboundedSender<Event>,
+    outcome: std::thread::Result<Result<RunResult, RunFailure>>,
+) -> Result<RunResult, RunFailure> {
+    match outcome {
         Ok(result) => result,
         Err(panic) => {
             let message = panic_text(&*panic);
             tracing::error!(run = %run_id, %message, "the run's task panicked");
             let held = epoch.load(Ordering::SeqCst);
             if held > 0 {
-                let release = shared.store.renew_lease(&run_id, &shared.owner, held, Duration::ZERO).await;
+                let release = shared.store.renew_lease(run_id, &shared.owner, held, Duration::ZERO).await;
                 if let Err(error) = release {
                     tracing::warn!(run = %run_id, %error, "could not release the crashed run's lease");
                 }
@@ -124,6 +152,7 @@ async fn run(
     let result = match prepare(&shared, plan, &cancel, &mut admitted).await {
         Ok(prepared) => {
             epoch.store(prepared.epoch.unwrap_or(0), Ordering::SeqCst);
+            spans::conversation(&prepared.session);
             if prepared.new_run.is_none() {
                 // A resumed run is admitted once claimed; a new one once stored.
                 tell_admitted(&mut admitted, Ok(()));
@@ -179,7 +208,9 @@ fn drive_nested(shared: &Arc<Shared>, plan: Plan) -> BoxFuture<'static, Result<R
         if let Some(observer) = shared.observer() {
             observer(handle);
         }
-        let result = run_guarded(Arc::clone(&shared), plan, event_tx, Some(admitted_tx), cancel).await;
+        let result =
+            run_guarded(Arc::clone(&shared), plan, event_tx, Some(admitted_tx), cancel, spans::parent())
+                .await;
         let _ = result_tx.send(result.clone());
         result
     })
@@ -1072,7 +1103,12 @@ impl Driver<'_> {
             idempotency_key: step.idempotency_key(&self.run_id),
             state: state.clone(),
         };
-        let mut task = AbortOnDrop(tokio::spawn(async move { tool.call(input, &ctx).await }));
+        let span = spans::execute_tool(&name, &call_id, &input);
+        let work = async move { tool.call(input, &ctx).await };
+        let mut task = AbortOnDrop(match span.clone() {
+            Some(context) => tokio::spawn(opentelemetry::trace::FutureExt::with_context(work, context)),
+            None => tokio::spawn(work),
+        });
         Box::pin(async move {
             let outcome = match tokio::time::timeout(timeout, &mut task.0).await {
                 Ok(Ok(outcome)) => outcome,
@@ -1089,6 +1125,7 @@ impl Driver<'_> {
                     true,
                 )),
             };
+            spans::end_tool(span, &outcome);
             // A failed call's state replacement is dropped with it.
             let new_state = if outcome.is_ok() { state.commit_staged() } else { None };
             (step, call_id, outcome, new_state)
@@ -1246,6 +1283,29 @@ impl DeltaSink for EventSink<'_> {
     }
 }
 
+/// A model call's sink that also keeps what the provider said of its reply, for its span.
+struct Observed<'a> {
+    inner: &'a mut dyn DeltaSink,
+    /// `None` while spans are off.
+    answered: Option<spans::Answered>,
+}
+
+impl DeltaSink for Observed<'_> {
+    fn text_delta(&mut self, delta: &str) {
+        self.inner.text_delta(delta);
+    }
+
+    fn reasoning_delta(&mut self, delta: &str) {
+        self.inner.reasoning_delta(delta);
+    }
+
+    fn reply_info(&mut self, info: keel_core::ReplyInfo<'_>) {
+        if let Some(answered) = &mut self.answered {
+            answered.record(info);
+        }
+    }
+}
+
 /// The longest `Retry-After` keel honours when `retry.max_backoff` is shorter.
 const LONGEST_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -1283,14 +1343,29 @@ async fn call_model(
             "model request"
         );
         let started = std::time::Instant::now();
-        let result = match tokio::time::timeout(timeout, shared.provider.complete(request, &mut *sink)).await
-        {
+        let span = spans::chat(machine.agent(), &request);
+        let mut sink =
+            Observed { inner: &mut *sink, answered: span.as_ref().map(|_| spans::Answered::default()) };
+        let call = tokio::time::timeout(timeout, shared.provider.complete(request, &mut sink));
+        let result = match span.clone() {
+            Some(context) => opentelemetry::trace::FutureExt::with_context(call, context).await,
+            None => call.await,
+        };
+        let result = match result {
             Ok(result) => result,
             Err(_elapsed) => Err(ProviderError::new(
                 ProviderErrorKind::Timeout,
                 format!("no reply within {timeout:?} (`limits.provider_timeout`)"),
             )),
         };
+        let answered = sink.answered.unwrap_or_default();
+        spans::end_chat(
+            span,
+            match &result {
+                Ok(reply) => Ok((reply, answered)),
+                Err(error) => Err((error.code(), &error.message)),
+            },
+        );
         let error = match result {
             Ok(reply) => {
                 let calls = reply.parts.iter().filter(|p| matches!(p, keel_core::Part::ToolCall(_))).count();

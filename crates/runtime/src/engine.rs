@@ -516,9 +516,12 @@ impl Engine {
         if !shared.watching.swap(true, Ordering::SeqCst) {
             runtime.spawn(watch_cancellations(Arc::downgrade(&shared)));
         }
+        // The caller's trace context (a request's `traceparent`), for the run's span.
+        let parent = crate::spans::parent();
         runtime.spawn(async move {
             let result =
-                driver::run_guarded(Arc::clone(&shared), plan, event_tx, Some(admitted_tx), cancel).await;
+                driver::run_guarded(Arc::clone(&shared), plan, event_tx, Some(admitted_tx), cancel, parent)
+                    .await;
             if let Some(copy) = copy {
                 let _ = copy.send(result.clone());
             }

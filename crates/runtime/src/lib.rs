@@ -23,6 +23,7 @@ mod fault;
 mod handle;
 mod process;
 mod shared;
+mod spans;
 pub mod triggers;
 
 pub use engine::{Cancellation, Engine, EngineOptions, RunOptions, new_delayed_run_id, record_decision, who};

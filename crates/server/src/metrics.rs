@@ -44,6 +44,7 @@ pub(crate) struct Metrics {
     deliveries: Family<Labels, Counter>,
     replies: Family<Labels, Counter>,
     human: Family<Labels, Counter>,
+    otel_spans_dropped: Counter,
     /// The trigger loop's counters, copied into the ones above when the metrics are read.
     triggers: Mutex<Option<Arc<keel_runtime::TriggerStats>>>,
 }
@@ -161,9 +162,16 @@ impl Metrics {
             "Approvals and questions, by kind (approval, question) and outcome (requested; approved, rejected, answered: decided over HTTP here)",
             human.clone(),
         );
+        let otel_spans_dropped = Counter::default();
+        registry.register(
+            "otel_spans_dropped",
+            "Spans that never reached the OTLP collector (it could not be reached, or answered an error)",
+            otel_spans_dropped.clone(),
+        );
         Metrics {
             registry,
             human,
+            otel_spans_dropped,
             deliveries,
             replies,
             schedule_fires,
@@ -305,6 +313,8 @@ impl Metrics {
     /// The text exposition.
     pub(crate) fn render(&self) -> String {
         self.copy_triggers();
+        let dropped = keel_core::telemetry::SPANS_DROPPED.load(std::sync::atomic::Ordering::Relaxed);
+        self.otel_spans_dropped.inc_by(dropped.saturating_sub(self.otel_spans_dropped.get()));
         let mut text = String::new();
         // Writing to a String cannot fail.
         let _ = encode(&mut text, &self.registry);

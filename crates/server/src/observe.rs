@@ -1,6 +1,7 @@
 //! Per-request observability and limits: a request id (the client's `X-Request-Id` when it is
 //! sane, else one of ours), a tracing span and one log line per request, metrics by route and
-//! status, and a timeout for the routes that do not stream.
+//! status, a timeout for the routes that do not stream, and the W3C trace context a client
+//! sends (`traceparent`), which a run it starts continues.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,6 +18,24 @@ use crate::AppState;
 use crate::error::ApiError;
 
 static REQUESTS: AtomicU64 = AtomicU64::new(0);
+
+/// The trace a request's `traceparent` (and `tracestate`) names, while spans are on: the
+/// parent of the runs the request starts.
+pub(crate) fn trace_parent(headers: &axum::http::HeaderMap) -> Option<opentelemetry::Context> {
+    struct Headers<'a>(&'a axum::http::HeaderMap);
+    impl opentelemetry::propagation::Extractor for Headers<'_> {
+        fn get(&self, key: &str) -> Option<&str> {
+            self.0.get(key).and_then(|value| value.to_str().ok())
+        }
+        fn keys(&self) -> Vec<&str> {
+            self.0.keys().map(axum::http::HeaderName::as_str).collect()
+        }
+    }
+    keel_core::telemetry::tracer()?;
+    headers.contains_key("traceparent").then(|| {
+        opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(&Headers(headers)))
+    })
+}
 
 /// A request id a client may send: short and printable, so it is safe in logs and headers.
 fn client_request_id(request: &Request) -> Option<String> {

@@ -223,6 +223,7 @@ pub(crate) async fn health(State(state): State<Arc<AppState>>) -> Response {
 pub(crate) async fn chat(
     State(state): State<Arc<AppState>>,
     Extension(identity): Extension<Identity>,
+    headers: axum::http::HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     require_object(&body)?;
@@ -231,7 +232,7 @@ pub(crate) async fn chat(
     if input.is_none()
         && let Some(message) = string_field(&body, "message")?
     {
-        return legacy_chat(&state, &identity, session, message).await;
+        return legacy_chat(&state, &identity, &headers, session, message).await;
     }
     let session = SessionId::new(session.ok_or_else(|| ApiError::invalid("missing `sessionId`"))?)?;
     let session = identity.session(session);
@@ -243,7 +244,11 @@ pub(crate) async fn chat(
     };
     // Subscribe before the run starts: its first event is not missed.
     let subscriber = state.feeds.subscribe(&session, None).await?;
-    let mut handle = state.engine.start_with(session.clone(), input, RunOptions { limits })?;
+    let mut handle = {
+        // The run's span continues the client's trace.
+        let _trace = crate::observe::trace_parent(&headers).map(opentelemetry::Context::attach);
+        state.engine.start_with(session.clone(), input, RunOptions { limits })?
+    };
     // A refusal (a busy session, here or in another process) is an error status, before any
     // byte of a stream.
     handle.admitted().await?;
@@ -329,6 +334,7 @@ fn parse_limits(value: &Value, agent: &Limits) -> Result<LimitOverrides, ApiErro
 async fn legacy_chat(
     state: &AppState,
     identity: &Identity,
+    headers: &axum::http::HeaderMap,
     session: Option<&str>,
     message: &str,
 ) -> Result<Response, ApiError> {
@@ -341,7 +347,10 @@ async fn legacy_chat(
         None => SessionId::new(state.legacy_session_id())?,
     };
     let session = identity.session(session);
-    let mut handle = state.engine.start(session.clone(), Message::user(message))?;
+    let mut handle = {
+        let _trace = crate::observe::trace_parent(headers).map(opentelemetry::Context::attach);
+        state.engine.start(session.clone(), Message::user(message))?
+    };
     handle.admitted().await?;
     let forwarded = state.feeds.forward(&session, handle);
     let result = tokio::time::timeout(state.request_timeout, forwarded)

@@ -92,7 +92,15 @@ impl GuardedClient {
             ToolError::with_code(ErrorCode::ToolFailed, format!("invalid URL {url:?}: {error}"), false)
         })?;
         self.policy.check_url(&url).map_err(refused)?;
+        // The tool call's trace context, when spans are on (a header the caller set wins).
+        let trace: Vec<(String, String)> = keel_core::telemetry::trace_headers()
+            .into_iter()
+            .filter(|(name, _)| !headers.contains_key(name.as_str()))
+            .collect();
         let mut request = self.client.request(method, url).headers(headers).timeout(timeout);
+        for (name, value) in trace {
+            request = request.header(name, value);
+        }
         if let Some(body) = body {
             request = request.body(body);
         }

@@ -15,6 +15,7 @@ mod run;
 mod secrets;
 mod serve;
 mod sessions;
+mod telemetry;
 mod triggers;
 
 use std::path::PathBuf;
@@ -499,6 +500,14 @@ pub(crate) fn main() -> ExitCode {
         eprintln!("error[{}]: {error}", keel_core::ErrorCode::ConfigInvalid.as_str());
         return ExitCode::from(exit::INVALID_AGENT);
     }
+    // Held to the end of the command: dropping it sends the last spans.
+    let _telemetry = match telemetry::start() {
+        Ok(telemetry) => telemetry,
+        Err(message) => {
+            eprintln!("error[{}]: {message}", keel_core::ErrorCode::ConfigInvalid.as_str());
+            return ExitCode::from(exit::INVALID_AGENT);
+        }
+    };
     let code = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Chat(args) => chat::chat(args),

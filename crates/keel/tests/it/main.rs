@@ -18,6 +18,7 @@ mod semantic;
 mod serve;
 mod snapshots;
 mod support;
+mod telemetry;
 mod tidy;
 mod tools;
 mod triggers;

@@ -23,14 +23,14 @@ const PROVIDER_VARIABLES: &[&str] = &[
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Wire {
+pub(crate) enum Wire {
     OpenAi,
     Anthropic,
     Ollama,
 }
 
 /// A streamed reply that calls `tool` with `arguments` (raw text), in the wire's own format.
-fn tool_call_stream(wire: Wire, id: &str, tool: &str, arguments: &str) -> Reply {
+pub(crate) fn tool_call_stream(wire: Wire, id: &str, tool: &str, arguments: &str) -> Reply {
     let args = serde_json::to_string(arguments).unwrap();
     match wire {
         Wire::OpenAi => Reply::sse(format!(
