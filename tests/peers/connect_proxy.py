@@ -3,7 +3,8 @@
 
 Usage: connect_proxy.py <log file>
 Prints the port it listens on (127.0.0.1); appends each CONNECT target (`host:port`) to the log
-file, then tunnels bytes both ways. Standard library only.
+file, then tunnels bytes both ways. Any other request is logged (`GET http://...`) and refused
+with 405. Standard library only.
 """
 import socket
 import socketserver
@@ -32,6 +33,9 @@ class Handler(socketserver.StreamRequestHandler):
         while self.rfile.readline() not in (b"\r\n", b"\n", b""):
             pass
         if len(request) < 2 or request[0] != "CONNECT":
+            # Logged too: a test asserting that nothing came through the proxy sees any request.
+            with open(LOG, "a") as log:
+                log.write(" ".join(request[:2]) + "\n")
             self.wfile.write(b"HTTP/1.1 405 Method Not Allowed\r\ncontent-length: 0\r\n\r\n")
             return
         with open(LOG, "a") as log:

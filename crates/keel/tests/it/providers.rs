@@ -551,6 +551,58 @@ impl Drop for Peer {
     }
 }
 
+/// Whatever the proxy variables say, `http_request` and `web_fetch` go straight to the address
+/// their SSRF guard checked: a proxy would resolve and reach the host itself, past the guard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ssrf_guarded_tools_never_go_through_the_providers_proxy() {
+    let dir = agent_dir(&[]);
+    let proxy_log = dir.path().join("proxy.log");
+    let proxy = Peer::start("connect_proxy.py", &[&proxy_log]);
+    let proxy_url = format!("http://127.0.0.1:{}", proxy.port);
+    let page = WireServer::start(vec![
+        Reply::new(200, "text/plain", "straight from the page"),
+        Reply::new(200, "text/plain", "straight from the page"),
+    ])
+    .await;
+    let run = |url: &str, loopback: bool| {
+        std::fs::write(
+            dir.path().join("agent.yaml"),
+            format!(
+                "model: mock\ntools: [http, web_fetch]\nhttp: {{ allow_loopback: {loopback} }}\nmock:\n  script:\n    - tool_calls: [{{ name: http_request, input: {{ url: '{url}' }} }}]\n    - tool_calls: [{{ name: web_fetch, input: {{ url: '{url}' }} }}]\n    - text: 'got: {{{{last_tool_output}}}}'\n"
+            ),
+        )
+        .unwrap();
+        let mut command = keel();
+        command.current_dir(dir.path()).args(["run", ".", "fetch it", "--json"]);
+        for variable in ["HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"] {
+            command.env(variable, &proxy_url);
+        }
+        command.env_remove("NO_PROXY").env_remove("no_proxy");
+        command.output().unwrap()
+    };
+    let events = |output: &std::process::Output| -> Vec<Value> {
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect()
+    };
+
+    let out = run(&format!("{}/page", page.url()), true);
+    assert!(out.status.success(), "{out:?}");
+    let done: Vec<Value> = events(&out).into_iter().filter(|e| e["type"] == "tool.done").collect();
+    assert_eq!(done.len(), 2, "{out:?}");
+    assert!(done.iter().all(|e| e["output"].to_string().contains("straight from the page")), "{done:?}");
+    assert_eq!(page.requests().len(), 2, "both tools reached the page themselves");
+
+    // The metadata address is refused by the guard, not handed to the proxy.
+    let out = run("http://169.254.169.254/latest/meta-data/", false);
+    assert!(out.status.success(), "{out:?}");
+    let errors: Vec<Value> = events(&out).into_iter().filter(|e| e["type"] == "tool.error").collect();
+    assert_eq!(errors.len(), 2, "{out:?}");
+    assert!(errors.iter().all(|e| e["error"].as_str().unwrap().contains("169.254.169.254")), "{errors:?}");
+    assert!(!proxy_log.exists(), "the proxy saw: {:?}", std::fs::read_to_string(&proxy_log));
+}
+
 /// A test CA and a certificate it signs for `localhost` and 127.0.0.1 (openssl's command line).
 fn test_ca(dir: &Path) {
     let openssl = |args: &[&str]| {

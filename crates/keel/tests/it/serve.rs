@@ -985,3 +985,44 @@ async fn http2_carries_many_event_streams_on_one_connection() {
         assert_eq!(seen.last().unwrap().kind(), "run.done");
     }
 }
+
+/// `keel serve 2> serve.log`: the log file holds plain text, its info lines included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_served_log_written_to_a_file_has_no_colour_codes() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let log = dir.path().join("serve.log");
+    let mut child = Command::new(crate::support::served_keel_binary())
+        .args(["serve", ".", "--port", "0", "--store", &sqlite(dir.path())])
+        .current_dir(dir.path())
+        .env_remove("KEEL_LOG")
+        .env_remove("HOST")
+        .env_remove("PORT")
+        .env_remove("KEEL_API_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let base = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(at) = text.find("http://") {
+            break text[at..].split_whitespace().next().unwrap().to_owned();
+        }
+        assert!(std::time::Instant::now() < deadline, "keel serve did not start: {text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let response = client()
+        .post(format!("{base}/chat"))
+        .json(&json!({"sessionId": "s1", "input": "What day is it?"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let _ = read_sse(response).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("INFO") && text.contains("route=/chat"), "info lines by default: {text}");
+    assert!(!text.contains('\u{1b}'), "colour codes in the file: {text:?}");
+}
