@@ -183,8 +183,16 @@ impl Engine {
                 idle: tokio::sync::Notify::new(),
                 watching: AtomicBool::new(false),
                 observer: Mutex::new(None),
+                timed_out: Default::default(),
             }),
         }
+    }
+
+    /// How many approvals and how many questions this engine has timed out so far (nobody
+    /// decided within `approvals.timeout`).
+    pub fn timed_out_inputs(&self) -> (u64, u64) {
+        let [approvals, questions] = &self.shared.timed_out;
+        (approvals.load(Ordering::Relaxed), questions.load(Ordering::Relaxed))
     }
 
     /// The agent definition runs starting now use.
@@ -428,6 +436,9 @@ impl Engine {
             match self.shared.store.decide(&pending.id, &Decision::TimedOut, "approvals.timeout").await {
                 Ok(_) => {
                     tracing::info!(id = %pending.id, run = %pending.run_id, "nobody decided in time: timed out");
+                    let counter =
+                        usize::from(matches!(pending.kind, keel_core::PendingKind::Question { .. }));
+                    self.shared.timed_out[counter].fetch_add(1, Ordering::Relaxed);
                     expired += 1;
                 }
                 // A human decided first.

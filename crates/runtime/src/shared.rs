@@ -37,6 +37,8 @@ pub(crate) struct Shared {
     /// Whether a task polls the store for cancellations of this engine's runs.
     pub(crate) watching: AtomicBool,
     pub(crate) observer: Mutex<Option<Observer>>,
+    /// Approvals and questions this engine timed out (`approvals.timeout`), for metrics.
+    pub(crate) timed_out: [std::sync::atomic::AtomicU64; 2],
 }
 
 impl Shared {

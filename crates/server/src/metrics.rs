@@ -159,7 +159,7 @@ impl Metrics {
         let human = Family::<Labels, Counter>::default();
         registry.register(
             "human_inputs",
-            "Approvals and questions, by kind (approval, question) and outcome (requested; approved, rejected, answered: decided over HTTP here)",
+            "Approvals and questions, by kind (approval, question) and outcome (requested; approved, rejected, answered: decided over HTTP here; timed_out: nobody decided within approvals.timeout, timed out by this server)",
             human.clone(),
         );
         let otel_spans_dropped = Counter::default();
@@ -286,6 +286,16 @@ impl Metrics {
         self.replies
             .get_or_create(&vec![("channel", channel.to_owned()), ("outcome", outcome.to_owned())])
             .inc();
+    }
+
+    /// Brings the timed-out approvals and questions up to the engine's counts.
+    pub(crate) fn timed_out(&self, approvals: u64, questions: u64) {
+        for (kind, count) in [("approval", approvals), ("question", questions)] {
+            let counter = self
+                .human
+                .get_or_create(&vec![("kind", kind.to_owned()), ("outcome", "timed_out".to_owned())]);
+            counter.inc_by(count.saturating_sub(counter.get()));
+        }
     }
 
     /// Reports the counters of a trigger loop from now on.

@@ -583,6 +583,8 @@ pub(crate) async fn playground() -> Response {
 
 /// `GET /metrics`: Prometheus text.
 pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let (approvals, questions) = state.engine.timed_out_inputs();
+    state.metrics.timed_out(approvals, questions);
     let mut response = state.metrics.render().into_response();
     response.headers_mut().insert(
         axum::http::header::CONTENT_TYPE,

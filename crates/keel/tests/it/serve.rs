@@ -443,6 +443,44 @@ async fn an_approval_is_decided_over_http_and_the_continued_run_streams() {
     assert!(!metrics.contains("outcome=\"requested\""), "{metrics}");
 }
 
+/// An approval nobody decides is timed out by the server's periodic recovery (its first pass
+/// comes at once, the next within 10 s), counted in `/metrics`, and the run goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_that_times_out_on_a_server_is_counted() {
+    let spec = APPROVAL_AGENT
+        .replace("approvals: { tools: [day-name] }", "approvals: { tools: [day-name], timeout: 1s }");
+    let dir = agent_dir(&[("agent.yaml", &spec)]);
+    let server = Served::start(dir.path(), &sqlite(dir.path()), &[]);
+    let http = client();
+    let messages = read_sse(
+        http.post(server.url("/chat"))
+            .json(&json!({"sessionId": "s", "input": "day?"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert!(messages.iter().any(|m| m.event.is_none() && m.kind() == "approval.requested"), "{messages:?}");
+    let line = "keel_human_inputs_total{kind=\"approval\",outcome=\"timed_out\"} 1";
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let metrics = loop {
+        let metrics = http.get(server.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        if metrics.contains(line) || std::time::Instant::now() > deadline {
+            break metrics;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(metrics.contains(line), "{metrics}");
+    assert!(
+        metrics.contains("keel_human_inputs_total{kind=\"question\",outcome=\"timed_out\"} 0"),
+        "{metrics}"
+    );
+    // The timed-out call was refused, and the run finished without it.
+    let transcript: Value = http.get(server.url("/chat/s")).send().await.unwrap().json().await.unwrap();
+    assert!(transcript["pending"].as_array().unwrap().is_empty(), "{transcript}");
+    assert!(transcript.to_string().contains("approval timed out"), "{transcript}");
+}
+
 #[tokio::test]
 async fn the_legacy_body_answers_with_json_and_a_deprecation_header() {
     let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
