@@ -262,10 +262,22 @@ async fn a_docker_build_runs_as_its_dockerfile_says_in_a_root_holding_only_the_i
         let destination = root.path().join(destination.trim_start_matches('/'));
         copy_into(&out.path().join(source), &destination, owner.as_deref().map(ids));
     }
+    // Docker gives every container these devices (a static keel reads /dev/random and
+    // /dev/urandom for its first random numbers).
+    std::fs::create_dir_all(root.path().join("dev")).unwrap();
+    for (name, minor) in [("null", 3), ("random", 8), ("urandom", 9)] {
+        let made = Command::new("mknod")
+            .args(["-m", "666"])
+            .arg(root.path().join("dev").join(name))
+            .args(["c", "1", &minor.to_string()])
+            .status()
+            .unwrap();
+        assert!(made.success(), "mknod /dev/{name}");
+    }
     // Nothing but the executable, the libraries it loads, certificates and the user's files.
     let mut files: Vec<String> = walk(root.path())
         .into_iter()
-        .filter(|path| path.is_file())
+        .filter(|path| path.is_file() && !path.starts_with(root.path().join("dev")))
         .map(|path| path.strip_prefix(root.path()).unwrap().display().to_string())
         .collect();
     files.sort();
