@@ -42,9 +42,8 @@ pub(crate) fn build(args: &BuildArgs) -> std::io::Result<u8> {
     let scratch = tempfile::tempdir()?;
     let unpacked = scratch.path().join("agent");
     let copy = bundle::unpack(&archive, &unpacked)?;
-    let Some(packed) = load(&copy, &mut std::io::sink())? else {
-        let mut diagnostics = Vec::new();
-        load(&copy, &mut diagnostics)?;
+    let mut diagnostics = Vec::new();
+    let Some(packed) = load(&copy, &mut diagnostics)? else {
         writeln!(
             stderr,
             "error[{}]: the agent does not load from its own folder alone, so it cannot be built:",
@@ -152,7 +151,7 @@ fn docker(
     std::fs::write(out.join(".dockerignore"), "*\n!rootfs\n!home\n")?;
 
     let name = &packed.name;
-    let context = shown(out);
+    let context = out.display();
     let mut stdout = std::io::stdout().lock();
     let mut contents = format!("the agent's executable ({summary})");
     if !libraries.is_empty() {

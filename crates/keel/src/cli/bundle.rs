@@ -147,7 +147,9 @@ pub(crate) fn write_executable(program: &Path, archive: &[u8], out: &Path) -> io
         Some(embedded) => embedded.program_len,
         None => std::fs::metadata(program)?.len(),
     };
-    let partial = out.with_extension("partial");
+    let mut partial = out.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
     {
         let mut writer = io::BufWriter::new(File::create(&partial)?);
         io::copy(&mut File::open(program)?.take(program_len), &mut writer)?;
@@ -209,7 +211,8 @@ pub(crate) fn unpacked(exe: &Path, embedded: &Embedded) -> io::Result<PathBuf> {
 
 /// Where unpacked agents live: `$XDG_CACHE_HOME/keel/agents`, else `~/.cache/keel/agents`,
 /// else a folder of the temporary directory; the first that can be created, private to the
-/// user.
+/// user. A folder someone else owns, or may write to, is never used: in a shared `/tmp`
+/// another user could have made it first and put an agent of their own in it.
 fn cache_root() -> io::Result<PathBuf> {
     let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
     let candidates = [
@@ -220,13 +223,31 @@ fn cache_root() -> io::Result<PathBuf> {
     let mut last = io::Error::new(io::ErrorKind::NotFound, "no folder to unpack the agent into");
     for dir in candidates.into_iter().flatten() {
         match std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir) {
-            Ok(()) => return Ok(dir),
+            Ok(()) => match private(&dir) {
+                Ok(()) => return Ok(dir),
+                Err(error) => last = error,
+            },
             Err(error) => {
                 last = io::Error::new(error.kind(), format!("cannot create {}: {error}", dir.display()));
             }
         }
     }
     Err(last)
+}
+
+/// Whether `dir` is a real folder (not a link) of this user's that nobody else may write to.
+fn private(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::symlink_metadata(dir)?;
+    let mine = metadata.is_dir() && metadata.uid() == nix::unistd::geteuid().as_raw();
+    if mine && metadata.mode() & 0o022 == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("{} is not a folder only you can write to: not unpacking an agent there", dir.display()),
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -257,6 +278,20 @@ mod tests {
         );
         assert_eq!(mode & 0o111, 0o111, "the tool stays executable");
         assert!(!loaded.join(".keel").exists());
+    }
+
+    #[test]
+    fn a_cache_folder_others_may_write_to_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = dir.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+        assert!(private(&shared).unwrap_err().to_string().contains("not a folder only you can write to"));
+        std::fs::set_permissions(&shared, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        assert!(private(&shared).is_ok());
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&shared, &link).unwrap();
+        assert!(private(&link).is_err(), "a link could point anywhere");
     }
 
     #[test]
