@@ -359,16 +359,18 @@ pub(crate) struct StoreArgs {
 pub(crate) struct RunArgs {
     /// The agent: a directory with agent.yaml, or a spec file (.yaml, .toml, .json).
     pub(crate) agent: PathBuf,
-    /// What to ask the agent. Without it, only the session's unfinished run (interrupted, or
-    /// paused and decided since) is continued.
+    /// What to ask the agent; `-` reads it from stdin, as does no input with stdin not a
+    /// terminal (`echo hi | keel run agent`). With no input at all, only the session's
+    /// unfinished run (interrupted, or paused and decided since) is continued.
     pub(crate) input: Option<String>,
     /// The session (conversation) id: 1-128 characters of A-Z, a-z, 0-9, `_`, `-`.
     #[arg(long, default_value = "default")]
     pub(crate) session: String,
-    /// Where sessions and journals live: `memory` (gone when the command ends), `sqlite:<path>` or
-    /// `postgres://user@host/database` (a conversation continues across runs of the command with
-    /// the same --session).
-    #[arg(long, env = keel_core::env::STORE.name, default_value = "memory")]
+    /// Where sessions and journals live: `sqlite:<path>` or `postgres://user@host/database` (a
+    /// conversation continues across runs of the command with the same --session), or `memory`
+    /// (gone when the command ends). Default: `sqlite:.keel/keel.db` when --session is given,
+    /// else `memory`.
+    #[arg(long, env = keel_core::env::STORE.name, default_value = "memory", hide_default_value = true)]
     pub(crate) store: String,
     /// Use this model instead of the spec's (`mock`, `openai/gpt-4o-mini`, ...).
     #[arg(long)]
@@ -395,7 +397,8 @@ pub(crate) struct ChatArgs {
     #[arg(long)]
     pub(crate) session: Option<String>,
     /// Where sessions and journals live: `memory`, `sqlite:<path>` or `postgres://user@host/database`.
-    #[arg(long, env = keel_core::env::STORE.name, default_value = "memory")]
+    /// Default: `sqlite:.keel/keel.db` when --session is given, else `memory`.
+    #[arg(long, env = keel_core::env::STORE.name, default_value = "memory", hide_default_value = true)]
     pub(crate) store: String,
     /// Use this model instead of the spec's (`mock`, `openai/gpt-4o-mini`, ...).
     #[arg(long)]
@@ -493,7 +496,12 @@ pub(crate) fn main() -> ExitCode {
             return ExitCode::from(exit::INVALID_AGENT);
         }
     };
-    let cli = Cli::parse_from(arguments);
+    let matches = <Cli as clap::CommandFactory>::command().get_matches_from(arguments);
+    let mut cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(error) => error.exit(),
+    };
+    persist_named_sessions(&mut cli, &matches);
     init_logging(if matches!(cli.command, Command::Serve(_)) { "info" } else { "warn" });
     hide_from_tools();
     if let Err(error) = keel_providers::ca_bundle() {
@@ -544,6 +552,32 @@ pub(crate) fn main() -> ExitCode {
         }
     }
 }
+
+/// `keel run --session ID` and `keel chat --session ID` without a store keep the session where
+/// every other command looks for it (`sqlite:.keel/keel.db`): naming a session means wanting it
+/// back. Without `--session`, a turn is a one-off and the store stays `memory`.
+fn persist_named_sessions(cli: &mut Cli, matches: &clap::ArgMatches) {
+    let given = |name: &str, id: &str| {
+        matches.subcommand_matches(name).and_then(|m| m.value_source(id))
+            == Some(clap::parser::ValueSource::CommandLine)
+    };
+    let defaulted = |name: &str| {
+        matches.subcommand_matches(name).and_then(|m| m.value_source("store"))
+            == Some(clap::parser::ValueSource::DefaultValue)
+    };
+    match &mut cli.command {
+        Command::Run(args) if given("run", "session") && defaulted("run") => {
+            args.store = PERSISTENT_STORE.to_owned()
+        }
+        Command::Chat(args) if given("chat", "session") && defaulted("chat") => {
+            args.store = PERSISTENT_STORE.to_owned();
+        }
+        _ => {}
+    }
+}
+
+/// The store of every command that keeps sessions by default.
+const PERSISTENT_STORE: &str = "sqlite:.keel/keel.db";
 
 /// Logs go to stderr, filtered by `KEEL_LOG` (default: warnings; `keel serve`: info), as
 /// text, or as one JSON object per line with `KEEL_LOG_FORMAT=json` (for log collectors).

@@ -13,7 +13,19 @@ use super::RunArgs;
 use super::exit;
 use super::render::{HumanRenderer, JsonRenderer, Render};
 
-pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
+pub(crate) fn run(mut args: RunArgs) -> std::io::Result<u8> {
+    match args.input.as_deref() {
+        Some("-") => match read_stdin()? {
+            Some(text) => args.input = Some(text),
+            None => {
+                eprintln!("error: `-` reads the input from stdin, and stdin was empty");
+                return Ok(2);
+            }
+        },
+        // Piped in (`echo hi | keel run agent`); an empty stdin (`< /dev/null`) only continues.
+        None if !std::io::stdin().is_terminal() => args.input = read_stdin()?,
+        _ => {}
+    }
     if args.after.is_some() || args.at.is_some() {
         return super::triggers::run_later(&args);
     }
@@ -24,6 +36,14 @@ pub(crate) fn run(args: RunArgs) -> std::io::Result<u8> {
         };
         drive(&agent, &args).await
     })?
+}
+
+/// All of stdin, without its final line end; `None` when there is nothing but white space.
+fn read_stdin() -> std::io::Result<Option<String>> {
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)?;
+    let text = text.trim_end_matches(['\n', '\r']);
+    Ok((!text.trim().is_empty()).then(|| text.to_owned()))
 }
 
 /// Loads an agent with its store, printing the spec's diagnostics; `Err(exit code)` when it

@@ -74,6 +74,59 @@ fn json_prints_every_event_as_a_json_line() {
     );
 }
 
+/// Naming a session means wanting it back: `--session` without `--store` keeps it in the
+/// store `keel sessions` reads. Without `--session`, a turn is a one-off.
+#[test]
+fn a_named_session_is_kept_in_the_default_store_and_an_unnamed_turn_is_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let assistant = repo_root().join("examples/assistant");
+    let run = |args: &[&str]| {
+        keel().current_dir(dir.path()).arg("run").arg(&assistant).args(args).output().unwrap()
+    };
+    let out = run(&["a one-off"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(!dir.path().join(".keel").exists(), "a turn without --session keeps nothing");
+    let out = run(&["remember me", "--session", "mine"]);
+    assert!(out.status.success(), "{out:?}");
+    let list = keel().current_dir(dir.path()).args(["sessions", "list"]).output().unwrap();
+    let listed = String::from_utf8_lossy(&list.stdout);
+    assert!(listed.lines().any(|line| line.starts_with("mine ")), "{listed}");
+    // The next turn sees the first.
+    let out = run(&["and again", "--session", "mine", "--json"]);
+    assert!(out.status.success(), "{out:?}");
+    let show = keel().current_dir(dir.path()).args(["sessions", "show", "mine"]).output().unwrap();
+    let shown = String::from_utf8_lossy(&show.stdout);
+    assert!(shown.contains("remember me") && shown.contains("and again"), "{shown}");
+    // An explicit store still wins.
+    let out = run(&["elsewhere", "--session", "other", "--store", "memory"]);
+    assert!(out.status.success(), "{out:?}");
+    let list = keel().current_dir(dir.path()).args(["sessions", "list"]).output().unwrap();
+    assert!(!String::from_utf8_lossy(&list.stdout).contains("other"), "{list:?}");
+}
+
+/// `echo "..." | keel run agent` and `keel run agent -` take the input from stdin.
+#[test]
+fn the_input_comes_from_stdin_when_piped_or_given_as_a_dash() {
+    let assistant = repo_root().join("examples/assistant");
+    let days = weekdays_now();
+    for args in [vec![], vec!["-"]] {
+        let out =
+            keel().arg("run").arg(&assistant).args(&args).write_stdin("What day is it?\n").output().unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(days.iter().any(|day| said.trim() == format!("Today is {day}.")), "{args:?}: {said}");
+    }
+    // The input reaches the model as typed, less the line end (a mock without a script
+    // echoes it).
+    let dir = agent_dir(&[("agent.yaml", "model: mock\n")]);
+    let echo = keel().arg("run").arg(dir.path()).write_stdin("line one\nline two\n").output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&echo.stdout).trim_end(), "line one\nline two", "{echo:?}");
+    // `-` with nothing on stdin is a usage error, not a turn about nothing.
+    let out = keel().arg("run").arg(&assistant).arg("-").write_stdin("").output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stdin was empty"), "{out:?}");
+}
+
 #[test]
 fn a_spec_file_in_toml_runs_too() {
     let dir = agent_dir(&[("echo.toml", "model = \"mock\"\ninstructions = \"Echo.\"\n")]);
