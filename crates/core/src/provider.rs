@@ -278,3 +278,18 @@ impl<P: Provider + ?Sized> Provider for std::sync::Arc<P> {
         (**self).embed(model, inputs)
     }
 }
+
+/// The provider a bare model name is usually served by (`gpt-4o` → `openai`), to suggest.
+pub fn usual_provider(model: &str) -> Option<&'static str> {
+    let model = model.to_ascii_lowercase();
+    let starts = |prefixes: &[&str]| prefixes.iter().any(|prefix| model.starts_with(prefix));
+    if starts(&["gpt-", "o1", "o3", "o4", "chatgpt", "text-embedding", "davinci"]) {
+        Some("openai")
+    } else if starts(&["claude"]) {
+        Some("anthropic")
+    } else if starts(&["llama", "mistral", "mixtral", "qwen", "gemma", "phi", "deepseek", "nomic-embed"]) {
+        Some("ollama")
+    } else {
+        None
+    }
+}

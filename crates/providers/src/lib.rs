@@ -75,6 +75,16 @@ pub fn from_model_with_env(
     if provider == "mock" {
         return Ok(Arc::new(MockProvider::new(script.cloned().unwrap_or_default())));
     }
+    if name.is_empty()
+        && let Some(known) = keel_core::provider::usual_provider(provider)
+    {
+        return Err(ProviderError::new(
+            ProviderErrorKind::Unavailable,
+            format!(
+                "model `{model}` names no provider: write `{known}/{model}` (models are written provider/model)"
+            ),
+        ));
+    }
     if !PROVIDER_NAMES.contains(&provider) {
         return Err(ProviderError::new(
             ProviderErrorKind::Unavailable,

@@ -502,6 +502,14 @@ fn model(node: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option<
         Some((provider, name)) => (provider, Some(name)),
         None => (model.as_str(), None),
     };
+    if name.is_none()
+        && !options.providers.contains(&provider)
+        && let Some(known) = keel_core::provider::usual_provider(provider)
+    {
+        d.error(node.pos, format!("model {model:?} names no provider")).hint =
+            Some(format!("write `{known}/{model}` (models are written provider/model)"));
+        return None;
+    }
     if !options.providers.contains(&provider) {
         let hint = match did_you_mean(provider, options.providers) {
             Some(close) => format!("did you mean `{close}`?"),

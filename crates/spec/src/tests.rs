@@ -135,6 +135,28 @@ fn every_problem_is_reported_with_its_position() {
 }
 
 #[test]
+fn a_bare_model_name_gets_its_provider_suggested() {
+    check(
+        &[("agent.yaml", "model: gpt-4o\n")],
+        "agent.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: model "gpt-4o" names no provider
+              --> agent.yaml:1:8
+              hint: write `openai/gpt-4o` (models are written provider/model)
+        "#]],
+    );
+    check(
+        &[("agent.yaml", "model: claude-sonnet-4-5\n")],
+        "agent.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: model "claude-sonnet-4-5" names no provider
+              --> agent.yaml:1:8
+              hint: write `anthropic/claude-sonnet-4-5` (models are written provider/model)
+        "#]],
+    );
+}
+
+#[test]
 fn unknown_tools_and_providers_get_suggestions() {
     check(
         &[("agent.toml", "model = \"opneai/gpt-4o\"\ntools = [\"day-nam\", \"weather\"]\n")],
