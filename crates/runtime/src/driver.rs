@@ -164,6 +164,7 @@ async fn run(
                 run_id: prepared.run_id,
                 session: prepared.session,
                 replay: (!prepared.journal.is_empty()).then(Vec::new),
+                decided_in_replay: Vec::new(),
                 journal: prepared.journal,
                 new_run: prepared.new_run,
                 epoch: prepared.epoch,
@@ -545,6 +546,9 @@ struct Driver<'a> {
     /// While a resumed run replays its journal: the events of the turn being replayed, shown
     /// once the run reaches new work (see [`Driver::emit`]). `None` once live.
     replay: Option<Vec<Event>>,
+    /// The calls whose human decision the replay fed the machine: their outcome is news to
+    /// observers (the decision came after the pause they saw), even in a turn replayed whole.
+    decided_in_replay: Vec<String>,
     /// Journaled steps not replayed yet.
     journal: HashMap<StepName, JournalRecord>,
     /// The record of a new run, stored with its first commit.
@@ -629,6 +633,9 @@ impl Driver<'_> {
                 }
             };
             let mut pending = PendingCommit { entry, messages: None, session_state: session_state.take() };
+            if let (Some(_), Input::Decision { call_id, .. }) = (&self.replay, &input) {
+                self.decided_in_replay.push(call_id.clone());
+            }
             for action in machine.step(input) {
                 match action {
                     Action::Emit(event) => self.emit(event),
@@ -918,7 +925,16 @@ impl Driver<'_> {
                 | Event::TurnRetry { .. }
                 | Event::Usage(_) => return,
                 Event::TurnStart { .. } => {
-                    held.clear();
+                    // A turn replayed whole is old news, except the outcome of a call a human
+                    // decided: the decision came after the pause observers last saw (a
+                    // rejection ends the call with no new work, so it would not be shown).
+                    let decided = &self.decided_in_replay;
+                    held.retain(|event| match event {
+                        Event::ToolDone { call_id, .. } | Event::ToolError { call_id, .. } => {
+                            decided.contains(call_id)
+                        }
+                        _ => false,
+                    });
                     held.push(event);
                     return;
                 }

@@ -174,6 +174,46 @@ fn parallel_approvals_are_decided_from_other_processes_in_any_order_and_never_as
     assert!(next.status.success(), "{next:?}");
 }
 
+/// A rejection ends its call with no new work: the run that continues still shows it (a
+/// `tool.error` in the stream, a ✗ line on the terminal), as docs/protocol.md says.
+#[test]
+fn a_rejected_call_is_shown_as_failed_by_the_run_that_continues() {
+    let dir = approvals_agent("1h");
+    let dir = dir.path();
+    let first = run_go(dir).output().unwrap();
+    assert_eq!(first.status.code(), Some(5), "{first:?}");
+    let (pay, ship) = (pending_id(dir, "pay"), pending_id(dir, "ship"));
+    let decided = keel(dir, &["approvals", "reject", &pay, "--note", "too much"]).output().unwrap();
+    assert!(decided.status.success(), "{decided:?}");
+    // The other decision continues the run here, on the terminal's renderer.
+    let continued = keel(dir, &["approvals", "reject", &ship]).arg("--agent").arg(dir).output().unwrap();
+    assert!(continued.status.success(), "{continued:?}");
+    let said = String::from_utf8_lossy(&continued.stderr);
+    let failed: Vec<&str> = said.lines().filter(|line| line.starts_with("✗ ")).collect();
+    assert_eq!(failed.len(), 2, "both rejections shown: {said}");
+    assert!(failed.iter().any(|line| line.contains("the user rejected this call: too much")), "{said}");
+
+    // The same through a continuing `keel run --json`.
+    let dir2 = approvals_agent("1h");
+    let dir2 = dir2.path();
+    assert_eq!(run_go(dir2).output().unwrap().status.code(), Some(5));
+    for tool in ["pay", "ship"] {
+        let id = pending_id(dir2, tool);
+        assert!(keel(dir2, &["approvals", "reject", &id]).output().unwrap().status.success());
+    }
+    let resumed = keel(dir2, &["run"]).arg(dir2).args(["--session", "s", "--json"]).output().unwrap();
+    assert!(resumed.status.success(), "{resumed:?}");
+    let events = events(&resumed);
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    let errors: Vec<&Value> = events.iter().filter(|e| e["type"] == "tool.error").collect();
+    assert_eq!(errors.len(), 2, "{kinds:?}");
+    assert!(errors.iter().all(|e| e["error"].as_str().unwrap().contains("rejected")), "{errors:?}");
+    let first_error = kinds.iter().position(|k| *k == "tool.error").unwrap();
+    let next_turn = kinds.iter().position(|k| *k == "turn.start").unwrap();
+    assert!(first_error < next_turn, "the outcomes come before the next turn: {kinds:?}");
+    assert_eq!(kinds.last(), Some(&"run.done"));
+}
+
 #[test]
 fn an_approval_nobody_decides_in_time_is_rejected_and_the_run_goes_on() {
     let dir = approvals_agent("1s");
