@@ -224,6 +224,34 @@ pub fn pending_to_json(pending: &PendingInput) -> Value {
     json
 }
 
+/// A session's transcript as `GET /chat/:sessionId` and `keel sessions show --json` show it:
+/// `{ sessionId, usage: {inputTokens, outputTokens}, messages: [...], pending: [...] }`.
+pub fn transcript_to_json<'a>(
+    session: &str,
+    usage: Usage,
+    messages: impl IntoIterator<Item = &'a Message>,
+    pending: &[PendingInput],
+) -> Value {
+    json!({
+        "sessionId": session,
+        "usage": { "inputTokens": usage.input_tokens, "outputTokens": usage.output_tokens },
+        "messages": messages.into_iter().map(message_to_json).collect::<Vec<_>>(),
+        "pending": pending.iter().map(pending_to_json).collect::<Vec<_>>(),
+    })
+}
+
+/// A session as `keel sessions list --json` shows it: `{ sessionId, messages, runs, usage,
+/// updatedAtMs }`.
+pub fn session_summary_to_json(summary: &crate::store::SessionSummary) -> Value {
+    json!({
+        "sessionId": summary.id.external(),
+        "messages": summary.messages,
+        "runs": summary.runs,
+        "usage": { "inputTokens": summary.usage.input_tokens, "outputTokens": summary.usage.output_tokens },
+        "updatedAtMs": summary.updated_at_ms,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

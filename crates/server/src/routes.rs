@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use futures::Stream;
 use keel_core::human::check_decision;
-use keel_core::wire::{message_to_json, pending_to_json};
+use keel_core::wire::pending_to_json;
 use keel_core::{Decision, ErrorCode, LimitOverrides, Limits, Message, Part, Role, RunId, SessionId};
 use keel_runtime::{Cancellation, RunOptions};
 use serde_json::{Value, json};
@@ -395,12 +395,12 @@ pub(crate) async fn transcript(
         return Err(ApiError::new(ErrorCode::SessionNotFound, format!("no session {}", session.external())));
     }
     let usage = store.session_summary(&session).await?.map(|s| s.usage).unwrap_or_default();
-    let body = json!({
-        "sessionId": session.external(),
-        "usage": { "inputTokens": usage.input_tokens, "outputTokens": usage.output_tokens },
-        "messages": messages.iter().map(|m| message_to_json(m)).collect::<Vec<_>>(),
-        "pending": pending.iter().map(pending_to_json).collect::<Vec<_>>(),
-    });
+    let body = keel_core::wire::transcript_to_json(
+        session.external(),
+        usage,
+        messages.iter().map(|m| &**m),
+        &pending,
+    );
     Ok(axum::Json(body).into_response())
 }
 

@@ -9,7 +9,7 @@ use super::{MemoryCommand, StoreArgs, exit};
 pub(crate) fn memory(command: MemoryCommand) -> std::io::Result<u8> {
     super::run_async(async {
         match command {
-            MemoryCommand::List(store) => list(&store).await,
+            MemoryCommand::List { json, store } => list(json, &store).await,
             MemoryCommand::Show { owner, kind, json, store } => {
                 show(&owner, kind.as_deref(), json, &store).await
             }
@@ -59,7 +59,7 @@ fn when(ms: u64) -> String {
     keel_core::clock::rfc3339(ms)
 }
 
-async fn list(args: &StoreArgs) -> std::io::Result<u8> {
+async fn list(json: bool, args: &StoreArgs) -> std::io::Result<u8> {
     let store = match open(args) {
         Ok(store) => store,
         Err(code) => return code,
@@ -68,11 +68,25 @@ async fn list(args: &StoreArgs) -> std::io::Result<u8> {
         Ok(owners) => owners,
         Err(error) => return fail(exit::RUN_FAILED, error.code(), error),
     };
+    let mut out = std::io::stdout().lock();
+    if json {
+        for owner in &owners {
+            let count = |kind: &str| owner.counts.iter().find(|(k, _)| k == kind).map_or(0, |(_, n)| *n);
+            let line = serde_json::json!({
+                "owner": owner.owner,
+                "episodes": count(keel_memory::EPISODE),
+                "entities": count(keel_memory::ENTITY),
+                "relations": count(keel_memory::RELATION),
+                "updatedAtMs": owner.updated_ms,
+            });
+            writeln!(out, "{line}")?;
+        }
+        return Ok(exit::OK);
+    }
     if owners.is_empty() {
         writeln!(std::io::stderr(), "no memory in {}", args.store)?;
         return Ok(exit::OK);
     }
-    let mut out = std::io::stdout().lock();
     writeln!(out, "{:<48} {:>8} {:>8} {:>9}  updated (UTC)", "owner", "episodes", "entities", "relations")?;
     for owner in owners {
         let count = |kind: &str| owner.counts.iter().find(|(k, _)| k == kind).map_or(0, |(_, n)| *n);

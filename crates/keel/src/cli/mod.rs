@@ -125,7 +125,14 @@ enum Command {
 #[derive(Subcommand)]
 pub(crate) enum MemoryCommand {
     /// List the owners with memory, most recently written first, with counts by kind.
-    List(StoreArgs),
+    List {
+        /// One JSON object per owner, one per line: `{owner, episodes, entities, relations,
+        /// updatedAtMs}`.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
     /// Print an owner's memory, most recently written first.
     Show {
         /// The owner: `session:<id>` (a session without per-user auth), `user:<scope>` (as
@@ -260,12 +267,20 @@ pub(crate) enum ApprovalsCommand {
 #[derive(Subcommand)]
 pub(crate) enum SessionsCommand {
     /// List the sessions, most recently used first.
-    List(StoreArgs),
+    List {
+        /// One JSON object per session, one per line: `{sessionId, messages, runs, usage,
+        /// updatedAtMs}`.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
     /// Print a session's transcript.
     Show {
         /// The session id.
         id: String,
-        /// Print the messages as JSON lines (keel's stored format) instead of text.
+        /// Print the transcript as one JSON document, as `GET /chat/:id` answers it (messages and
+        /// pending inputs).
         #[arg(long)]
         json: bool,
         #[command(flatten)]

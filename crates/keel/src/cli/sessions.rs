@@ -38,7 +38,7 @@ fn store_failed(error: &StoreError) -> Stop {
 pub(crate) fn sessions(command: SessionsCommand) -> std::io::Result<u8> {
     let outcome = super::run_async(async {
         match command {
-            SessionsCommand::List(store) => list(&store).await,
+            SessionsCommand::List { json, store } => list(json, &store).await,
             SessionsCommand::Show { id, json, store } => show(&id, json, &store).await,
             SessionsCommand::Rm { id, store } => remove(&id, &store).await,
             SessionsCommand::Prune { older_than, compact, dry_run, store } => {
@@ -66,9 +66,16 @@ fn no_session(id: &SessionId, args: &StoreArgs) -> Stop {
     fail(exit::INVALID_AGENT, ErrorCode::SessionNotFound, format!("no session {id} in {}", args.store))
 }
 
-async fn list(args: &StoreArgs) -> Outcome {
+async fn list(json: bool, args: &StoreArgs) -> Outcome {
     let store = open(args)?;
     let sessions = store.list_sessions().await.map_err(|e| store_failed(&e))?;
+    if json {
+        let mut out = std::io::stdout().lock();
+        for session in &sessions {
+            writeln!(out, "{}", keel_core::wire::session_summary_to_json(session))?;
+        }
+        return Ok(exit::OK);
+    }
     if sessions.is_empty() {
         writeln!(std::io::stderr(), "no sessions in {}", args.store)?;
         return Ok(exit::OK);
@@ -104,11 +111,25 @@ async fn show(id: &str, json: bool, args: &StoreArgs) -> Outcome {
         return Err(no_session(&id, args));
     }
     let mut out = std::io::stdout().lock();
+    if json {
+        // The shape of `GET /chat/:id`: one document, messages and pending inputs in it.
+        let pending = store.pending_inputs(Some(&id)).await.map_err(|e| store_failed(&e))?;
+        let usage = store
+            .session_summary(&id)
+            .await
+            .map_err(|e| store_failed(&e))?
+            .map(|s| s.usage)
+            .unwrap_or_default();
+        let body = keel_core::wire::transcript_to_json(
+            id.external(),
+            usage,
+            messages.iter().map(|m| &**m),
+            &pending,
+        );
+        writeln!(out, "{body}")?;
+        return Ok(exit::OK);
+    }
     for message in messages {
-        if json {
-            writeln!(out, "{}", keel_core::persist::encode_message(&message))?;
-            continue;
-        }
         let who = match message.role {
             Role::User => "user",
             Role::Assistant => "assistant",

@@ -93,10 +93,12 @@ fn read(dir: &Path, file: &str) -> String {
     std::fs::read_to_string(dir.join(file)).unwrap_or_default()
 }
 
-/// The session's stored messages (JSON lines).
+/// The session's messages, each as JSON text (`keel sessions show --json`, the shape of
+/// `GET /chat/:id`).
 fn transcript(dir: &Path) -> Vec<String> {
     let output = keel(dir, &["sessions", "show", "s", "--json"]).output().unwrap();
-    String::from_utf8(output.stdout).unwrap().lines().map(str::to_owned).collect()
+    let document: Value = serde_json::from_slice(&output.stdout).unwrap_or_default();
+    document["messages"].as_array().into_iter().flatten().map(Value::to_string).collect()
 }
 
 #[test]
@@ -159,11 +161,11 @@ fn parallel_approvals_are_decided_from_other_processes_in_any_order_and_never_as
     assert_eq!(stored.len(), 4, "user, assistant (3 calls), tool results, answer: {stored:#?}");
     // Each decision reached its own call: results in call order, the rejection as an error.
     let results: Value = serde_json::from_str(&stored[2]).unwrap();
-    let parts = results["parts"].as_array().unwrap();
+    let parts = results["content"].as_array().unwrap();
     assert_eq!(parts.len(), 3, "{parts:#?}");
-    assert_eq!((parts[0]["name"].as_str(), parts[0]["is_error"].as_bool()), (Some("note"), Some(false)));
+    assert_eq!((parts[0]["name"].as_str(), parts[0]["isError"].as_bool()), (Some("note"), Some(false)));
     assert_eq!((parts[1]["name"].as_str(), parts[1]["output"].as_str()), (Some("pay"), Some("pay ok")));
-    assert_eq!((parts[2]["name"].as_str(), parts[2]["is_error"].as_bool()), (Some("ship"), Some(true)));
+    assert_eq!((parts[2]["name"].as_str(), parts[2]["isError"].as_bool()), (Some("ship"), Some(true)));
     assert!(parts[2]["output"].as_str().unwrap().contains("the user rejected this call: not today"));
 
     // Deciding after the end: not pending.

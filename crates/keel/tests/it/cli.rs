@@ -464,11 +464,29 @@ fn a_sqlite_store_continues_a_conversation_across_processes() {
     assert_eq!(lines[4], "user: thanks!");
     assert!(lines[6].starts_with("usage: ") && lines[6].ends_with(" output tokens"), "{transcript}");
     assert_eq!(lines.len(), 7, "{transcript}");
+    // The shape of `GET /chat/:id`, camelCase.
     let json = keel().args(["sessions", "show", "chat-1", "--json", "--store", &store]).output().unwrap();
-    for line in String::from_utf8(json.stdout).unwrap().lines() {
-        let message: Value = serde_json::from_str(line).unwrap();
-        assert_eq!(message["v"], 1);
-    }
+    let document: Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(document["sessionId"], "chat-1");
+    let messages = document["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 6, "{document:#}");
+    assert_eq!(
+        messages[0],
+        json!({"role": "user", "content": [{"type": "text", "text": "What day is it?"}]})
+    );
+    assert_eq!(messages[1]["content"][0]["type"], "toolCall");
+    assert_eq!(messages[2]["content"][0]["callId"], messages[1]["content"][0]["callId"]);
+    assert!(document["usage"]["inputTokens"].as_u64().unwrap() > 0, "{document:#}");
+    assert_eq!(document["pending"], json!([]));
+    let list = keel().args(["sessions", "list", "--json", "--store", &store]).output().unwrap();
+    let listed: Vec<Value> =
+        String::from_utf8(list.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!((listed[0]["sessionId"].as_str(), listed[0]["messages"].as_u64()), (Some("chat-1"), Some(6)));
+    assert!(
+        listed[0]["updatedAtMs"].as_u64().is_some() && listed[0]["runs"].as_u64() == Some(2),
+        "{listed:?}"
+    );
 
     keel().args(["sessions", "rm", "chat-1", "--store", &store]).assert().success();
     keel()

@@ -171,7 +171,8 @@ fn transcript(dir: &std::path::Path) -> Vec<String> {
         .arg(format!("sqlite:{}", dir.join("keel.db").display()))
         .output()
         .unwrap();
-    String::from_utf8(output.stdout).unwrap().lines().map(str::to_owned).collect()
+    let document: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap_or_default();
+    document["messages"].as_array().into_iter().flatten().map(serde_json::Value::to_string).collect()
 }
 
 fn lines(path: &std::path::Path) -> usize {

@@ -203,9 +203,10 @@ async fn a_process_killed_right_after_a_brief_never_pays_for_that_brief_again() 
         "the turn did not see the journaled brief: {first}"
     );
     let sessions = keel_on_store(dir.path(), &["sessions", "show", "s", "--json"]).output().unwrap();
-    let lines = String::from_utf8_lossy(&sessions.stdout);
-    let inputs: Vec<&str> = lines.lines().filter(|l| l.contains("\"day? ")).collect();
-    assert_eq!(inputs.len(), 4, "every input once: {lines}");
+    let document: Value = serde_json::from_slice(&sessions.stdout).unwrap();
+    let lines: Vec<String> = document["messages"].as_array().unwrap().iter().map(Value::to_string).collect();
+    let inputs: Vec<&String> = lines.iter().filter(|l| l.contains("\"day? ")).collect();
+    assert_eq!(inputs.len(), 4, "every input once: {lines:#?}");
 }
 
 const STRUCTURED: &str = "model: mock

@@ -62,17 +62,18 @@ fn stderr(output: &Output) -> String {
 fn messages(dir: &Path, session: &str) -> Vec<Value> {
     let output = keel(dir, &["sessions", "show", session, "--json"]).output().unwrap();
     assert!(output.status.success(), "{output:?}");
-    String::from_utf8(output.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    let document: Value = serde_json::from_slice(&output.stdout).unwrap();
+    document["messages"].as_array().unwrap().clone()
 }
 
-/// The tool call ids in a stored message's parts of `kind` (`tool_call` or `tool_result`).
+/// The tool call ids in a message's parts of `kind` (`toolCall` or `toolResult`).
 fn call_ids(message: &Value, kind: &str) -> Vec<String> {
-    message["parts"]
+    message["content"]
         .as_array()
         .into_iter()
         .flatten()
         .filter(|part| part["type"] == kind)
-        .map(|part| part["call_id"].as_str().unwrap_or_default().to_owned())
+        .map(|part| part["callId"].as_str().unwrap_or_default().to_owned())
         .collect()
 }
 
@@ -82,7 +83,7 @@ pub(crate) fn assert_whole(messages: &[Value]) {
     let mut open: Vec<String> = Vec::new();
     for (index, message) in messages.iter().enumerate() {
         let role = message["role"].as_str().unwrap_or_default();
-        let results = call_ids(message, "tool_result");
+        let results = call_ids(message, "toolResult");
         if role != "tool" {
             assert!(
                 open.is_empty(),
@@ -94,7 +95,7 @@ pub(crate) fn assert_whole(messages: &[Value]) {
             assert!(at.is_some(), "message {index} answers {result}, which is not open: {messages:#?}");
             open.remove(at.unwrap());
         }
-        open.extend(call_ids(message, "tool_call"));
+        open.extend(call_ids(message, "toolCall"));
     }
 }
 
@@ -384,7 +385,7 @@ async fn every_input_of_a_burst_under_replace_is_stored_and_only_the_last_one_is
     let inputs: Vec<&str> = stored
         .iter()
         .filter(|m| m["role"] == "user")
-        .map(|m| m["parts"][0]["text"].as_str().unwrap())
+        .map(|m| m["content"][0]["text"].as_str().unwrap())
         .collect();
     let mut sorted = inputs.clone();
     sorted.sort_unstable();
