@@ -92,13 +92,36 @@ pub(crate) fn read_text(file: &Path, what: &str, diagnostics: &mut Vec<Diagnosti
 ///   --> agent.yaml:3:1
 ///   hint: did you mean `model`?
 /// ```
+impl Diagnostic {
+    /// As `keel check --json` shows it: `{severity, code?, message, file, line?, column?,
+    /// hint?}` (a warning has no code; a position of 0 is left out).
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut json = serde_json::json!({
+            "severity": if self.is_error() { "error" } else { "warning" },
+            "message": self.message,
+            "file": self.file.display().to_string(),
+        });
+        if self.is_error() {
+            json["code"] = self.code.as_str().into();
+        }
+        if self.pos.line > 0 {
+            json["line"] = self.pos.line.into();
+            json["column"] = self.pos.col.into();
+        }
+        if let Some(hint) = &self.hint {
+            json["hint"] = hint.as_str().into();
+        }
+        json
+    }
+}
+
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let level = match self.severity {
-            Severity::Error => "error",
-            Severity::Warning => "warning",
-        };
-        writeln!(f, "{level}[{}]: {}", self.code, self.message)?;
+        // A warning does not stop the agent: it has no error code to look up.
+        match self.severity {
+            Severity::Error => writeln!(f, "error[{}]: {}", self.code, self.message)?,
+            Severity::Warning => writeln!(f, "warning: {}", self.message)?,
+        }
         match self.pos {
             Pos { line: 0, .. } => write!(f, "  --> {}", self.file.display())?,
             Pos { line, col } => write!(f, "  --> {}:{line}:{col}", self.file.display())?,

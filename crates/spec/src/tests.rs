@@ -444,7 +444,7 @@ fn semantic_memory_and_skill_knowledge_load_and_bad_ones_are_pointed_at() {
         &[("a/agent.yaml", "model: mock\n"), ("a/memory/notes.md", "x")],
         "a",
         expect![[r#"
-            warning[KEEL_SPEC_INVALID]: `memory/` holds documents, but the agent does not retrieve from them
+            warning: `memory/` holds documents, but the agent does not retrieve from them
               --> a/memory
               hint: add `memory: { kind: semantic }` to the spec (see docs/memory.md), or remove the folder
             (loaded)
@@ -648,7 +648,7 @@ fn mock_script_problems() {
               --> a.yaml:4:7
             error[KEEL_SPEC_INVALID]: `mock.script[1].tool_calls[].input` must be a mapping, not an integer
               --> a.yaml:5:44
-            warning[KEEL_SPEC_INVALID]: the mock script calls `weather`, which the agent does not have (the model will get an error result)
+            warning: the mock script calls `weather`, which the agent does not have (the model will get an error result)
               --> a.yaml:6:7
             error[KEEL_SPEC_INVALID]: `mock.script[3].error.status` must be between 400 and 599, not 200
               --> a.yaml:7:24

@@ -12,6 +12,9 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
         tool_name: keel_tools::tool_name,
     };
     let loaded = keel_spec::load(&args.agent, &options);
+    if args.json {
+        return check_json(args, loaded);
+    }
     let mut stderr = std::io::stderr().lock();
     for diagnostic in &loaded.diagnostics {
         writeln!(stderr, "{diagnostic}")?;
@@ -91,44 +94,118 @@ fn check_documents(
     Ok(reports)
 }
 
-/// Connects to the agent's MCP servers and lists their tools as the agent will name them.
-async fn check_mcp(spec: keel_spec::AgentSpec) -> std::io::Result<u8> {
+/// The agent's MCP servers, connected: each server's tools as the agent will name them, and
+/// the errors found (a server that does not start; an approval naming a tool no server has).
+async fn mcp_tools(
+    spec: &keel_spec::AgentSpec,
+) -> (Vec<(String, Vec<String>)>, Vec<(keel::ErrorCode, String)>) {
     let mut taken: Vec<String> =
         spec.builtin_tools.iter().map(|name| keel_tools::tool_name(name).to_owned()).collect();
     taken.extend(spec.command_tools.iter().map(|tool| tool.def.name.clone()));
     taken.extend(spec.subagents.iter().map(|sub| sub.name.clone()));
     let servers = match keel::mcp::connect_all(spec.mcp.clone(), &taken).await {
         Ok(servers) => servers,
-        Err(failure) => {
-            eprintln!("error[{}]: {}", failure.code, failure.message);
-            return Ok(exit::INVALID_AGENT);
-        }
+        Err(failure) => return (Vec::new(), vec![(failure.code, failure.message)]),
     };
+    let listed: Vec<(String, Vec<String>)> = servers
+        .iter()
+        .map(|server| {
+            (server.name().to_owned(), server.remote_tools().into_iter().map(|tool| tool.spec.name).collect())
+        })
+        .collect();
+    let errors = spec
+        .approval_tools
+        .iter()
+        .filter(|name| {
+            spec.mcp.iter().any(|server| name.starts_with(&server.tool_prefix()))
+                && !listed.iter().any(|(_, tools)| tools.contains(name))
+        })
+        .map(|name| {
+            (
+                keel::ErrorCode::SpecInvalid,
+                format!("`approvals.tools` names `{name}`, which no MCP server of the agent offers"),
+            )
+        })
+        .collect();
+    (listed, errors)
+}
+
+/// Connects to the agent's MCP servers and lists their tools as the agent will name them.
+async fn check_mcp(spec: keel_spec::AgentSpec) -> std::io::Result<u8> {
+    let (servers, errors) = mcp_tools(&spec).await;
     let mut stdout = std::io::stdout().lock();
-    for server in &servers {
-        let tools: Vec<String> = server.remote_tools().into_iter().map(|tool| tool.spec.name).collect();
+    for (server, tools) in &servers {
         writeln!(
             stdout,
-            "mcp `{}`: {} tool{}: {}",
-            server.name(),
+            "mcp `{server}`: {} tool{}: {}",
             tools.len(),
             plural(tools.len()),
             tools.join(", ")
         )?;
     }
-    let approvals = spec.approval_tools.iter().filter(|name| {
-        spec.mcp.iter().any(|server| name.starts_with(&server.tool_prefix()))
-            && !servers.iter().any(|server| server.remote_tools().iter().any(|tool| &tool.spec.name == *name))
-    });
-    let mut missing = 0;
-    for name in approvals {
-        missing += 1;
-        eprintln!(
-            "error[{}]: `approvals.tools` names `{name}`, which no MCP server of the agent offers",
-            keel::ErrorCode::SpecInvalid.as_str()
-        );
+    for (code, message) in &errors {
+        eprintln!("error[{}]: {message}", code.as_str());
     }
-    Ok(if missing == 0 { exit::OK } else { exit::INVALID_AGENT })
+    Ok(if errors.is_empty() { exit::OK } else { exit::INVALID_AGENT })
+}
+
+/// `keel check --json`: one document, `{ok, agent?, diagnostics, documents, mcp}`.
+fn check_json(args: &CheckArgs, loaded: keel_spec::Loaded) -> std::io::Result<u8> {
+    let mut diagnostics: Vec<serde_json::Value> =
+        loaded.diagnostics.iter().map(keel_spec::Diagnostic::to_json).collect();
+    let mut document = serde_json::json!({ "ok": false, "documents": [], "mcp": [] });
+    if let Some(spec) = loaded.spec {
+        let mut documents = Vec::new();
+        for knowledge in &spec.memory.knowledge {
+            match keel_memory::semantic::check_folder(&knowledge.source) {
+                Ok(report) => {
+                    for skipped in &report.warnings {
+                        diagnostics.push(serde_json::json!({
+                            "severity": "warning",
+                            "message": skipped.message,
+                            "file": knowledge.source.join(&skipped.path).display().to_string(),
+                        }));
+                    }
+                    documents.push(serde_json::json!({
+                        "folder": knowledge.source.display().to_string(),
+                        "documents": report.documents,
+                        "passages": report.passages,
+                    }));
+                }
+                Err(error) => diagnostics.push(serde_json::json!({
+                    "severity": "warning",
+                    "message": error.to_string(),
+                    "file": knowledge.source.display().to_string(),
+                })),
+            }
+        }
+        let mut tools: Vec<String> = spec.builtin_tools.clone();
+        tools.extend(spec.command_tools.iter().map(|t| t.def.name.clone()));
+        tools.extend(spec.memory.knowledge_tools());
+        document["agent"] = serde_json::json!({ "name": spec.name, "model": spec.model, "tools": tools });
+        document["documents"] = documents.into();
+        if !spec.mcp.is_empty() && !args.offline {
+            let (servers, errors) = super::run_async(async { mcp_tools(&spec).await })?;
+            document["mcp"] = servers
+                .into_iter()
+                .map(|(server, tools)| serde_json::json!({ "server": server, "tools": tools }))
+                .collect::<Vec<_>>()
+                .into();
+            for (code, message) in errors {
+                diagnostics.push(serde_json::json!({
+                    "severity": "error",
+                    "code": code.as_str(),
+                    "message": message,
+                    "file": spec.source.display().to_string(),
+                }));
+            }
+        }
+    }
+    let ok = !diagnostics.iter().any(|d| d["severity"] == "error");
+    document["ok"] = ok.into();
+    document["diagnostics"] = diagnostics.into();
+    writeln!(std::io::stdout().lock(), "{document}")?;
+    Ok(if ok { exit::OK } else { exit::INVALID_AGENT })
 }
 
 fn plural(n: usize) -> &'static str {

@@ -497,6 +497,10 @@ pub(crate) struct CheckArgs {
     /// tools listed).
     #[arg(long)]
     pub(crate) offline: bool,
+    /// Print one JSON document on stdout: `{ok, agent, diagnostics: [{severity, code, message,
+    /// file, line, column, hint}], documents, mcp}`.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 /// Parses the command line, runs the command, and returns its exit code.

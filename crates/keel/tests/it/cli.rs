@@ -200,6 +200,52 @@ fn check_prints_every_problem_with_its_place() {
         .stdout(predicate::str::starts_with("ok: agent `assistant`"));
 }
 
+/// `keel check --json`: one document a program can read, the same problems as the text.
+#[test]
+fn check_json_reports_the_agent_or_every_problem_as_one_document() {
+    let good = keel().args(["check", "--json"]).arg(repo_root().join("examples/helpdesk")).output().unwrap();
+    assert!(good.status.success(), "{good:?}");
+    let report: Value = serde_json::from_slice(&good.stdout).unwrap();
+    assert_eq!(report["ok"], true);
+    assert_eq!(report["agent"]["name"], "helpdesk");
+    assert_eq!(
+        report["agent"]["tools"],
+        json!(["search_memory", "read_memory", "search_billing", "read_billing"])
+    );
+    assert_eq!(report["documents"][0]["documents"], 2, "{report:#}");
+    assert_eq!(good.stderr, b"", "nothing else is printed");
+
+    let dir = agent_dir(&[(
+        "agent.yaml",
+        "model: mock\nmodle: typo\nmemory: { kind: semantic }\nmock: { script: [ { tool_calls: [ { name: weather } ] } ] }\n",
+    )]);
+    let bad = keel().args(["check", "--json"]).arg(dir.path()).output().unwrap();
+    assert_eq!(bad.status.code(), Some(1), "{bad:?}");
+    let report: Value = serde_json::from_slice(&bad.stdout).unwrap();
+    assert_eq!(report["ok"], false);
+    let diagnostics = report["diagnostics"].as_array().unwrap();
+    let typo = diagnostics.iter().find(|d| d["message"] == "unknown key `modle`").expect("the typo");
+    assert_eq!(typo["severity"], "error");
+    assert_eq!(typo["code"], "KEEL_SPEC_INVALID");
+    assert_eq!((typo["line"].as_u64(), typo["column"].as_u64()), (Some(2), Some(1)));
+    assert_eq!(typo["hint"], "did you mean `model`?");
+    assert!(typo["file"].as_str().unwrap().ends_with("agent.yaml"), "{typo}");
+    // The text output says the same; a warning carries no error code.
+    let text = keel().arg("check").arg(dir.path()).output().unwrap();
+    let said = String::from_utf8_lossy(&text.stderr);
+    assert!(said.contains("error[KEEL_SPEC_INVALID]: unknown key `modle`"), "{said}");
+    let warnings: Vec<&str> = said.lines().filter(|line| line.starts_with("warning")).collect();
+    assert_eq!(
+        warnings,
+        [
+            "warning: the mock script calls `weather`, which the agent does not have (the model will get an error result)"
+        ],
+        "{said}"
+    );
+    let warning = diagnostics.iter().find(|d| d["severity"] == "warning").expect("the warning");
+    assert!(warning.get("code").is_none(), "{warning}");
+}
+
 #[test]
 fn a_missing_instructions_file_is_an_error() {
     let dir = agent_dir(&[("a.yaml", "model: mock\ninstructions: { file: missing.md }\n")]);
