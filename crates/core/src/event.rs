@@ -190,6 +190,14 @@ pub enum Event {
         /// Usage summed over the run.
         usage: Usage,
     },
+    /// The run paused: nothing is left to do until a human decides (its last event, in place
+    /// of `run.done`).
+    RunPaused {
+        /// What it waits for.
+        pending: Vec<crate::human::PendingInput>,
+        /// Usage summed over the run so far.
+        usage: Usage,
+    },
     /// The run failed.
     RunError {
         /// The stable code.

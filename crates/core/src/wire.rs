@@ -82,6 +82,8 @@ enum EventJson<'a> {
         stopped: &'static str,
         usage: UsageJson,
     },
+    #[serde(rename = "run.paused")]
+    RunPaused { pending: Vec<Value>, usage: UsageJson },
     #[serde(rename = "run.error")]
     RunError { code: &'static str, message: &'a str },
 }
@@ -104,6 +106,7 @@ pub fn event_type(event: &Event) -> &'static str {
         Event::StateUpdated { .. } => "state.updated",
         Event::Usage(_) => "usage",
         Event::RunDone { .. } => "run.done",
+        Event::RunPaused { .. } => "run.paused",
         Event::RunError { .. } => "run.error",
     }
 }
@@ -142,6 +145,10 @@ pub fn event_to_json(event: &Event) -> String {
             text,
             output: output.as_ref(),
             stopped: stopped.as_str(),
+            usage: (*usage).into(),
+        },
+        Event::RunPaused { pending, usage } => EventJson::RunPaused {
+            pending: pending.iter().map(pending_to_json).collect(),
             usage: (*usage).into(),
         },
         Event::RunError { code, message } => EventJson::RunError { code: code.as_str(), message },
@@ -300,6 +307,18 @@ mod tests {
                 stopped: StopReason::Budget,
                 usage: Usage::default(),
             },
+            Event::RunPaused {
+                pending: vec![PendingInput {
+                    id: "ap_1".into(),
+                    run_id: RunId::from_suffix("1"),
+                    session_id: SessionId::new("s").unwrap(),
+                    call_id: "c".into(),
+                    kind: PendingKind::Approval { tool: "shell".into(), input: json!({"command": "ls"}) },
+                    created_at_ms: 1,
+                    expires_at_ms: 2,
+                }],
+                usage: Usage { input_tokens: 3, output_tokens: 4 },
+            },
             Event::RunError { code: ErrorCode::ProviderError, message: "down".into() },
         ];
         let lines: Vec<String> = events.iter().map(event_to_json).collect();
@@ -323,6 +342,7 @@ mod tests {
             {"type":"usage","inputTokens":1,"outputTokens":2}
             {"type":"run.done","text":"5","stopped":"final","usage":{"inputTokens":0,"outputTokens":0}}
             {"type":"run.done","text":"{}","output":{},"stopped":"budget","usage":{"inputTokens":0,"outputTokens":0}}
+            {"type":"run.paused","pending":[{"callId":"c","createdAtMs":1,"expiresAtMs":2,"id":"ap_1","input":{"command":"ls"},"kind":"approval","runId":"run_1","sessionId":"s","tool":"shell"}],"usage":{"inputTokens":3,"outputTokens":4}}
             {"type":"run.error","code":"KEEL_PROVIDER_ERROR","message":"down"}
         "#]]
         .assert_eq(&(lines.join("\n") + "\n"));

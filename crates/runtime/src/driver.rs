@@ -863,6 +863,7 @@ impl Driver<'_> {
 
     fn paused_result(&mut self, machine: &Machine, pending: Vec<PendingInput>) -> RunResult {
         self.go_live();
+        self.emit(Event::RunPaused { pending: pending.clone(), usage: machine.usage() });
         RunResult {
             run_id: self.run_id.clone(),
             session_id: self.session.clone(),

@@ -187,6 +187,11 @@ impl Render for HumanRenderer {
                 )?;
             }
             Event::StateUpdated { .. } => {}
+            // The command explains the pause itself (what waits, and how to decide it).
+            Event::RunPaused { .. } => {
+                self.stop_spinner();
+                self.end_line()?;
+            }
             Event::RunDone { text, stopped, .. } => {
                 self.stop_spinner();
                 if *stopped == StopReason::StopCondition || (!self.streamed && !text.is_empty()) {

@@ -185,6 +185,15 @@ fn a_rejected_call_is_shown_as_failed_by_the_run_that_continues() {
     let first = run_go(dir).output().unwrap();
     assert_eq!(first.status.code(), Some(5), "{first:?}");
     let (pay, ship) = (pending_id(dir, "pay"), pending_id(dir, "ship"));
+    // A paused run's stream ends with what it waits for.
+    let streamed = events(&first);
+    let last = streamed.last().unwrap();
+    assert_eq!(last["type"], "run.paused", "{streamed:#?}");
+    let waiting: Vec<&str> =
+        last["pending"].as_array().unwrap().iter().map(|p| p["id"].as_str().unwrap()).collect();
+    assert_eq!(waiting.len(), 2, "{last}");
+    assert!(waiting.contains(&pay.as_str()) && waiting.contains(&ship.as_str()), "{last}");
+    assert!(last["usage"]["outputTokens"].as_u64().unwrap() > 0, "{last}");
     let decided = keel(dir, &["approvals", "reject", &pay, "--note", "too much"]).output().unwrap();
     assert!(decided.status.success(), "{decided:?}");
     // The other decision continues the run here, on the terminal's renderer.
