@@ -334,8 +334,47 @@ impl ToolSet {
 /// Compiles a tool input schema, the same way [`ToolSet::new`] does; used by spec loaders to
 /// report an invalid schema where it was written.
 pub fn compile_input_schema(schema: &Value) -> Result<jsonschema::Validator, String> {
-    if !schema.is_object() {
-        return Err("the schema must be a JSON object (usually `{\"type\": \"object\", ...}`)".into());
+    check_schema(schema).map_err(|problem| problem.to_string())
+}
+
+/// Why a schema is not a valid JSON Schema, and where in it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchemaProblem {
+    /// The JSON pointer of the part at fault (`/properties/city/type`; empty: the whole).
+    pub pointer: String,
+    /// What is wrong with it, in words.
+    pub message: String,
+}
+
+impl std::fmt::Display for SchemaProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.pointer.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "at `{}`: {}", self.pointer.trim_start_matches('/').replace('/', "."), self.message)
+        }
     }
-    jsonschema::validator_for(schema).map_err(|e| e.to_string())
+}
+
+/// Compiles `schema`, or says what in it is wrong: a misspelled `type` is named as such, with
+/// the types there are, rather than as the meta-schema's `anyOf` failure.
+pub fn check_schema(schema: &Value) -> Result<jsonschema::Validator, SchemaProblem> {
+    if !schema.is_object() {
+        return Err(SchemaProblem {
+            pointer: String::new(),
+            message: "the schema must be a JSON object (usually `{\"type\": \"object\", ...}`)".into(),
+        });
+    }
+    jsonschema::validator_for(schema).map_err(|error| {
+        let pointer = error.instance_path().to_string();
+        let message = if pointer == "/type" || pointer.ends_with("/type") {
+            format!(
+                "{} is not a type: write one of array, boolean, integer, null, number, object, string (or a list of them)",
+                error.instance()
+            )
+        } else {
+            error.to_string()
+        };
+        SchemaProblem { pointer, message }
+    })
 }

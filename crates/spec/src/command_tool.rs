@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 
 use keel_core::agent::StateAccess;
-use keel_core::tool::{compile_input_schema, validate_tool_name};
+use keel_core::tool::{check_schema, validate_tool_name};
 use keel_core::{CommandToolDef, ErrorCode};
 use serde_json::json;
 
@@ -44,6 +44,17 @@ pub(crate) fn load_dir(
     };
     files.sort();
     files.iter().filter_map(|file| load_file(file, base_dir, diagnostics)).collect()
+}
+
+/// The names of the tool files in `tools_dir` (`<name>.toml`), whether they load or not.
+pub(crate) fn declared_names(tools_dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(tools_dir) else { return Vec::new() };
+    entries
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|e| e == "toml") && path.is_file())
+        .filter_map(|path| path.file_stem().and_then(|s| s.to_str()).map(str::to_owned))
+        .collect()
 }
 
 fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) -> Option<CommandToolSpec> {
@@ -110,13 +121,17 @@ fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) ->
         },
         None => StateAccess::None,
     };
+    // A typo of a required key is reported once, as the unknown key it is.
+    let (description_typo, command_typo) =
+        (map.misspelled("description", KEYS), map.misspelled("command", KEYS));
     map.finish(&mut d, "", KEYS);
 
-    if description.is_none() && map_lacks(&root, "description") {
+    if description.is_none() && map_lacks(&root, "description") && !description_typo {
         d.error(root.pos, "missing `description`").hint =
             Some("say what the tool does and when to use it: the model reads it".into());
     }
     let command = match command_node {
+        None if command_typo => None,
         None => {
             d.error(root.pos, "missing `command`").hint =
                 Some("add the program and its arguments, e.g. `command = [\"python3\", \"add.py\"]`".into());
@@ -128,8 +143,9 @@ fn load_file(file: &Path, base_dir: &Path, diagnostics: &mut Vec<Diagnostic>) ->
         None => json!({ "type": "object" }),
         Some(node) => {
             let schema = node.to_json();
-            if let Err(reason) = compile_input_schema(&schema) {
-                d.error(node.pos, format!("`input_schema` is not a valid JSON Schema: {reason}"));
+            if let Err(problem) = check_schema(&schema) {
+                let at = node.at_pointer(&problem.pointer).pos;
+                d.error(at, format!("`input_schema` is not a valid JSON Schema: {problem}"));
                 return None;
             }
             schema

@@ -175,6 +175,14 @@ impl<'n> MapReader<'n> {
         rest
     }
 
+    /// Whether a key not taken is a likely typo of `key` (among `known`): its "unknown key"
+    /// error will say so, and a "missing `key`" error would only repeat it.
+    pub(crate) fn misspelled(&self, key: &str, known: &[&str]) -> bool {
+        self.entries.iter().zip(&self.used).any(|((other, _, _), used)| {
+            !*used && !known.contains(&other.as_str()) && did_you_mean(other, known) == Some(key)
+        })
+    }
+
     /// The position of `key`, if present.
     pub(crate) fn key_pos(&self, key: &str) -> Option<Pos> {
         self.entries.iter().find(|(k, _, _)| k == key).map(|(_, p, _)| *p)

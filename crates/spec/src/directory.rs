@@ -202,13 +202,19 @@ pub(crate) fn load_with_spec_file(
     }
     let mut spec = spec;
     spec.memory.knowledge.extend(skill_knowledge);
+    // A tool whose file has errors is still the agent's: naming it elsewhere (approvals, the
+    // mock script) is not a second error, only the file's own is.
+    let mut unloaded: Vec<String> = command_tool::declared_names(&dir.join("tools"));
+    for skill in &skill_names {
+        unloaded.extend(command_tool::declared_names(&dir.join("skills").join(skill).join("tools")));
+    }
+    unloaded.retain(|name| !command_tools.iter().any(|tool| &tool.def.name == name));
     let mut agent = finish(
         spec,
         default_name,
         instructions,
         command_tools,
-        skill_names,
-        subagents,
+        Declared { skills: skill_names, subagents, unloaded_tools: unloaded },
         file,
         options,
         diagnostics,
@@ -469,17 +475,29 @@ fn shift_lines(mut node: tree::Node, lines: usize) -> tree::Node {
 
 /// Builds the spec from the decoded file and what the directory added, checking tool names.
 #[allow(clippy::too_many_arguments)]
+/// What an agent directory declares besides its spec and command tools.
+#[derive(Default)]
+pub(crate) struct Declared {
+    /// The skills loaded.
+    pub(crate) skills: Vec<String>,
+    /// The subagents loaded.
+    pub(crate) subagents: Vec<AgentSpec>,
+    /// Tools whose files exist but did not load (their errors are reported): names that may
+    /// be referred to without a knock-on error.
+    pub(crate) unloaded_tools: Vec<String>,
+}
+
 pub(crate) fn finish(
     spec: FileSpec,
     default_name: String,
     dir_instructions: String,
     command_tools: Vec<CommandToolSpec>,
-    skills: Vec<String>,
-    subagents: Vec<AgentSpec>,
+    declared: Declared,
     file: &Path,
     options: &LoadOptions<'_>,
     diagnostics: &mut Vec<Diagnostic>,
 ) -> Option<AgentSpec> {
+    let Declared { skills, subagents, unloaded_tools } = declared;
     // Subagents and the search and read tools of documents are tools too, for approvals and
     // mock scripts to name.
     let knowledge_tools = spec.memory.knowledge_tools();
@@ -488,6 +506,7 @@ pub(crate) fn finish(
         .map(|t| t.def.name.as_str())
         .chain(subagents.iter().map(|s| s.name.as_str()))
         .chain(knowledge_tools.iter().map(String::as_str))
+        .chain(unloaded_tools.iter().map(String::as_str))
         .collect();
     for tool in &command_tools {
         if options.builtin_tools.contains(&tool.def.name.as_str()) {

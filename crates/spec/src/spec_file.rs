@@ -196,6 +196,8 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
     }
     match map.take("model") {
         Some(node) => spec.model = model(node, d, options),
+        // `modle: mock`: the unknown key's error says "did you mean `model`?", once.
+        None if map.misspelled("model", KEYS) => {}
         None => {
             d.error(map.pos, "missing `model`").hint = Some(
                 "add `model: mock` to run offline, or `model: openai/gpt-4o-mini` (provider/model)".into(),
@@ -708,6 +710,11 @@ fn output(node: &Node, d: &mut Decoder<'_>) -> (Option<Value>, Option<u32>) {
         return (None, max_repairs);
     }
     let schema = schema_node.to_json();
+    if let Err(problem) = keel_core::tool::check_schema(&schema) {
+        let at = schema_node.at_pointer(&problem.pointer).pos;
+        d.error(at, format!("`output.schema` is not a valid JSON Schema: {problem}"));
+        return (None, max_repairs);
+    }
     if let Err(reason) = OutputSchema::new(schema.clone()) {
         d.error(schema_node.pos, format!("`output.schema` is not a valid JSON Schema: {reason}"));
         return (None, max_repairs);
@@ -1089,8 +1096,7 @@ pub(crate) fn load_standalone(
         default_name,
         String::new(),
         Vec::new(),
-        Vec::new(),
-        Vec::new(),
+        crate::directory::Declared::default(),
         file,
         options,
         diagnostics,

@@ -111,9 +111,6 @@ fn every_problem_is_reported_with_its_position() {
         )],
         "agent.yaml",
         expect![[r#"
-            error[KEEL_SPEC_INVALID]: missing `model`
-              --> agent.yaml:1:1
-              hint: add `model: mock` to run offline, or `model: openai/gpt-4o-mini` (provider/model)
             error[KEEL_SPEC_INVALID]: unknown key `modle`
               --> agent.yaml:1:1
               hint: did you mean `model`?
@@ -130,6 +127,30 @@ fn every_problem_is_reported_with_its_position() {
               hint: did you mean `max_tool_calls`?
             error[KEEL_SPEC_INVALID]: `retry` must be a mapping, not an integer
               --> agent.yaml:7:8
+        "#]],
+    );
+}
+
+/// The root cause only: a tool file with errors is still named by `approvals` and the mock
+/// script without a second error, and a typo of a required key is one error, not two.
+#[test]
+fn knock_on_errors_are_dropped_for_their_cause() {
+    check(
+        &[
+            (
+                "a/agent.yaml",
+                "modle: mock\napprovals: { tools: [convert] }\nmock: { script: [ { tool_calls: [ { name: convert } ] } ] }\n",
+            ),
+            ("a/tools/convert.toml", "description = \"Converts\"\ncommand = [\"./nope.sh\"]\n"),
+        ],
+        "a",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: unknown key `modle`
+              --> a/agent.yaml:1:1
+              hint: did you mean `model`?
+            error[KEEL_SPEC_INVALID]: the command's program `./nope.sh` does not exist (looked at a/nope.sh)
+              --> a/tools/convert.toml:2:11
+              hint: relative paths are relative to the tool's working directory (the agent directory by default)
         "#]],
     );
 }
@@ -252,8 +273,8 @@ fn bad_command_tools() {
         ],
         "a",
         expect![[r#"
-            error[KEEL_SPEC_INVALID]: `input_schema` is not a valid JSON Schema: 12 is not valid under any of the schemas listed in the 'anyOf' keyword
-              --> a/tools/bad_schema.toml:3:1
+            error[KEEL_SPEC_INVALID]: `input_schema` is not a valid JSON Schema: at `type`: 12 is not a type: write one of array, boolean, integer, null, number, object, string (or a list of them)
+              --> a/tools/bad_schema.toml:4:8
             error[KEEL_SPEC_INVALID]: tool `day-name` has the name of a built-in tool
               --> a/tools/day-name.toml
               hint: rename the file: built-in tool names are reserved
@@ -269,9 +290,6 @@ fn bad_command_tools() {
             error[KEEL_SPEC_INVALID]: unknown key `descripton`
               --> a/tools/typo.toml:1:1
               hint: did you mean `description`?
-            error[KEEL_SPEC_INVALID]: missing `description`
-              --> a/tools/typo.toml:1:1
-              hint: say what the tool does and when to use it: the model reads it
         "#]],
     );
 }

@@ -48,6 +48,27 @@ impl Kind {
 }
 
 impl Node {
+    /// The node a JSON pointer (`/properties/city/type`) names inside this one, or the deepest
+    /// one on the way there.
+    pub(crate) fn at_pointer(&self, pointer: &str) -> &Node {
+        let mut node = self;
+        for segment in pointer.split('/').skip(1) {
+            let segment = segment.replace("~1", "/").replace("~0", "~");
+            let next = match &node.kind {
+                Kind::Map(entries) => {
+                    entries.iter().find(|(key, _, _)| *key == segment).map(|(_, _, value)| value)
+                }
+                Kind::Seq(items) => segment.parse::<usize>().ok().and_then(|index| items.get(index)),
+                _ => None,
+            };
+            match next {
+                Some(next) => node = next,
+                None => break,
+            }
+        }
+        node
+    }
+
     /// The node as JSON (for schemas and tool inputs).
     pub(crate) fn to_json(&self) -> Value {
         match &self.kind {
