@@ -213,8 +213,7 @@ pub(crate) fn load_with_spec_file(
         spec,
         default_name,
         instructions,
-        command_tools,
-        Declared { skills: skill_names, subagents, unloaded_tools: unloaded },
+        Declared { command_tools, skills: skill_names, subagents, unloaded_tools: unloaded },
         file,
         options,
         diagnostics,
@@ -475,9 +474,11 @@ fn shift_lines(mut node: tree::Node, lines: usize) -> tree::Node {
 
 /// Builds the spec from the decoded file and what the directory added, checking tool names.
 #[allow(clippy::too_many_arguments)]
-/// What an agent directory declares besides its spec and command tools.
+/// What an agent directory declares besides its spec.
 #[derive(Default)]
 pub(crate) struct Declared {
+    /// The command tools loaded (the agent's and its skills').
+    pub(crate) command_tools: Vec<CommandToolSpec>,
     /// The skills loaded.
     pub(crate) skills: Vec<String>,
     /// The subagents loaded.
@@ -491,13 +492,12 @@ pub(crate) fn finish(
     spec: FileSpec,
     default_name: String,
     dir_instructions: String,
-    command_tools: Vec<CommandToolSpec>,
     declared: Declared,
     file: &Path,
     options: &LoadOptions<'_>,
     diagnostics: &mut Vec<Diagnostic>,
 ) -> Option<AgentSpec> {
-    let Declared { skills, subagents, unloaded_tools } = declared;
+    let Declared { command_tools, skills, subagents, unloaded_tools } = declared;
     // Subagents and the search and read tools of documents are tools too, for approvals and
     // mock scripts to name.
     let knowledge_tools = spec.memory.knowledge_tools();

@@ -1095,7 +1095,6 @@ pub(crate) fn load_standalone(
         spec,
         default_name,
         String::new(),
-        Vec::new(),
         crate::directory::Declared::default(),
         file,
         options,
