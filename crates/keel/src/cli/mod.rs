@@ -7,6 +7,7 @@ mod bundle;
 mod cancel;
 mod chat;
 mod check;
+mod init;
 mod input;
 mod mcp;
 mod memory;
@@ -69,6 +70,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Make a new agent directory from a template: commented, runs offline at once (the mock
+    /// model), and says what to try next.
+    Init(InitArgs),
     /// Run one turn of an agent and stream it to the terminal.
     #[command(after_help = EXIT_CODES)]
     Run(RunArgs),
@@ -452,6 +456,47 @@ pub(crate) struct McpArgs {
     pub(crate) model: Option<String>,
 }
 
+/// Arguments of `keel init`.
+#[derive(clap::Args)]
+pub(crate) struct InitArgs {
+    /// The directory to make (default: this one, when it is empty).
+    #[arg(default_value = ".")]
+    pub(crate) dir: PathBuf,
+    /// What the agent starts with.
+    #[arg(long, value_enum, default_value = "assistant")]
+    pub(crate) template: Template,
+    /// Write into a directory that is not empty (the template's files are replaced, each named).
+    #[arg(long)]
+    pub(crate) force: bool,
+}
+
+/// The templates of `keel init`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum Template {
+    /// A built-in tool and instructions.
+    Assistant,
+    /// A command tool of its own (a Python script).
+    Tools,
+    /// A tool whose calls wait for a human's approval.
+    Approvals,
+    /// Tools from an MCP server (the official filesystem server, from npm).
+    Mcp,
+    /// An agent to serve over HTTP, with the commands to call it.
+    Serve,
+}
+
+impl Template {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Template::Assistant => "assistant",
+            Template::Tools => "tools",
+            Template::Approvals => "approvals",
+            Template::Mcp => "mcp",
+            Template::Serve => "serve",
+        }
+    }
+}
+
 /// Arguments of `keel build`.
 #[derive(clap::Args)]
 pub(crate) struct BuildArgs {
@@ -536,6 +581,7 @@ pub(crate) fn main() -> ExitCode {
         }
     };
     let code = match cli.command {
+        Command::Init(args) => init::init(&args),
         Command::Run(args) => run::run(args),
         Command::Chat(args) => chat::chat(args),
         Command::Serve(args) => serve::serve(args),

@@ -127,6 +127,83 @@ fn the_input_comes_from_stdin_when_piped_or_given_as_a_dash() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("stdin was empty"), "{out:?}");
 }
 
+/// `keel init`: every template makes an agent `keel check` accepts, the offline ones answer at
+/// once, and a directory in use is refused unless --force (which names what it replaces).
+#[test]
+fn keel_init_makes_agents_that_run_offline_and_never_overwrites_silently() {
+    let dir = tempfile::tempdir().unwrap();
+    let answers = [
+        ("assistant", "What day is it?", "Today is "),
+        ("tools", "How many words?", "That text has 4 words."),
+        ("serve", "Hello!", "It is "),
+    ];
+    for template in ["assistant", "tools", "approvals", "mcp", "serve"] {
+        let target = dir.path().join(format!("my-{template}"));
+        let out = keel().arg("init").arg(&target).args(["--template", template]).output().unwrap();
+        assert!(out.status.success(), "{template}: {out:?}");
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(said.starts_with(&format!("created the agent `my-{template}`")), "{said}");
+        assert!(said.contains(&format!("keel check {}", target.display())), "the next commands: {said}");
+        let check = keel().arg("check").arg(&target).arg("--offline").output().unwrap();
+        assert!(check.status.success(), "{template}: {check:?}");
+        assert_eq!(check.stderr, b"", "{template}: no warning in a fresh agent: {check:?}");
+        let text = std::fs::read_to_string(target.join("agent.yaml")).unwrap();
+        assert!(text.starts_with("# ") && text.contains("model: mock"), "commented, offline: {text}");
+    }
+    for (template, question, answer) in answers {
+        let out = keel()
+            .current_dir(dir.path())
+            .arg("run")
+            .arg(format!("my-{template}"))
+            .arg(question)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{template}: {out:?}");
+        assert!(String::from_utf8_lossy(&out.stdout).starts_with(answer), "{template}: {out:?}");
+    }
+    // The approvals template pauses for its tool, and runs it once approved.
+    let approvals = dir.path().join("my-approvals");
+    let paused = keel()
+        .current_dir(dir.path())
+        .arg("run")
+        .arg(&approvals)
+        .args(["send it", "--session", "demo"])
+        .output()
+        .unwrap();
+    assert_eq!(paused.status.code(), Some(5), "{paused:?}");
+    let list = keel().current_dir(dir.path()).args(["approvals", "list", "--json"]).output().unwrap();
+    let pending: Value =
+        serde_json::from_str(String::from_utf8_lossy(&list.stdout).lines().next().unwrap()).unwrap();
+    let approve = keel()
+        .current_dir(dir.path())
+        .args(["approvals", "approve", pending["id"].as_str().unwrap(), "--agent"])
+        .arg(&approvals)
+        .output()
+        .unwrap();
+    assert!(approve.status.success(), "{approve:?}");
+    assert_eq!(
+        std::fs::read_to_string(approvals.join("outbox.txt")).unwrap(),
+        "to team: The build is green.\n"
+    );
+
+    // A directory in use: refused, nothing written.
+    let used = dir.path().join("used");
+    std::fs::create_dir(&used).unwrap();
+    std::fs::write(used.join("agent.yaml"), "mine\n").unwrap();
+    let out = keel().arg("init").arg(&used).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not empty"), "{out:?}");
+    assert_eq!(std::fs::read_to_string(used.join("agent.yaml")).unwrap(), "mine\n");
+    let out = keel().arg("init").arg(&used).arg("--force").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains(&format!("replacing {}", used.join("agent.yaml").display())),
+        "{out:?}"
+    );
+    assert!(std::fs::read_to_string(used.join("agent.yaml")).unwrap().contains("model: mock"));
+}
+
 #[test]
 fn a_spec_file_in_toml_runs_too() {
     let dir = agent_dir(&[("echo.toml", "model = \"mock\"\ninstructions = \"Echo.\"\n")]);
