@@ -310,11 +310,7 @@ fn shared_libraries(program: &Path) -> Result<Vec<PathBuf>, String> {
 
 /// Loads an agent, writing its diagnostics to `report`; `None` when it has errors.
 fn load(agent: &Path, report: &mut dyn Write) -> std::io::Result<Option<keel_spec::AgentSpec>> {
-    let options = keel_spec::LoadOptions {
-        builtin_tools: keel_tools::BUILTIN_NAMES,
-        providers: keel_providers::PROVIDER_NAMES,
-        tool_name: keel_tools::tool_name,
-    };
+    let options = super::load_options();
     let loaded = keel_spec::load(agent, &options);
     for diagnostic in &loaded.diagnostics {
         writeln!(report, "{diagnostic}")?;

@@ -6,11 +6,7 @@ use super::CheckArgs;
 use super::exit;
 
 pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
-    let options = keel_spec::LoadOptions {
-        builtin_tools: keel_tools::BUILTIN_NAMES,
-        providers: keel_providers::PROVIDER_NAMES,
-        tool_name: keel_tools::tool_name,
-    };
+    let options = super::load_options();
     let loaded = keel_spec::load(&args.agent, &options);
     if args.json {
         return check_json(args, loaded);

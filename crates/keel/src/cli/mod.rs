@@ -343,6 +343,15 @@ pub(crate) fn run_async<T>(work: impl std::future::Future<Output = T>) -> std::i
     Ok(outcome)
 }
 
+/// What the spec loader checks an agent's names against: keel's built-in tools and providers.
+pub(crate) fn load_options() -> keel_spec::LoadOptions<'static> {
+    keel_spec::LoadOptions {
+        builtin_tools: keel_tools::BUILTIN_NAMES,
+        providers: keel_providers::PROVIDER_NAMES,
+        tool_name: keel_tools::tool_name,
+    }
+}
+
 /// Opens a store, off the async threads (opening may block: the PostgreSQL driver runs its own
 /// runtime), printing why it cannot.
 pub(crate) async fn open_store(url: &str) -> Option<std::sync::Arc<dyn keel_core::Store>> {

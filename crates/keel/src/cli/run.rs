@@ -54,11 +54,7 @@ pub(crate) async fn load_agent(
     store: &str,
 ) -> std::io::Result<Result<Agent, u8>> {
     let mut stderr = std::io::stderr();
-    let options = keel_spec::LoadOptions {
-        builtin_tools: keel_tools::BUILTIN_NAMES,
-        providers: keel_providers::PROVIDER_NAMES,
-        tool_name: keel_tools::tool_name,
-    };
+    let options = super::load_options();
     let loaded = keel_spec::load(path, &options);
     for diagnostic in &loaded.diagnostics {
         writeln!(stderr, "{diagnostic}")?;

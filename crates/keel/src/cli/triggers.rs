@@ -8,11 +8,7 @@ use super::{RunArgs, RunsCommand, SchedulesCommand, exit};
 
 pub(crate) fn schedules(command: SchedulesCommand) -> std::io::Result<u8> {
     let SchedulesCommand::List { agent, next, json } = command;
-    let options = keel_spec::LoadOptions {
-        builtin_tools: keel_tools::BUILTIN_NAMES,
-        providers: keel_providers::PROVIDER_NAMES,
-        tool_name: keel_tools::tool_name,
-    };
+    let options = super::load_options();
     let loaded = keel_spec::load(&agent, &options);
     for diagnostic in &loaded.diagnostics {
         eprintln!("{diagnostic}");
