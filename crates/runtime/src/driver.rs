@@ -927,15 +927,26 @@ impl Driver<'_> {
                 | Event::Usage(_) => return,
                 Event::TurnStart { .. } => {
                     // A turn replayed whole is old news, except the outcome of a call a human
-                    // decided: the decision came after the pause observers last saw (a
-                    // rejection ends the call with no new work, so it would not be shown).
+                    // decided in the turn just replayed: the decision came after the pause
+                    // observers last saw (a rejection ends the call with no new work, so it
+                    // would not be shown). A turn after that one means an earlier process went
+                    // on past the decision, and showed its outcome then.
                     let decided = &self.decided_in_replay;
-                    held.retain(|event| match event {
-                        Event::ToolDone { call_id, .. } | Event::ToolError { call_id, .. } => {
-                            decided.contains(call_id)
-                        }
-                        _ => false,
-                    });
+                    let this_turn = held
+                        .iter()
+                        .rposition(|e| matches!(e, Event::TurnStart { .. }))
+                        .map_or(0, |at| at + 1);
+                    let kept: Vec<Event> = held
+                        .drain(this_turn..)
+                        .filter(|event| match event {
+                            Event::ToolDone { call_id, .. } | Event::ToolError { call_id, .. } => {
+                                decided.contains(call_id)
+                            }
+                            _ => false,
+                        })
+                        .collect();
+                    held.clear();
+                    held.extend(kept);
                     held.push(event);
                     return;
                 }

@@ -225,6 +225,42 @@ fn a_rejected_call_is_shown_as_failed_by_the_run_that_continues() {
     assert_eq!(kinds.last(), Some(&"run.done"));
 }
 
+/// A rejection is shown once: a run re-driven again later (its process died in a later turn)
+/// does not show it a second time.
+#[test]
+fn a_rejection_shown_by_one_process_is_not_shown_again_by_the_next() {
+    let spec = "model: mock\napprovals: { tools: [pay] }\nmock:\n  script:\n    - tool_calls: [{ name: pay, input: { amount: 5 } }]\n    - tool_calls: [{ name: note, input: { text: after } }]\n    - text: finished\n";
+    let (note, pay) = (tool("note"), tool("pay"));
+    let dir = agent_dir(&[
+        ("agent.yaml", spec),
+        ("record.py", RECORD_PY),
+        ("tools/note.toml", &note),
+        ("tools/pay.toml", &pay),
+    ]);
+    let dir = dir.path();
+    assert_eq!(run_go(dir).output().unwrap().status.code(), Some(5));
+    let pay_id = pending_id(dir, "pay");
+    assert!(keel(dir, &["approvals", "reject", &pay_id]).output().unwrap().status.success());
+    // This process shows the rejection, runs `note`, and dies right after committing it.
+    let crashed = keel(dir, &["run"])
+        .arg(dir)
+        .args(["--session", "s", "--json"])
+        .env("KEEL_FAULT", "after_commit:tool:note:call_1_0")
+        .env("KEEL_RUN_LEASE", "200ms")
+        .output()
+        .unwrap();
+    assert!(!crashed.status.success(), "the fault stopped it: {crashed:?}");
+    let shown = events(&crashed);
+    assert_eq!(shown.iter().filter(|e| e["type"] == "tool.error").count(), 1, "{shown:#?}");
+    std::thread::sleep(Duration::from_millis(300));
+    let resumed = keel(dir, &["run"]).arg(dir).args(["--session", "s", "--json"]).output().unwrap();
+    assert!(resumed.status.success(), "{resumed:?}");
+    let again = events(&resumed);
+    assert!(!again.iter().any(|e| e["type"] == "tool.error"), "the rejection again: {again:#?}");
+    assert_eq!(again.last().unwrap()["text"], "finished");
+    assert_eq!(read(dir, "log.txt"), "note {\"text\": \"after\"}\n", "note ran once, pay never");
+}
+
 #[test]
 fn an_approval_nobody_decides_in_time_is_rejected_and_the_run_goes_on() {
     let dir = approvals_agent("1s");
