@@ -249,12 +249,14 @@ fn check_prints_every_problem_with_its_place() {
     ]);
     let assert = keel().current_dir(dir.path()).args(["check", "bad"]).assert().code(1);
     let stderr = String::from_utf8(assert.get_output().stderr.clone()).unwrap();
+    // The typo is the one error about the model: no "missing `model`" besides it.
+    assert!(!stderr.contains("missing `model`"), "{stderr}");
     for expected in [
-        "error[KEEL_SPEC_INVALID]: missing `model`\n  --> bad/agent.yaml:1:1",
         "error[KEEL_SPEC_INVALID]: unknown key `modle`\n  --> bad/agent.yaml:1:1\n  hint: did you mean `model`?",
         "error[KEEL_SPEC_INVALID]: unknown tool `day-nam`\n  --> bad/agent.yaml:2:9\n  hint: did you mean `day-name`?",
         "error[KEEL_SPEC_INVALID]: `limits.max_turns` must be an integer, not a string\n  --> bad/agent.yaml:3:22",
-        "--> bad/tools/lookup.toml:2:1",
+        "`input_schema` is not a valid JSON Schema: at `type`: \"objekt\" is not a type: write one of array,",
+        "(or a list of them)\n  --> bad/tools/lookup.toml:3:8",
         "error[KEEL_SPEC_INVALID]: missing `command`\n  --> bad/tools/lookup.toml:1:1",
         "errors found in bad",
     ] {
