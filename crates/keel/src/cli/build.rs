@@ -33,6 +33,14 @@ pub(crate) fn build(args: &BuildArgs) -> std::io::Result<u8> {
         return Ok(exit::INVALID_AGENT);
     };
     let program = match &args.keel {
+        Some(path) if !path.is_file() => {
+            writeln!(
+                stderr,
+                "error: --keel {}: no such file (give the path of a keel executable)",
+                path.display()
+            )?;
+            return Ok(2);
+        }
         Some(path) => path.clone(),
         None => std::env::current_exe()?,
     };
@@ -54,11 +62,11 @@ pub(crate) fn build(args: &BuildArgs) -> std::io::Result<u8> {
         return Ok(exit::INVALID_AGENT);
     };
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from(".keel/build").join(args.target.name()));
-    std::fs::create_dir_all(&out)?;
     let summary =
         format!("{files} file{}, {}", if files == 1 { "" } else { "s" }, size(archive.len() as u64));
     match args.target {
         BuildTarget::Native => {
+            std::fs::create_dir_all(&out)?;
             let artifact = out.join(&spec.name);
             bundle::write_executable(&program, &archive, &artifact)?;
             let shown = shown(&artifact);
@@ -120,6 +128,7 @@ fn docker(
     }
     libraries.sort();
     libraries.dedup();
+    std::fs::create_dir_all(out)?;
     let rootfs = out.join("rootfs");
     let _ = std::fs::remove_dir_all(&rootfs);
     std::fs::create_dir_all(rootfs.join("etc/ssl/certs"))?;
