@@ -58,8 +58,11 @@ pub(crate) fn command_line() -> io::Result<Vec<OsString>> {
         .ok()
         .or_else(|| args.first().map(PathBuf::from).filter(|path| path.components().count() > 1));
     let Some(exe) = exe else { return Ok(args) };
-    let embedded = match File::open(&exe) {
-        Ok(_) => find(&exe)?,
+    let embedded = match find(&exe) {
+        Ok(found) => found,
+        // A damaged trailer is an error; an executable keel cannot read carries nothing it can
+        // use, so it is a plain keel.
+        Err(error) if error.kind() == io::ErrorKind::InvalidData => return Err(error),
         Err(_) => None,
     };
     let Some(embedded) = embedded else { return Ok(args) };
