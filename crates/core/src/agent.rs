@@ -500,6 +500,18 @@ pub struct MockEntry {
     pub extract: Option<String>,
 }
 
+impl MockEntry {
+    /// A reply of text (`{{last_tool_output}}` is replaced by the last tool result's output).
+    pub fn text(text: impl Into<String>) -> MockEntry {
+        MockEntry { text: Some(text.into()), ..MockEntry::default() }
+    }
+
+    /// A reply calling one tool.
+    pub fn call(name: impl Into<String>, input: Value) -> MockEntry {
+        MockEntry { tool_calls: vec![MockToolCall { name: name.into(), input }], ..MockEntry::default() }
+    }
+}
+
 /// A simulated provider failure.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MockFailure {

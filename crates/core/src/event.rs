@@ -60,18 +60,19 @@ impl StopReason {
         }
     }
 
+    /// Every stop reason, in the order the docs list them.
+    pub const ALL: [StopReason; 6] = [
+        StopReason::Final,
+        StopReason::MaxTurns,
+        StopReason::StopCondition,
+        StopReason::Budget,
+        StopReason::Cancelled,
+        StopReason::AwaitingInput,
+    ];
+
     /// Parses a wire name.
     pub fn parse(name: &str) -> Option<StopReason> {
-        [
-            StopReason::Final,
-            StopReason::MaxTurns,
-            StopReason::StopCondition,
-            StopReason::Budget,
-            StopReason::Cancelled,
-            StopReason::AwaitingInput,
-        ]
-        .into_iter()
-        .find(|r| r.as_str() == name)
+        StopReason::ALL.into_iter().find(|r| r.as_str() == name)
     }
 }
 

@@ -97,10 +97,24 @@ impl Agent {
     /// Builds an agent from a loaded spec and a store, connecting to its MCP servers (each
     /// within its `startup_timeout`).
     pub async fn from_spec(spec: AgentSpec, store: Arc<dyn Store>) -> Result<Agent, LoadError> {
-        Box::pin(Agent::from_spec_inner(spec, store)).await
+        Box::pin(Agent::from_spec_inner(spec, store, None)).await
     }
 
-    async fn from_spec_inner(spec: AgentSpec, store: Arc<dyn Store>) -> Result<Agent, LoadError> {
+    /// [`Agent::from_spec`], recording the agent's tool dispatches and step commits in `probe`
+    /// (what `keel test` does; see [`crate::testing`]).
+    pub async fn from_spec_probed(
+        spec: AgentSpec,
+        store: Arc<dyn Store>,
+        probe: &crate::testing::Probe,
+    ) -> Result<Agent, LoadError> {
+        Box::pin(Agent::from_spec_inner(spec, store, Some(probe.clone()))).await
+    }
+
+    async fn from_spec_inner(
+        spec: AgentSpec,
+        store: Arc<dyn Store>,
+        probe: Option<crate::testing::Probe>,
+    ) -> Result<Agent, LoadError> {
         let mut tools: Vec<Arc<dyn Tool>> = Vec::new();
         let config = keel_tools::BuiltinConfig {
             http: spec.http.clone(),
@@ -186,6 +200,9 @@ impl Agent {
             builder = builder.initial_state(state);
         }
         builder = builder.memory(spec.memory);
+        if let Some(probe) = &probe {
+            builder = builder.probe(probe);
+        }
         for server in spec.mcp {
             builder = builder.mcp(server);
         }
@@ -354,6 +371,7 @@ pub struct AgentBuilder {
     initial_state: Option<Value>,
     memory: keel_core::memory::MemorySettings,
     index_dir: Option<std::path::PathBuf>,
+    probe: Option<crate::testing::Probe>,
 }
 
 impl AgentBuilder {
@@ -474,6 +492,13 @@ impl AgentBuilder {
     /// Called after each step is durably committed (not for steps a resumed run replays).
     pub fn on_step_finish(mut self, hook: impl Fn(&StepFinished<'_>) + Send + Sync + 'static) -> Self {
         self.loop_control.hooks.on_step_finish = Some(Arc::new(hook));
+        self
+    }
+
+    /// Records the agent's tool dispatches and step commits in `probe` (for tests: see
+    /// [`crate::testing`]). Its tools, MCP servers' included, are called through it.
+    pub fn probe(mut self, probe: &crate::testing::Probe) -> Self {
+        self.probe = Some(probe.clone());
         self
     }
 
@@ -702,6 +727,7 @@ impl AgentBuilder {
             approvals: self.approvals,
             compose: self.compose,
             stop_on_tools: self.stop_on_tools.clone(),
+            probe: self.probe.clone(),
         };
         let tools = recipe.tool_set().map_err(invalid)?;
         let output_schema = match self.output_schema {
@@ -710,6 +736,16 @@ impl AgentBuilder {
             })?),
             None => None,
         };
+        let mut loop_control = self.loop_control;
+        if let Some(probe) = self.probe {
+            let hook = loop_control.hooks.on_step_finish.take();
+            loop_control.hooks.on_step_finish = Some(Arc::new(move |finished: &StepFinished<'_>| {
+                if let Some(hook) = &hook {
+                    hook(finished);
+                }
+                probe.committed(finished.run_id, finished.step);
+            }));
+        }
         let definition = AgentDef {
             name: self.name.unwrap_or_else(|| "agent".to_owned()),
             description: self.description,
@@ -724,7 +760,7 @@ impl AgentBuilder {
             approval_timeout: self.approval_timeout.unwrap_or(AgentDef::DEFAULT_APPROVAL_TIMEOUT),
             schedules: self.schedules,
             channels: self.channels,
-            loop_control: self.loop_control,
+            loop_control,
             initial_state: self.initial_state,
             memory: keel_core::memory::AgentMemory::default(),
         };
@@ -765,6 +801,7 @@ struct ToolRecipe {
     approvals: Vec<(String, ApprovalRule)>,
     compose: bool,
     stop_on_tools: Vec<String>,
+    probe: Option<crate::testing::Probe>,
 }
 
 impl ToolRecipe {
@@ -773,6 +810,9 @@ impl ToolRecipe {
         let mut all_tools = self.own.clone();
         for server in &self.servers {
             all_tools.extend(server.tools());
+        }
+        if let Some(probe) = &self.probe {
+            all_tools = all_tools.into_iter().map(|tool| probe.wrap(tool)).collect();
         }
         if self.compose {
             let excluded: Vec<&str> = self.approvals.iter().map(|(name, _)| name.as_str()).collect();

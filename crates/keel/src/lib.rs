@@ -46,6 +46,7 @@
 mod agent;
 pub mod mcp;
 mod subagent;
+pub mod testing;
 
 pub use agent::{Agent, AgentBuilder, LoadError, load_spec};
 pub use keel_core::loop_control::{Compaction, StepFinished, TurnContext, TurnPlan};

@@ -22,6 +22,7 @@ mod diagnostic;
 mod directory;
 mod schedule;
 mod spec_file;
+mod test_case;
 mod tree;
 
 use keel_core::{CommandToolDef, Concurrency, ErrorCode, Limits, MockScript, RetryPolicy};
@@ -31,6 +32,10 @@ use std::path::{Path, PathBuf};
 pub use decode::did_you_mean;
 pub use diagnostic::{Diagnostic, Pos, Severity};
 pub use spec_file::NOT_YET as UNSUPPORTED_KEYS;
+pub use test_case::{
+    Expectations, ExpectedCall, ExpectedStop, LoadedTests, TestCase, TextMatch, Verdict, load_tests,
+    test_files,
+};
 
 /// An agent as its files describe it.
 #[derive(Clone, Debug, PartialEq)]

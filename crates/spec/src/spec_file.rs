@@ -945,7 +945,7 @@ fn state(node: &Node, d: &mut Decoder<'_>) -> Option<Value> {
 }
 
 /// The mock script, plus the tool names it calls (checked once the agent's tools are known).
-fn mock(node: &Node, d: &mut Decoder<'_>) -> Option<(MockScript, Vec<(String, Pos)>)> {
+pub(crate) fn mock(node: &Node, d: &mut Decoder<'_>) -> Option<(MockScript, Vec<(String, Pos)>)> {
     let mut map = d.map(node, "mock")?;
     let script = map.take("script");
     let compact = map.take("compact");
@@ -966,7 +966,7 @@ fn mock(node: &Node, d: &mut Decoder<'_>) -> Option<(MockScript, Vec<(String, Po
 
 /// A list of mock entries (`what` names it in diagnostics); the tool names they call are
 /// added to `called`.
-fn mock_entries(
+pub(crate) fn mock_entries(
     node: &Node,
     d: &mut Decoder<'_>,
     what: &str,

@@ -17,6 +17,7 @@ mod secrets;
 mod serve;
 mod sessions;
 mod telemetry;
+mod test;
 mod triggers;
 
 use std::path::PathBuf;
@@ -32,6 +33,7 @@ pub(crate) mod exit {
     pub const STOPPED_AT_LIMIT: u8 = 4;
     pub const AWAITING_INPUT: u8 = 5;
     pub const BUSY: u8 = 6;
+    pub const TESTS_FAILED: u8 = 7;
     pub const INTERRUPTED: u8 = 130;
 
     /// The exit code of a run that failed with `failure`.
@@ -55,6 +57,12 @@ Exit codes:
   6    the session is busy: another run of it is in flight (here or in another process) or
        waits for a human
   130  interrupted (Ctrl-C), or the run was cancelled";
+
+const TEST_EXIT_CODES: &str = "\
+Exit codes:
+  0  every case passed
+  1  the agent or a test case is invalid (nothing was run)
+  7  a case failed";
 
 /// `keel --version`: the crate's version and the git revision it was built from (`unknown`
 /// outside a git checkout, `-dirty` with uncommitted changes), set by `build.rs`.
@@ -83,6 +91,14 @@ enum Command {
     Serve(ServeArgs),
     /// Serve an agent as an MCP server over stdio: one tool, `agent_<name>`, for any MCP client.
     Mcp(McpArgs),
+    /// Run an agent's test cases (tests/*.yaml): each case's input, scripted model replies and
+    /// decisions, then what the run must do; `--chaos` also kills each run at every step
+    /// boundary and checks that it resumes the same.
+    #[command(after_help = TEST_EXIT_CODES)]
+    Test(test::TestArgs),
+    /// Runs or resumes one test case for `keel test --chaos` (internal).
+    #[command(hide = true)]
+    ChaosWorker(test::WorkerArgs),
     /// Check an agent (spec file or directory) and print every problem.
     #[command(after_help = "Exit codes:\n  0  no error (warnings may be printed)\n  1  the agent has errors")]
     Check(CheckArgs),
@@ -595,6 +611,8 @@ pub(crate) fn main() -> ExitCode {
         Command::Chat(args) => chat::chat(args),
         Command::Serve(args) => serve::serve(args),
         Command::Check(args) => check::check(&args),
+        Command::Test(args) => test::test(&args),
+        Command::ChaosWorker(args) => test::chaos_worker(&args),
         Command::Mcp(args) => mcp::mcp(&args),
         Command::Sessions(command) => sessions::sessions(command),
         Command::Approvals(command) => approvals::approvals(command),

@@ -1,0 +1,533 @@
+//! `keel test`: runs an agent's test cases (`tests/*.yaml`) and says, case by case, what
+//! differs from what each expects; `--chaos` also kills each case's run at every step boundary
+//! (a real SIGKILL of a worker process) and checks that the resumed run ends as the clean one
+//! did, with no completed step run again.
+//!
+//! A chaos worker is this executable again (the hidden `keel chaos-worker`): it runs or resumes
+//! one case on a SQLite store and reports each tool dispatch and step commit as a JSON line on
+//! stdout; asked to stop after the k-th commit, it says so and waits there to be killed.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use keel::testing::{Mismatch, Observed, Probe, TestCase};
+use keel::{Agent, AgentSpec};
+use serde_json::{Value, json};
+use tokio::io::AsyncBufReadExt;
+
+use super::exit;
+
+/// The session each case runs in (every case has its own store).
+const SESSION: &str = "test";
+/// How long a chaos worker may go without saying anything before it is taken for stuck.
+const WORKER_SILENCE: Duration = Duration::from_secs(120);
+
+/// Arguments of `keel test`.
+#[derive(clap::Args)]
+pub(crate) struct TestArgs {
+    /// The agent: a directory (its cases are tests/*.yaml) or a spec file (give its cases).
+    pub(crate) agent: PathBuf,
+    /// Case files to run instead of the agent directory's tests/*.yaml.
+    pub(crate) cases: Vec<PathBuf>,
+    /// Also kill each case's run at every step boundary (SIGKILL), resume it, and check that it
+    /// ends as the clean run did with no completed step or tool call run again.
+    #[arg(long)]
+    pub(crate) chaos: bool,
+    /// Print one JSON document on stdout: `{ok, agent, passed, failed, cases: [{name, file,
+    /// passed, duration_ms, mismatches: [{what, expected, actual}], chaos}]}`.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// Arguments of the hidden `keel chaos-worker`.
+#[derive(clap::Args)]
+pub(crate) struct WorkerArgs {
+    agent: PathBuf,
+    case: PathBuf,
+    #[arg(long)]
+    store: String,
+    /// Stop after this many step commits, and wait to be killed.
+    #[arg(long)]
+    kill_after: Option<usize>,
+    /// Resume this run instead of starting the case.
+    #[arg(long)]
+    resume: Option<String>,
+}
+
+/// What one case gave.
+struct CaseReport {
+    name: String,
+    file: PathBuf,
+    duration: Duration,
+    mismatches: Vec<Mismatch>,
+    chaos: Option<ChaosReport>,
+}
+
+impl CaseReport {
+    fn passed(&self) -> bool {
+        self.mismatches.is_empty() && self.chaos.as_ref().is_none_or(|chaos| chaos.problems.is_empty())
+    }
+}
+
+/// What killing one case's run at each step boundary gave.
+#[derive(Default)]
+struct ChaosReport {
+    /// The steps of the clean run, in commit order: a kill after each.
+    boundaries: Vec<String>,
+    /// What went wrong, each naming the boundary.
+    problems: Vec<String>,
+}
+
+pub(crate) fn test(args: &TestArgs) -> std::io::Result<u8> {
+    super::run_async(test_async(args))?
+}
+
+async fn test_async(args: &TestArgs) -> std::io::Result<u8> {
+    let mut stderr = std::io::stderr();
+    let Some(spec) = load_spec(&args.agent)? else { return Ok(exit::INVALID_AGENT) };
+    let files = if args.cases.is_empty() {
+        if !args.agent.is_dir() {
+            writeln!(
+                stderr,
+                "error: {} is a spec file: give its test case files (`keel test {} cases/*.yaml`), or put the agent in a directory with tests/",
+                args.agent.display(),
+                args.agent.display()
+            )?;
+            return Ok(exit::INVALID_AGENT);
+        }
+        keel_spec::test_files(&args.agent)?
+    } else {
+        args.cases.clone()
+    };
+    if files.is_empty() {
+        writeln!(
+            stderr,
+            "error: {} has no test cases: add tests/<name>.yaml (docs/testing.md shows one), or run `keel init` for an agent that has one",
+            args.agent.display()
+        )?;
+        return Ok(exit::INVALID_AGENT);
+    }
+    let Some(cases) = load_cases(&spec, &files).await? else { return Ok(exit::INVALID_AGENT) };
+
+    if !args.json {
+        let what = if args.chaos { " (with a kill at every step boundary)" } else { "" };
+        let plural = if cases.len() == 1 { "" } else { "s" };
+        println!("running {} case{plural} of agent {}{what}", cases.len(), spec.name);
+    }
+    let mut reports = Vec::with_capacity(cases.len());
+    for case in &cases {
+        let report = run_case(&spec, case, args).await;
+        if !args.json {
+            print_report(&report);
+        }
+        reports.push(report);
+    }
+    let failed = reports.iter().filter(|r| !r.passed()).count();
+    if args.json {
+        let cases: Vec<Value> = reports.iter().map(report_json).collect();
+        let document = json!({
+            "ok": failed == 0,
+            "agent": spec.name,
+            "passed": reports.len() - failed,
+            "failed": failed,
+            "cases": cases,
+        });
+        println!("{document}");
+    } else {
+        println!("\n{} cases: {} passed, {failed} failed", reports.len(), reports.len() - failed);
+    }
+    Ok(if failed == 0 { exit::OK } else { exit::TESTS_FAILED })
+}
+
+/// The agent's spec, its diagnostics printed; `None` when it has errors.
+fn load_spec(path: &Path) -> std::io::Result<Option<AgentSpec>> {
+    let loaded = keel_spec::load(path, &super::load_options());
+    let mut stderr = std::io::stderr();
+    for diagnostic in &loaded.diagnostics {
+        writeln!(stderr, "{diagnostic}")?;
+    }
+    if loaded.spec.is_none() {
+        writeln!(stderr, "the agent has errors; `keel check {}` lists them", path.display())?;
+    }
+    Ok(loaded.spec)
+}
+
+/// The cases of `files`, checked against the agent's tools; their diagnostics printed, `None`
+/// when one has an error.
+async fn load_cases(spec: &AgentSpec, files: &[PathBuf]) -> std::io::Result<Option<Vec<TestCase>>> {
+    let mut stderr = std::io::stderr();
+    // The tools as the model sees them: built, so MCP servers' tools are known too.
+    let tools: Option<Vec<String>> =
+        match Agent::from_spec(spec.clone(), Arc::new(keel::MemoryStore::new())).await {
+            Ok(agent) => Some(agent.definition().tools.names().map(str::to_owned).collect()),
+            Err(error) => {
+                writeln!(stderr, "error[{}]: {error}", error.code())?;
+                return Ok(None);
+            }
+        };
+    let loaded = keel_spec::load_tests(files, tools.as_deref());
+    for diagnostic in &loaded.diagnostics {
+        writeln!(stderr, "{diagnostic}")?;
+    }
+    if loaded.diagnostics.iter().any(keel::Diagnostic::is_error) {
+        writeln!(stderr, "the test cases have errors; nothing was run")?;
+        return Ok(None);
+    }
+    Ok(Some(loaded.cases))
+}
+
+/// The agent as `case` runs it: its mock script and first state when the case gives them.
+fn spec_for(spec: &AgentSpec, case: &TestCase) -> AgentSpec {
+    let mut spec = spec.clone();
+    if let Some(mock) = &case.mock {
+        spec.model = "mock".to_owned();
+        spec.mock = Some(mock.clone());
+    }
+    if let Some(state) = &case.state {
+        spec.initial_state = Some(state.clone());
+    }
+    spec
+}
+
+async fn run_case(spec: &AgentSpec, case: &TestCase, args: &TestArgs) -> CaseReport {
+    let started = Instant::now();
+    let mismatches = match run_in_memory(spec, case).await {
+        Ok(observed) => keel::testing::check(&case.expect, &observed),
+        Err(failure) => vec![Mismatch {
+            what: "setup".into(),
+            expected: "the agent to start".into(),
+            actual: format!("{}: {}", failure.code, failure.message),
+        }],
+    };
+    let chaos =
+        if args.chaos && mismatches.is_empty() { Some(chaos(&args.agent, spec, case).await) } else { None };
+    CaseReport {
+        name: case.name.clone(),
+        file: case.file.clone(),
+        duration: started.elapsed(),
+        mismatches,
+        chaos,
+    }
+}
+
+async fn run_in_memory(spec: &AgentSpec, case: &TestCase) -> Result<Observed, keel::RunFailure> {
+    let agent = Agent::from_spec(spec_for(spec, case), Arc::new(keel::MemoryStore::new()))
+        .await
+        .map_err(|error| keel::RunFailure::new(error.code(), error.to_string()))?;
+    keel::testing::drive_case(&agent, case, SESSION, None).await
+}
+
+fn print_report(report: &CaseReport) {
+    let ms = report.duration.as_millis();
+    if report.passed() {
+        match &report.chaos {
+            Some(chaos) => println!(
+                "  ✓ {} ({ms} ms): resumed the same after a kill at each of its {} step boundaries",
+                report.name,
+                chaos.boundaries.len()
+            ),
+            None => println!("  ✓ {} ({ms} ms)", report.name),
+        }
+        return;
+    }
+    println!("  ✗ {} ({ms} ms) {}", report.name, report.file.display());
+    for mismatch in &report.mismatches {
+        for line in mismatch.to_string().lines() {
+            println!("      {line}");
+        }
+    }
+    if let Some(chaos) = &report.chaos {
+        for problem in &chaos.problems {
+            for (index, line) in problem.lines().enumerate() {
+                println!("      {}{line}", if index == 0 { "chaos: " } else { "  " });
+            }
+        }
+    }
+}
+
+fn report_json(report: &CaseReport) -> Value {
+    let mismatches: Vec<Value> = report
+        .mismatches
+        .iter()
+        .map(|m| json!({"what": m.what, "expected": m.expected, "actual": m.actual}))
+        .collect();
+    json!({
+        "name": report.name,
+        "file": report.file.display().to_string(),
+        "passed": report.passed(),
+        "duration_ms": u64::try_from(report.duration.as_millis()).unwrap_or(u64::MAX),
+        "mismatches": mismatches,
+        "chaos": report.chaos.as_ref().map(|chaos| json!({
+            "boundaries": chaos.boundaries,
+            "problems": chaos.problems,
+        })),
+    })
+}
+
+/// What a chaos worker reported.
+#[derive(Default)]
+struct WorkerRun {
+    run_id: Option<String>,
+    dispatches: Vec<(String, String)>,
+    commits: Vec<String>,
+    /// Whether it stopped at the boundary it was asked to (and was killed there).
+    stopped_at_boundary: bool,
+    observed: Option<Value>,
+}
+
+/// Runs `case` clean in a worker, then once per step boundary: killed there, resumed in a new
+/// worker, compared with the clean run.
+async fn chaos(agent: &Path, spec: &AgentSpec, case: &TestCase) -> ChaosReport {
+    let mut report = ChaosReport::default();
+    if spec_for(spec, case).model != "mock" {
+        report.problems.push(
+            "a chaos test needs the model's replies scripted: give the case a `mock` script (a real model answers differently each time)"
+                .into(),
+        );
+        return report;
+    }
+    let dir = match tempfile::tempdir() {
+        Ok(dir) => dir,
+        Err(error) => {
+            report.problems.push(format!("cannot make a temporary directory: {error}"));
+            return report;
+        }
+    };
+    let store = |name: &str| format!("sqlite:{}", dir.path().join(format!("{name}.db")).display());
+    let clean = match worker(agent, case, &store("clean"), None, None).await {
+        Ok(run) => run,
+        Err(problem) => {
+            report.problems.push(format!("the clean run: {problem}"));
+            return report;
+        }
+    };
+    let Some(clean_observed) = clean.observed.clone() else {
+        report.problems.push("the clean run ended without a result".into());
+        return report;
+    };
+    report.boundaries = clean.commits.clone();
+    for (index, boundary) in clean.commits.iter().enumerate() {
+        let kill_after = index + 1;
+        let at = format!("killed after step {kill_after} ({boundary})");
+        let store = store(&format!("kill-{kill_after}"));
+        let killed = match worker(agent, case, &store, Some(kill_after), None).await {
+            Ok(run) if run.stopped_at_boundary => run,
+            Ok(_) => {
+                report
+                    .problems
+                    .push(format!("{at}: the run ended before that step (it is not deterministic)"));
+                continue;
+            }
+            Err(problem) => {
+                report.problems.push(format!("{at}: {problem}"));
+                continue;
+            }
+        };
+        let Some(run_id) = killed.run_id.clone() else {
+            report.problems.push(format!("{at}: the worker never said which run it started"));
+            continue;
+        };
+        let resumed = match worker(agent, case, &store, None, Some(&run_id)).await {
+            Ok(run) => run,
+            Err(problem) => {
+                report.problems.push(format!("{at}, then resumed: {problem}"));
+                continue;
+            }
+        };
+        report.problems.extend(compare(&at, &clean_observed, &killed, &resumed));
+    }
+    report
+}
+
+/// What is wrong with a run resumed after a kill, beside the clean run.
+fn compare(at: &str, clean: &Value, killed: &WorkerRun, resumed: &WorkerRun) -> Vec<String> {
+    let mut problems = Vec::new();
+    let done: HashSet<&str> = killed.commits.iter().map(String::as_str).collect();
+    for step in &resumed.commits {
+        if done.contains(step.as_str()) {
+            problems.push(format!("{at}: step {step} ran again after the resume, though it had completed"));
+        }
+    }
+    // A tool whose result was committed must not be called again: `tool:<name>:<call id>`.
+    let completed_calls: HashSet<&str> = killed
+        .commits
+        .iter()
+        .filter_map(|step| step.strip_prefix("tool:")?.split_once(':').map(|(_, call)| call))
+        .collect();
+    for (tool, call_id) in &resumed.dispatches {
+        if completed_calls.contains(call_id.as_str()) {
+            problems.push(format!("{at}: tool `{tool}` ran again for call {call_id} after the resume, though its result was saved"));
+        }
+    }
+    let Some(observed) = &resumed.observed else {
+        problems.push(format!("{at}: the resumed run ended without a result"));
+        return problems;
+    };
+    for key in ["ended", "text", "state", "transcript"] {
+        if observed[key] != clean[key] {
+            let show = |value: &Value| match value {
+                Value::String(text) => text.clone(),
+                other => other.to_string(),
+            };
+            let mismatch =
+                Mismatch { what: key.into(), expected: show(&clean[key]), actual: show(&observed[key]) };
+            problems.push(format!("{at}: the resumed run differs from the clean one in its {mismatch}"));
+        }
+    }
+    problems
+}
+
+/// Runs a chaos worker to its end (or to its boundary, where it is killed).
+async fn worker(
+    agent: &Path,
+    case: &TestCase,
+    store: &str,
+    kill_after: Option<usize>,
+    resume: Option<&str>,
+) -> Result<WorkerRun, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find keel's own executable: {e}"))?;
+    let mut command = tokio::process::Command::new(exe);
+    command.arg("chaos-worker").arg(agent).arg(&case.file).arg("--store").arg(store);
+    if let Some(k) = kill_after {
+        command.arg("--kill-after").arg(k.to_string());
+    }
+    if let Some(run) = resume {
+        command.arg("--resume").arg(run);
+    }
+    command
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = command.spawn().map_err(|e| format!("cannot start a worker: {e}"))?;
+    let stdout = child.stdout.take().ok_or("the worker has no stdout")?;
+    let stderr = child.stderr.take().ok_or("the worker has no stderr")?;
+    let errors = tokio::spawn(async move {
+        let mut text = String::new();
+        let _ =
+            tokio::io::AsyncReadExt::read_to_string(&mut tokio::io::BufReader::new(stderr), &mut text).await;
+        text
+    });
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut run = WorkerRun::default();
+    loop {
+        let line = match tokio::time::timeout(WORKER_SILENCE, lines.next_line()).await {
+            Ok(Ok(Some(line))) => line,
+            Ok(Ok(None)) => break,
+            Ok(Err(error)) => return Err(format!("cannot read the worker: {error}")),
+            Err(_) => return Err(format!("the worker said nothing for {} s", WORKER_SILENCE.as_secs())),
+        };
+        let Ok(message) = serde_json::from_str::<Value>(&line) else { continue };
+        if let Some(step) = message["commit"].as_str() {
+            run.commits.push(step.to_owned());
+            run.run_id = message["run"].as_str().map(str::to_owned);
+        } else if let Some(dispatch) = message.get("dispatch") {
+            let field = |key: &str| dispatch[key].as_str().unwrap_or_default().to_owned();
+            run.dispatches.push((field("tool"), field("call_id")));
+        } else if message.get("boundary").is_some() {
+            // The step is committed and nothing after it started: kill it as a crash would.
+            run.stopped_at_boundary = true;
+            child.start_kill().map_err(|e| format!("cannot kill the worker: {e}"))?;
+            break;
+        } else if let Some(observed) = message.get("observed") {
+            run.observed = Some(observed.clone());
+        }
+    }
+    let status = child.wait().await.map_err(|e| format!("cannot wait for the worker: {e}"))?;
+    let errors = errors.await.unwrap_or_default();
+    if !run.stopped_at_boundary && !status.success() {
+        let errors = errors.trim();
+        return Err(format!(
+            "the worker failed ({status}){}",
+            if errors.is_empty() { String::new() } else { format!(": {errors}") }
+        ));
+    }
+    Ok(run)
+}
+
+/// `keel chaos-worker`: one run of a case, reported line by line on stdout.
+pub(crate) fn chaos_worker(args: &WorkerArgs) -> std::io::Result<u8> {
+    // One thread: when the probe's hook waits at the boundary, nothing else of the run moves.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let code = runtime.block_on(worker_run(args));
+    runtime.shutdown_timeout(super::EXIT_GRACE);
+    code
+}
+
+fn say(line: &Value) {
+    let mut stdout = std::io::stdout().lock();
+    // The parent reads each line as it comes: a line must be out before the run goes on.
+    let _ = writeln!(stdout, "{line}").and_then(|()| stdout.flush());
+}
+
+async fn worker_run(args: &WorkerArgs) -> std::io::Result<u8> {
+    let Some(spec) = load_spec(&args.agent)? else { return Ok(exit::INVALID_AGENT) };
+    let loaded = keel_spec::load_tests(std::slice::from_ref(&args.case), None);
+    let Some(case) = loaded.cases.into_iter().next() else {
+        for diagnostic in &loaded.diagnostics {
+            eprintln!("{diagnostic}");
+        }
+        return Ok(exit::INVALID_AGENT);
+    };
+    let Some(store) = super::open_store(&args.store).await else { return Ok(exit::INVALID_AGENT) };
+    let kill_after = args.kill_after;
+    let commits = std::sync::atomic::AtomicUsize::new(0);
+    let probe = Probe::new()
+        .on_dispatch(|dispatch| {
+            say(&json!({"dispatch": {"tool": dispatch.tool, "call_id": dispatch.call_id}}))
+        })
+        .on_commit(move |run, step| {
+            say(&json!({"commit": step.to_string(), "run": run.as_str()}));
+            let n = commits.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            if Some(n) == kill_after {
+                say(&json!({"boundary": n}));
+                // Wait here to be killed: this is the only thread of the runtime.
+                loop {
+                    std::thread::park();
+                }
+            }
+        });
+    let agent = match Agent::from_spec_probed(spec_for(&spec, &case), store, &probe).await {
+        Ok(agent) => agent,
+        Err(error) => {
+            eprintln!("error[{}]: {error}", error.code());
+            return Ok(exit::INVALID_AGENT);
+        }
+    };
+    let resume = match args.resume.as_deref().map(|id| keel::RunId::parse(id).ok_or(id)) {
+        None => None,
+        Some(Ok(run)) => Some(run),
+        Some(Err(id)) => {
+            eprintln!("error: not a run id: {id:?}");
+            return Ok(2);
+        }
+    };
+    let observed = keel::testing::drive_case(&agent, &case, SESSION, resume.as_ref()).await;
+    match observed {
+        Ok(observed) => {
+            say(&json!({"observed": observed_json(&observed)}));
+            Ok(exit::OK)
+        }
+        Err(failure) => {
+            eprintln!("error[{}]: {}", failure.code, failure.message);
+            Ok(exit::RUN_FAILED)
+        }
+    }
+}
+
+/// What a worker's run did, as the parent compares it.
+fn observed_json(observed: &Observed) -> Value {
+    let ended = match &observed.ended {
+        keel::testing::Ended::Stopped(reason) => reason.as_str().to_owned(),
+        keel::testing::Ended::Failed(failure) => format!("failed: {}: {}", failure.code, failure.message),
+    };
+    json!({
+        "ended": ended,
+        "text": observed.text,
+        "state": observed.state,
+        "transcript": keel::testing::describe_transcript(&observed.transcript),
+    })
+}
