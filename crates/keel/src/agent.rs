@@ -97,29 +97,31 @@ impl Agent {
     /// Builds an agent from a loaded spec and a store, connecting to its MCP servers (each
     /// within its `startup_timeout`).
     pub async fn from_spec(spec: AgentSpec, store: Arc<dyn Store>) -> Result<Agent, LoadError> {
-        Box::pin(Agent::from_spec_inner(spec, store, None)).await
+        Box::pin(Agent::from_spec_inner(spec, store, &crate::testing::Setup::default())).await
     }
 
-    /// [`Agent::from_spec`], recording the agent's tool dispatches and step commits in `probe`
-    /// (what `keel test` does; see [`crate::testing`]).
-    pub async fn from_spec_probed(
+    /// [`Agent::from_spec`] set up for a test (what `keel test` does; see [`crate::testing`]):
+    /// its tool dispatches and step commits recorded in a probe, its clock tools reading a
+    /// fixed time.
+    pub async fn from_spec_with(
         spec: AgentSpec,
         store: Arc<dyn Store>,
-        probe: &crate::testing::Probe,
+        setup: &crate::testing::Setup,
     ) -> Result<Agent, LoadError> {
-        Box::pin(Agent::from_spec_inner(spec, store, Some(probe.clone()))).await
+        Box::pin(Agent::from_spec_inner(spec, store, setup)).await
     }
 
     async fn from_spec_inner(
         spec: AgentSpec,
         store: Arc<dyn Store>,
-        probe: Option<crate::testing::Probe>,
+        setup: &crate::testing::Setup,
     ) -> Result<Agent, LoadError> {
         let mut tools: Vec<Arc<dyn Tool>> = Vec::new();
         let config = keel_tools::BuiltinConfig {
             http: spec.http.clone(),
             workspace: spec.workspace.clone(),
             shell: spec.shell,
+            now: setup.now.clone(),
         };
         let compose = spec.builtin_tools.iter().any(|name| name == keel_tools::compose::ComposeTool::NAME);
         for name in spec.builtin_tools.iter().filter(|name| *name != keel_tools::compose::ComposeTool::NAME) {
@@ -137,7 +139,7 @@ impl Agent {
         for sub in spec.subagents {
             let name = sub.name.clone();
             let description = sub.description.clone();
-            let child = Box::pin(Agent::from_spec(sub, store.clone())).await?;
+            let child = Box::pin(Agent::from_spec_inner(sub, store.clone(), setup)).await?;
             tools.push(Arc::new(SubagentTool::new(&name, description.as_deref(), child.engine)));
         }
         let mut write_approvals = Vec::new();
@@ -200,7 +202,7 @@ impl Agent {
             builder = builder.initial_state(state);
         }
         builder = builder.memory(spec.memory);
-        if let Some(probe) = &probe {
+        if let Some(probe) = &setup.probe {
             builder = builder.probe(probe);
         }
         for server in spec.mcp {

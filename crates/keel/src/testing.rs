@@ -54,9 +54,21 @@ pub use keel_spec::{Expectations, ExpectedCall, ExpectedStop, TestCase, TextMatc
 
 use crate::Agent;
 
+/// How a test sets an agent up ([`crate::Agent::from_spec_with`]).
+#[derive(Clone, Debug, Default)]
+pub struct Setup {
+    /// Records the agent's tool dispatches and step commits.
+    pub probe: Option<Probe>,
+    /// The time the clock tools (`current-date`, `day-name`) read instead of the clock, in
+    /// this zone unless a call names another.
+    pub now: Option<jiff::ZonedDateTime>,
+}
+
 /// A tool call that really ran (its tool was called: not replayed from the journal).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dispatch {
+    /// The run that called it (a subagent's own run for its tools).
+    pub run_id: RunId,
     /// The tool.
     pub tool: String,
     /// The call id.
@@ -173,6 +185,7 @@ impl Tool for ProbedTool {
 
     fn call<'a>(&'a self, input: Value, ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
         self.probe.dispatched(Dispatch {
+            run_id: ctx.run_id.clone(),
             tool: self.inner.spec().name.clone(),
             call_id: ctx.call_id.clone(),
             input: input.clone(),

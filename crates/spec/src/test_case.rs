@@ -36,6 +36,9 @@ pub struct TestCase {
     /// The model's replies for this case; `None`: the agent's own model (its mock script, or a
     /// real provider).
     pub mock: Option<MockScript>,
+    /// The time the clock tools read (`now: 2026-03-02T09:00:00Z`, or with a zone:
+    /// `2026-03-02T09:00:00+01:00[Europe/Paris]`); `None`: the clock.
+    pub now: Option<jiff::ZonedDateTime>,
     /// The session's state before the run (`state`); `None`: the agent's `state.initial`.
     pub state: Option<Value>,
     /// How approvals are decided, by tool name (`approvals: { convert: approve }`). A pending
@@ -114,7 +117,7 @@ pub struct LoadedTests {
     pub diagnostics: Vec<Diagnostic>,
 }
 
-const CASE_KEYS: &[&str] = &["input", "mock", "state", "approvals", "answers", "expect"];
+const CASE_KEYS: &[&str] = &["input", "mock", "now", "state", "approvals", "answers", "expect"];
 const EXPECT_KEYS: &[&str] =
     &["tool_calls", "text", "text_contains", "text_matches", "stop", "error", "state"];
 const CALL_KEYS: &[&str] = &["name", "input", "output", "error"];
@@ -205,6 +208,7 @@ fn decode_case(root: &Node, file: &Path, tools: Option<&[String]>, d: &mut Decod
             script
         })
     });
+    let now = map.take("now").and_then(|node| now(node, d));
     let state = map.take("state").and_then(|node| {
         d.map(node, "state")?;
         Some(node.to_json())
@@ -239,7 +243,35 @@ fn decode_case(root: &Node, file: &Path, tools: Option<&[String]>, d: &mut Decod
         }
     }
     let name = file.file_stem().and_then(|s| s.to_str()).unwrap_or("case").to_owned();
-    Some(TestCase { name, file: file.to_owned(), input: input?, mock, state, approvals, answers, expect })
+    Some(TestCase {
+        name,
+        file: file.to_owned(),
+        input: input?,
+        mock,
+        now,
+        state,
+        approvals,
+        answers,
+        expect,
+    })
+}
+
+/// `now`: an RFC 3339 time, read in the machine's zone, or with its zone in brackets (RFC 9557).
+fn now(node: &Node, d: &mut Decoder<'_>) -> Option<jiff::ZonedDateTime> {
+    let text = d.text(node, "now")?;
+    if let Ok(zoned) = text.parse::<jiff::ZonedDateTime>() {
+        return Some(zoned);
+    }
+    match text.parse::<jiff::Timestamp>() {
+        Ok(instant) => Some(instant.to_zoned_datetime(jiff::tz::TimeZone::system())),
+        Err(error) => {
+            d.error(node.pos, format!("`now` is not a time ({error}): {text:?}")).hint = Some(
+                "write an RFC 3339 time, `2026-03-02T09:00:00Z`, or one with its zone: `2026-03-02T09:00:00+01:00[Europe/Paris]`"
+                    .into(),
+            );
+            None
+        }
+    }
 }
 
 /// `approvals: { convert: approve, delete_file: reject }` (or `{ reject: "why" }`).

@@ -22,22 +22,29 @@ fn zone_input_schema() -> Value {
     })
 }
 
-fn now_in(input: &Value) -> Result<Zoned, ToolError> {
+/// Now (or `fixed`), in the zone the input asks for, else the local one (else `fixed`'s).
+fn now_in(input: &Value, fixed: Option<&Zoned>) -> Result<Zoned, ToolError> {
     let zone = match input.get("timezone").and_then(Value::as_str) {
-        Some(name) => TimeZone::get(name).map_err(|_| {
+        Some(name) => Some(TimeZone::get(name).map_err(|_| {
             ToolError::failed(format!(
                 "unknown time zone {name:?}: use an IANA name such as Europe/Paris or America/New_York"
             ))
-        })?,
-        None => TimeZone::system(),
+        })?),
+        None => None,
     };
-    Ok(Zoned::now().with_time_zone(zone))
+    Ok(match (fixed, zone) {
+        (Some(fixed), Some(zone)) => fixed.with_time_zone(zone),
+        (Some(fixed), None) => fixed.clone(),
+        (None, zone) => Zoned::now().with_time_zone(zone.unwrap_or_else(TimeZone::system)),
+    })
 }
 
 /// A clock tool: reads the clock in the asked (or local) zone and answers from it.
 pub struct ClockTool {
     spec: ToolSpec,
     answer: fn(&Zoned) -> Value,
+    /// The time it always reads instead of the clock (`keel test`: the case's `now`).
+    fixed: Option<Zoned>,
 }
 
 impl ClockTool {
@@ -73,7 +80,15 @@ impl ClockTool {
             description: description.to_owned(),
             input_schema: zone_input_schema(),
         };
-        ClockTool { spec, answer }
+        ClockTool { spec, answer, fixed: None }
+    }
+
+    /// This tool, reading `now` (and its zone, unless the input names one) instead of the
+    /// clock: what makes a test of a date-dependent agent repeatable.
+    #[must_use]
+    pub fn at(mut self, now: Zoned) -> ClockTool {
+        self.fixed = Some(now);
+        self
     }
 }
 
@@ -83,7 +98,7 @@ impl Tool for ClockTool {
     }
 
     fn call<'a>(&'a self, input: Value, _ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
-        Box::pin(std::future::ready(now_in(&input).map(|now| (self.answer)(&now))))
+        Box::pin(std::future::ready(now_in(&input, self.fixed.as_ref()).map(|now| (self.answer)(&now))))
     }
 }
 
@@ -104,6 +119,17 @@ mod tests {
 
     fn weekday_now(zone: &str) -> String {
         Zoned::now().with_time_zone(TimeZone::get(zone).unwrap()).strftime("%A").to_string()
+    }
+
+    #[tokio::test]
+    async fn a_fixed_time_is_read_in_its_zone_or_the_asked_one() {
+        let now: Zoned = "2026-03-02T23:30:00+01:00[Europe/Paris]".parse().unwrap();
+        let tool = ClockTool::day_name().at(now.clone());
+        assert_eq!(tool.call(json!({}), &ctx()).await.unwrap(), json!("Monday"));
+        assert_eq!(tool.call(json!({ "timezone": "Asia/Tokyo" }), &ctx()).await.unwrap(), json!("Tuesday"));
+        let date = ClockTool::current_date().at(now).call(json!({}), &ctx()).await.unwrap();
+        assert_eq!(date["iso"], "2026-03-02T22:30:00Z");
+        assert_eq!(date["time"], "23:30:00");
     }
 
     #[tokio::test]

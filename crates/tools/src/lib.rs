@@ -57,6 +57,8 @@ pub struct BuiltinConfig {
     pub workspace: Option<keel_core::WorkspaceSettings>,
     /// How `shell` runs.
     pub shell: keel_core::ShellSettings,
+    /// The time the clock tools read instead of the clock (`keel test`: a case's `now`).
+    pub now: Option<jiff::ZonedDateTime>,
 }
 
 /// The workspace tools for `settings`: none when disabled, `read_file` and `list_files` when
@@ -94,8 +96,13 @@ pub fn tool_name(spec_name: &str) -> &str {
 /// The built-in tool a spec calls `name`, configured by `config`.
 pub fn builtin(name: &str, config: &BuiltinConfig) -> Option<Arc<dyn Tool>> {
     match tool_name(name) {
-        "current-date" => Some(Arc::new(ClockTool::current_date())),
-        "day-name" => Some(Arc::new(ClockTool::day_name())),
+        "current-date" | "day-name" => {
+            let tool = if name == "current-date" { ClockTool::current_date() } else { ClockTool::day_name() };
+            Some(Arc::new(match &config.now {
+                Some(now) => tool.at(now.clone()),
+                None => tool,
+            }))
+        }
         AskQuestion::NAME => Some(Arc::new(AskQuestion::new())),
         HttpTool::NAME => {
             Some(Arc::new(HttpTool::new(GuardedClient::new(net::NetPolicy::from(&config.http)))))

@@ -14,23 +14,38 @@ fn files(template: Template) -> &'static [(&'static str, &'static str)] {
         };
     }
     match template {
-        Template::Assistant => &[file!("assistant", "agent.yaml"), file!("assistant", "instructions.md")],
+        Template::Assistant => &[
+            file!("assistant", "agent.yaml"),
+            file!("assistant", "instructions.md"),
+            file!("assistant", "tests/today.yaml"),
+        ],
         Template::Tools => &[
             file!("tools", "agent.yaml"),
             file!("tools", "instructions.md"),
             file!("tools", "tools/word_count.toml"),
             file!("tools", "tools/word_count.py"),
+            file!("tools", "tests/counts_words.yaml"),
         ],
         Template::Approvals => &[
             file!("approvals", "agent.yaml"),
             file!("approvals", "instructions.md"),
             file!("approvals", "tools/send_note.toml"),
             file!("approvals", "tools/send_note.py"),
+            file!("approvals", "tests/approved.yaml"),
+            file!("approvals", "tests/rejected.yaml"),
+            file!("approvals", "tests/waits.yaml"),
         ],
-        Template::Mcp => {
-            &[file!("mcp", "agent.yaml"), file!("mcp", "instructions.md"), file!("mcp", "notes/welcome.md")]
-        }
-        Template::Serve => &[file!("serve", "agent.yaml"), file!("serve", "instructions.md")],
+        Template::Mcp => &[
+            file!("mcp", "agent.yaml"),
+            file!("mcp", "instructions.md"),
+            file!("mcp", "notes/welcome.md"),
+            file!("mcp", "tests/reads_notes.yaml"),
+        ],
+        Template::Serve => &[
+            file!("serve", "agent.yaml"),
+            file!("serve", "instructions.md"),
+            file!("serve", "tests/greets.yaml"),
+        ],
     }
 }
 
@@ -118,6 +133,10 @@ pub(crate) fn init(args: &InitArgs) -> std::io::Result<u8> {
         Template::Assistant | Template::Tools => {}
     }
     writeln!(out, "  keel chat {shown}                  # a conversation, a turn per line")?;
+    writeln!(
+        out,
+        "  keel test {shown}                  # its test cases, tests/*.yaml (--chaos: kill and resume each)"
+    )?;
     writeln!(
         out,
         "\nThe agent uses the `mock` model (offline, scripted). For a real one, set `model:` in {}\n(e.g. `openai/gpt-4o-mini` with OPENAI_API_KEY set) and remove the `mock:` script.",

@@ -55,6 +55,9 @@ pub(crate) struct WorkerArgs {
     /// Resume this run instead of starting the case.
     #[arg(long)]
     resume: Option<String>,
+    /// The time the clock tools read (the same in every worker of a case).
+    #[arg(long)]
+    now: Option<jiff::ZonedDateTime>,
 }
 
 /// What one case gave.
@@ -114,8 +117,7 @@ async fn test_async(args: &TestArgs) -> std::io::Result<u8> {
 
     if !args.json {
         let what = if args.chaos { " (with a kill at every step boundary)" } else { "" };
-        let plural = if cases.len() == 1 { "" } else { "s" };
-        println!("running {} case{plural} of agent {}{what}", cases.len(), spec.name);
+        println!("running {} of agent {}{what}", count(cases.len(), "case"), spec.name);
     }
     let mut reports = Vec::with_capacity(cases.len());
     for case in &cases {
@@ -137,7 +139,7 @@ async fn test_async(args: &TestArgs) -> std::io::Result<u8> {
         });
         println!("{document}");
     } else {
-        println!("\n{} cases: {} passed, {failed} failed", reports.len(), reports.len() - failed);
+        println!("\n{}: {} passed, {failed} failed", count(reports.len(), "case"), reports.len() - failed);
     }
     Ok(if failed == 0 { exit::OK } else { exit::TESTS_FAILED })
 }
@@ -214,10 +216,20 @@ async fn run_case(spec: &AgentSpec, case: &TestCase, args: &TestArgs) -> CaseRep
 }
 
 async fn run_in_memory(spec: &AgentSpec, case: &TestCase) -> Result<Observed, keel::RunFailure> {
-    let agent = Agent::from_spec(spec_for(spec, case), Arc::new(keel::MemoryStore::new()))
+    let setup = keel::testing::Setup { probe: None, now: case.now.clone() };
+    let agent = Agent::from_spec_with(spec_for(spec, case), Arc::new(keel::MemoryStore::new()), &setup)
         .await
         .map_err(|error| keel::RunFailure::new(error.code(), error.to_string()))?;
     keel::testing::drive_case(&agent, case, SESSION, None).await
+}
+
+/// `1 case`, `3 cases`, `2 step boundaries`.
+fn count(n: usize, noun: &str) -> String {
+    match (n, noun.strip_suffix('y')) {
+        (1, _) => format!("1 {noun}"),
+        (_, Some(stem)) => format!("{n} {stem}ies"),
+        (_, None) => format!("{n} {noun}s"),
+    }
 }
 
 fn print_report(report: &CaseReport) {
@@ -225,9 +237,9 @@ fn print_report(report: &CaseReport) {
     if report.passed() {
         match &report.chaos {
             Some(chaos) => println!(
-                "  ✓ {} ({ms} ms): resumed the same after a kill at each of its {} step boundaries",
+                "  ✓ {} ({ms} ms): resumed the same after a kill at each of its {}",
                 report.name,
-                chaos.boundaries.len()
+                count(chaos.boundaries.len(), "step boundary")
             ),
             None => println!("  ✓ {} ({ms} ms)", report.name),
         }
@@ -267,11 +279,19 @@ fn report_json(report: &CaseReport) -> Value {
     })
 }
 
+/// A tool call a worker really made.
+struct Dispatched {
+    run: String,
+    tool: String,
+    call_id: String,
+}
+
 /// What a chaos worker reported.
 #[derive(Default)]
 struct WorkerRun {
     run_id: Option<String>,
-    dispatches: Vec<(String, String)>,
+    dispatches: Vec<Dispatched>,
+    /// `<run id> <step>`, in commit order.
     commits: Vec<String>,
     /// Whether it stopped at the boundary it was asked to (and was killed there).
     stopped_at_boundary: bool,
@@ -297,7 +317,9 @@ async fn chaos(agent: &Path, spec: &AgentSpec, case: &TestCase) -> ChaosReport {
         }
     };
     let store = |name: &str| format!("sqlite:{}", dir.path().join(format!("{name}.db")).display());
-    let clean = match worker(agent, case, &store("clean"), None, None).await {
+    // Every run of the case reads one time: a clock tool answers the same before and after a kill.
+    let now = case.now.clone().unwrap_or_else(jiff::ZonedDateTime::now);
+    let clean = match worker(agent, case, &store("clean"), &now, None, None).await {
         Ok(run) => run,
         Err(problem) => {
             report.problems.push(format!("the clean run: {problem}"));
@@ -308,12 +330,16 @@ async fn chaos(agent: &Path, spec: &AgentSpec, case: &TestCase) -> ChaosReport {
         report.problems.push("the clean run ended without a result".into());
         return report;
     };
-    report.boundaries = clean.commits.clone();
-    for (index, boundary) in clean.commits.iter().enumerate() {
+    report.boundaries = clean
+        .commits
+        .iter()
+        .map(|c| c.split_once(' ').map_or(c.as_str(), |(_, step)| step).to_owned())
+        .collect();
+    for (index, boundary) in report.boundaries.clone().iter().enumerate() {
         let kill_after = index + 1;
         let at = format!("killed after step {kill_after} ({boundary})");
         let store = store(&format!("kill-{kill_after}"));
-        let killed = match worker(agent, case, &store, Some(kill_after), None).await {
+        let killed = match worker(agent, case, &store, &now, Some(kill_after), None).await {
             Ok(run) if run.stopped_at_boundary => run,
             Ok(_) => {
                 report
@@ -330,7 +356,7 @@ async fn chaos(agent: &Path, spec: &AgentSpec, case: &TestCase) -> ChaosReport {
             report.problems.push(format!("{at}: the worker never said which run it started"));
             continue;
         };
-        let resumed = match worker(agent, case, &store, None, Some(&run_id)).await {
+        let resumed = match worker(agent, case, &store, &now, None, Some(&run_id)).await {
             Ok(run) => run,
             Err(problem) => {
                 report.problems.push(format!("{at}, then resumed: {problem}"));
@@ -348,18 +374,26 @@ fn compare(at: &str, clean: &Value, killed: &WorkerRun, resumed: &WorkerRun) -> 
     let done: HashSet<&str> = killed.commits.iter().map(String::as_str).collect();
     for step in &resumed.commits {
         if done.contains(step.as_str()) {
+            let step = step.split_once(' ').map_or(step.as_str(), |(_, step)| step);
             problems.push(format!("{at}: step {step} ran again after the resume, though it had completed"));
         }
     }
-    // A tool whose result was committed must not be called again: `tool:<name>:<call id>`.
-    let completed_calls: HashSet<&str> = killed
+    // A tool whose result was committed (`<run> tool:<name>:<call id>`) must not run again.
+    let completed_calls: HashSet<(&str, &str)> = killed
         .commits
         .iter()
-        .filter_map(|step| step.strip_prefix("tool:")?.split_once(':').map(|(_, call)| call))
+        .filter_map(|commit| {
+            let (run, step) = commit.split_once(' ')?;
+            let (_, call) = step.strip_prefix("tool:")?.split_once(':')?;
+            Some((run, call))
+        })
         .collect();
-    for (tool, call_id) in &resumed.dispatches {
-        if completed_calls.contains(call_id.as_str()) {
-            problems.push(format!("{at}: tool `{tool}` ran again for call {call_id} after the resume, though its result was saved"));
+    for call in &resumed.dispatches {
+        if completed_calls.contains(&(call.run.as_str(), call.call_id.as_str())) {
+            problems.push(format!(
+                "{at}: tool `{}` ran again for call {} after the resume, though its result was saved",
+                call.tool, call.call_id
+            ));
         }
     }
     let Some(observed) = &resumed.observed else {
@@ -385,12 +419,14 @@ async fn worker(
     agent: &Path,
     case: &TestCase,
     store: &str,
+    now: &jiff::ZonedDateTime,
     kill_after: Option<usize>,
     resume: Option<&str>,
 ) -> Result<WorkerRun, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find keel's own executable: {e}"))?;
     let mut command = tokio::process::Command::new(exe);
     command.arg("chaos-worker").arg(agent).arg(&case.file).arg("--store").arg(store);
+    command.arg("--now").arg(now.to_string());
     if let Some(k) = kill_after {
         command.arg("--kill-after").arg(k.to_string());
     }
@@ -422,11 +458,19 @@ async fn worker(
         };
         let Ok(message) = serde_json::from_str::<Value>(&line) else { continue };
         if let Some(step) = message["commit"].as_str() {
-            run.commits.push(step.to_owned());
-            run.run_id = message["run"].as_str().map(str::to_owned);
+            let run_id = message["run"].as_str().unwrap_or_default();
+            run.commits.push(format!("{run_id} {step}"));
+            // The case's own run commits first; a subagent's runs come after.
+            if run.run_id.is_none() {
+                run.run_id = Some(run_id.to_owned());
+            }
         } else if let Some(dispatch) = message.get("dispatch") {
             let field = |key: &str| dispatch[key].as_str().unwrap_or_default().to_owned();
-            run.dispatches.push((field("tool"), field("call_id")));
+            run.dispatches.push(Dispatched {
+                run: field("run"),
+                tool: field("tool"),
+                call_id: field("call_id"),
+            });
         } else if message.get("boundary").is_some() {
             // The step is committed and nothing after it started: kill it as a crash would.
             run.stopped_at_boundary = true;
@@ -490,7 +534,8 @@ async fn worker_run(args: &WorkerArgs) -> std::io::Result<u8> {
                 }
             }
         });
-    let agent = match Agent::from_spec_probed(spec_for(&spec, &case), store, &probe).await {
+    let setup = keel::testing::Setup { probe: Some(probe), now: args.now.clone() };
+    let agent = match Agent::from_spec_with(spec_for(&spec, &case), store, &setup).await {
         Ok(agent) => agent,
         Err(error) => {
             eprintln!("error[{}]: {error}", error.code());
