@@ -84,6 +84,9 @@ pub fn workspace_tools(settings: &keel_core::WorkspaceSettings) -> std::io::Resu
 /// `workspace.approve_writes` is false.
 pub const WORKSPACE_WRITE_TOOLS: &[&str] = &["write_file", "edit_file"];
 
+/// The workspace tools every enabled workspace has.
+pub const WORKSPACE_READ_TOOLS: &[&str] = &["read_file", "list_files"];
+
 /// The name the model knows a built-in by, for a name a spec uses (`http` → `http_request`).
 pub fn tool_name(spec_name: &str) -> &str {
     match spec_name {

@@ -19,6 +19,16 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
     let mut warnings = loaded.diagnostics.len() - errors;
     match loaded.spec {
         Some(spec) => {
+            let (cases, tests) = check_tests(&args.agent, &spec);
+            for diagnostic in &tests {
+                writeln!(stderr, "{diagnostic}")?;
+            }
+            let test_errors = tests.iter().filter(|d| d.is_error()).count();
+            if test_errors > 0 {
+                writeln!(stderr, "{test_errors} error{} found in the test cases", plural(test_errors))?;
+                return Ok(exit::INVALID_AGENT);
+            }
+            warnings += tests.len();
             let folders = check_documents(&spec, &mut stderr)?;
             warnings += folders.iter().map(|(_, report)| report.warnings.len()).sum::<usize>();
             let mut tools: Vec<&str> = spec.builtin_tools.iter().map(String::as_str).collect();
@@ -34,6 +44,14 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
                 String::new()
             };
             writeln!(stdout, "ok: agent `{}` (model {}; {tools}){warned}", spec.name, spec.model)?;
+            if cases > 0 {
+                writeln!(
+                    stdout,
+                    "tests: {cases} case{} in {}",
+                    plural(cases),
+                    args.agent.join("tests").display()
+                )?;
+            }
             for (folder, report) in &folders {
                 writeln!(
                     stdout,
@@ -62,6 +80,30 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
             Ok(exit::INVALID_AGENT)
         }
     }
+}
+
+/// The test cases of an agent directory (`tests/*.yaml`): how many there are, and their
+/// diagnostics.
+fn check_tests(agent: &std::path::Path, spec: &keel_spec::AgentSpec) -> (usize, Vec<keel_spec::Diagnostic>) {
+    if !agent.is_dir() {
+        return (0, Vec::new());
+    }
+    let files = match keel_spec::test_files(agent) {
+        Ok(files) => files,
+        Err(error) => {
+            let dir = agent.join("tests");
+            let diagnostic = keel_spec::Diagnostic::error(
+                keel::ErrorCode::SpecNotFound,
+                &dir,
+                keel_spec::Pos::default(),
+                format!("cannot read the test cases: {error}"),
+            );
+            return (0, vec![diagnostic]);
+        }
+    };
+    let names = super::test::spec_tool_names(spec);
+    let loaded = keel_spec::load_tests(&files, names.as_deref());
+    (files.len(), loaded.diagnostics)
 }
 
 /// Reads the agent's folders of documents as indexing will, printing each file that will be
@@ -151,6 +193,9 @@ fn check_json(args: &CheckArgs, loaded: keel_spec::Loaded) -> std::io::Result<u8
         loaded.diagnostics.iter().map(keel_spec::Diagnostic::to_json).collect();
     let mut document = serde_json::json!({ "ok": false, "documents": [], "mcp": [] });
     if let Some(spec) = loaded.spec {
+        let (cases, tests) = check_tests(&args.agent, &spec);
+        diagnostics.extend(tests.iter().map(keel_spec::Diagnostic::to_json));
+        document["tests"] = cases.into();
         let mut documents = Vec::new();
         for knowledge in &spec.memory.knowledge {
             match keel_memory::semantic::check_folder(&knowledge.source) {

@@ -181,6 +181,28 @@ async fn load_cases(spec: &AgentSpec, files: &[PathBuf]) -> std::io::Result<Opti
     Ok(Some(loaded.cases))
 }
 
+/// The tools the model sees, as far as the spec tells (`None` when MCP servers add some only
+/// known once connected): what `keel check` checks the test cases' tool names against.
+pub(crate) fn spec_tool_names(spec: &AgentSpec) -> Option<Vec<String>> {
+    if !spec.mcp.is_empty() {
+        return None;
+    }
+    let mut names: Vec<String> =
+        spec.builtin_tools.iter().map(|name| keel_tools::tool_name(name).to_owned()).collect();
+    names.extend(spec.command_tools.iter().map(|tool| tool.def.name.clone()));
+    names.extend(spec.subagents.iter().map(|sub| sub.name.clone()));
+    if let Some(workspace) = &spec.workspace
+        && workspace.mode != keel_core::WorkspaceMode::Disabled
+    {
+        names.extend(keel_tools::WORKSPACE_READ_TOOLS.iter().map(|name| (*name).to_owned()));
+        if workspace.mode == keel_core::WorkspaceMode::Writable {
+            names.extend(keel_tools::WORKSPACE_WRITE_TOOLS.iter().map(|name| (*name).to_owned()));
+        }
+    }
+    names.extend(spec.memory.knowledge_tools());
+    Some(names)
+}
+
 /// The agent as `case` runs it: its mock script and first state when the case gives them.
 fn spec_for(spec: &AgentSpec, case: &TestCase) -> AgentSpec {
     let mut spec = spec.clone();
