@@ -19,6 +19,7 @@ mod serve;
 mod snapshots;
 mod support;
 mod telemetry;
+mod testing;
 mod tidy;
 mod tools;
 mod triggers;
