@@ -543,7 +543,8 @@ async fn worker_run(args: &WorkerArgs) -> std::io::Result<u8> {
     let commits = std::sync::atomic::AtomicUsize::new(0);
     let probe = Probe::new()
         .on_dispatch(|dispatch| {
-            say(&json!({"dispatch": {"tool": dispatch.tool, "call_id": dispatch.call_id}}))
+            let run = dispatch.run_id.as_str();
+            say(&json!({"dispatch": {"run": run, "tool": dispatch.tool, "call_id": dispatch.call_id}}));
         })
         .on_commit(move |run, step| {
             say(&json!({"commit": step.to_string(), "run": run.as_str()}));
@@ -597,4 +598,60 @@ fn observed_json(observed: &Observed) -> Value {
         "state": observed.state,
         "transcript": keel::testing::describe_transcript(&observed.transcript),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(commits: &[&str], dispatches: &[(&str, &str, &str)], observed: Option<Value>) -> WorkerRun {
+        WorkerRun {
+            run_id: Some("run_a".into()),
+            dispatches: dispatches
+                .iter()
+                .map(|(run, tool, call_id)| Dispatched {
+                    run: (*run).into(),
+                    tool: (*tool).into(),
+                    call_id: (*call_id).into(),
+                })
+                .collect(),
+            commits: commits.iter().map(|c| (*c).to_owned()).collect(),
+            stopped_at_boundary: false,
+            observed,
+        }
+    }
+
+    #[test]
+    fn a_completed_step_or_tool_run_again_after_a_resume_is_reported() {
+        let clean = json!({"ended": "final", "text": "4", "state": null, "transcript": "user: \"hi\"\n"});
+        let killed =
+            run(&["run_a llm:turn:0", "run_a tool:count:call_0_0"], &[("run_a", "count", "call_0_0")], None);
+        let good = run(&["run_a llm:turn:1"], &[], Some(clean.clone()));
+        assert_eq!(compare("at", &clean, &killed, &good), Vec::<String>::new());
+
+        let rerun = run(
+            &["run_a tool:count:call_0_0", "run_a llm:turn:1"],
+            &[("run_a", "count", "call_0_0"), ("run_sub", "count", "call_0_0")],
+            Some(clean.clone()),
+        );
+        let problems = compare("at", &clean, &killed, &rerun);
+        assert_eq!(
+            problems,
+            [
+                "at: step tool:count:call_0_0 ran again after the resume, though it had completed",
+                "at: tool `count` ran again for call call_0_0 after the resume, though its result was saved",
+            ],
+            "a subagent's call of the same id in its own run is not a re-run"
+        );
+
+        let mut other = clean.clone();
+        other["text"] = json!("5");
+        let differs = compare("at", &clean, &killed, &run(&[], &[], Some(other)));
+        assert_eq!(
+            differs,
+            [
+                "at: the resumed run differs from the clean one in its text:\n    expected: 4\n    actual:   5\n"
+            ]
+        );
+    }
 }
