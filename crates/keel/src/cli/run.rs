@@ -46,6 +46,19 @@ fn read_stdin() -> std::io::Result<Option<String>> {
     Ok((!text.trim().is_empty()).then(|| text.to_owned()))
 }
 
+/// The agent's spec, its diagnostics printed on stderr; `None` when it has errors.
+pub(crate) fn load_spec(path: &std::path::Path) -> std::io::Result<Option<keel::AgentSpec>> {
+    let loaded = keel_spec::load(path, &super::load_options());
+    let mut stderr = std::io::stderr();
+    for diagnostic in &loaded.diagnostics {
+        writeln!(stderr, "{diagnostic}")?;
+    }
+    if loaded.spec.is_none() {
+        writeln!(stderr, "the agent has errors; `keel check {}` lists them", path.display())?;
+    }
+    Ok(loaded.spec)
+}
+
 /// Loads an agent with its store, printing the spec's diagnostics; `Err(exit code)` when it
 /// cannot be set up.
 pub(crate) async fn load_agent(
@@ -54,15 +67,7 @@ pub(crate) async fn load_agent(
     store: &str,
 ) -> std::io::Result<Result<Agent, u8>> {
     let mut stderr = std::io::stderr();
-    let options = super::load_options();
-    let loaded = keel_spec::load(path, &options);
-    for diagnostic in &loaded.diagnostics {
-        writeln!(stderr, "{diagnostic}")?;
-    }
-    let Some(mut spec) = loaded.spec else {
-        writeln!(stderr, "the agent has errors; `keel check {}` lists them", path.display())?;
-        return Ok(Err(exit::INVALID_AGENT));
-    };
+    let Some(mut spec) = load_spec(path)? else { return Ok(Err(exit::INVALID_AGENT)) };
     if let Some(model) = model {
         spec.model = model.to_owned();
     }

@@ -19,6 +19,7 @@ use serde_json::{Value, json};
 use tokio::io::AsyncBufReadExt;
 
 use super::exit;
+use super::run::load_spec;
 
 /// The session each case runs in (every case has its own store).
 const SESSION: &str = "test";
@@ -142,19 +143,6 @@ async fn test_async(args: &TestArgs) -> std::io::Result<u8> {
         println!("\n{}: {} passed, {failed} failed", count(reports.len(), "case"), reports.len() - failed);
     }
     Ok(if failed == 0 { exit::OK } else { exit::TESTS_FAILED })
-}
-
-/// The agent's spec, its diagnostics printed; `None` when it has errors.
-fn load_spec(path: &Path) -> std::io::Result<Option<AgentSpec>> {
-    let loaded = keel_spec::load(path, &super::load_options());
-    let mut stderr = std::io::stderr();
-    for diagnostic in &loaded.diagnostics {
-        writeln!(stderr, "{diagnostic}")?;
-    }
-    if loaded.spec.is_none() {
-        writeln!(stderr, "the agent has errors; `keel check {}` lists them", path.display())?;
-    }
-    Ok(loaded.spec)
 }
 
 /// The cases of `files`, checked against the agent's tools; their diagnostics printed, `None`
