@@ -153,12 +153,57 @@ pub(crate) fn stored_delayed_state(name: &str) -> Result<DelayedState, StoreErro
 /// that do not depend on their content (PostgreSQL's serialization failures) runs it again.
 pub type Work<T> = Box<dyn FnMut(&mut dyn Tx) -> Result<T, StoreError> + Send>;
 
+/// What a step's commit is about, known before its work runs: the session, the run, and the
+/// journal step it records. A backend that runs many commits in one transaction locks and reads
+/// what they need together (see [`Backend::write_commit`]).
+#[derive(Clone, Debug)]
+pub struct CommitSubject {
+    /// The commit's session.
+    pub session: SessionId,
+    /// The run it commits a step of (or creates).
+    pub run: RunId,
+    /// The journal step it records, if any.
+    pub step: Option<StepName>,
+}
+
+/// What a new run of a session starts from (see [`Backend::read_session`]).
+#[derive(Clone, Debug)]
+pub struct SessionRows {
+    /// The whole transcript.
+    pub messages: Vec<Arc<Message>>,
+    /// The state object.
+    pub state: Option<serde_json::Value>,
+    /// Its first unfinished run (oldest first, as [`Tx::open_runs`]).
+    pub open_run: Option<(RunId, RunControl)>,
+}
+
+/// Reads [`SessionRows`] through storage operations.
+fn session_rows(tx: &mut dyn Tx, session: &SessionId) -> Result<SessionRows, StoreError> {
+    Ok(SessionRows {
+        messages: tx.messages(session)?,
+        state: tx.session_state(session)?,
+        open_run: tx.open_runs(Some(session))?.into_iter().next(),
+    })
+}
+
 /// Where data lives: runs [`Work`] as one transaction.
 pub trait Backend: Send + Sync + 'static {
     /// Runs `work` as one write transaction: all of its writes or none. Work that fails leaves
     /// nothing behind. The work owns its data: it may run on another thread (a writer that
     /// batches commits).
     fn write<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>>;
+
+    /// [`Backend::write`] for a step's commit, whose `subject` is known before it runs. A
+    /// backend may run it in one transaction with other commits (each refused or applied on its
+    /// own: the rules refuse before they write); the default runs it alone.
+    fn write_commit<T: Send + 'static>(
+        &self,
+        subject: CommitSubject,
+        work: Work<T>,
+    ) -> BoxFuture<'static, Result<T, StoreError>> {
+        let _ = subject;
+        self.write(work)
+    }
 
     /// Runs `work` as one read: it sees every write whose call has returned, and writes nothing.
     fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>>;
@@ -172,6 +217,17 @@ pub trait Backend: Send + Sync + 'static {
         work: F,
     ) -> Result<Result<T, StoreError>, F> {
         Err(work)
+    }
+
+    /// Reads what a new run of `session` starts from, in one consistent snapshot: every run
+    /// reads it once. By default one read of three storage operations; a backend may read it
+    /// at once.
+    fn read_session(&self, session: SessionId) -> BoxFuture<'static, Result<SessionRows, StoreError>> {
+        let work = move |tx: &mut dyn Tx| session_rows(tx, &session);
+        match self.read_here(work) {
+            Ok(result) => Box::pin(std::future::ready(result)),
+            Err(work) => self.read(Box::new(work)),
+        }
     }
 
     /// The event log of a backend that many processes share (see [`keel_core::EventLog`]).

@@ -40,6 +40,7 @@ pub async fn run_all(store: &dyn Store, clock: &ManualClock) {
     session_state_commits_with_its_step(store).await;
     session_usage_counts_each_model_call_once(store).await;
     memory_is_kept_per_owner_merged_trimmed_and_forgotten(store, clock).await;
+    commits_made_together_are_each_applied_or_refused_alone(store).await;
 }
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -960,4 +961,104 @@ pub async fn memory_is_kept_per_owner_merged_trimmed_and_forgotten(store: &dyn S
     assert_eq!(store.forget(alice, None, None).await.unwrap(), 0);
     assert_eq!(store.memory_owners().await.unwrap().len(), 1, "only bob is left");
     store.forget(bob, None, None).await.unwrap();
+}
+
+/// Many commits made at once (a backend may run them in one transaction) are each applied or
+/// refused on their own: a commit refused (a stale lease, a second run of a busy session, a
+/// position past the end) costs the others nothing and writes nothing, and each applied one
+/// is whole.
+pub async fn commits_made_together_are_each_applied_or_refused_alone(store: &dyn Store) {
+    const SESSIONS: usize = 48;
+    let sessions: Vec<SessionId> =
+        (0..SESSIONS).map(|i| SessionId::new(format!("conformance-together-{i}")).unwrap()).collect();
+    let records: Vec<RunRecord> =
+        sessions.iter().enumerate().map(|(i, s)| run_record(&format!("together-{i}"), s, 0)).collect();
+    let rivals: Vec<RunRecord> =
+        sessions.iter().enumerate().map(|(i, s)| run_record(&format!("rival-{i}"), s, 0)).collect();
+    let inputs = [Arc::new(Message::user("q"))];
+    let started = futures::future::join_all(
+        records.iter().map(|record| store.commit_step(new_run_commit(record, "process-a", &inputs, 0))),
+    )
+    .await;
+    assert!(started.iter().all(Result::is_ok), "{started:?}");
+
+    let reply = |n: u64| ModelReply {
+        parts: vec![Part::Text(format!("answer {n}"))],
+        usage: Usage { input_tokens: 10 + n, output_tokens: n },
+    };
+    let entries: Vec<JournalEntry> = (0..SESSIONS as u64)
+        .map(|n| JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply(n)) })
+        .collect();
+    let answers: Vec<[Arc<Message>; 1]> =
+        (0..SESSIONS).map(|n| [Arc::new(Message::assistant(format!("answer {n}")))]).collect();
+    let stale_entry =
+        JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ToolResult(Ok(json!("stale"))) };
+    let mut commits = Vec::new();
+    let mut expected = Vec::new();
+    for (i, record) in records.iter().enumerate() {
+        let (session, run) = (&sessions[i], &record.run_id);
+        let good = Fence { owner: "process-a", epoch: 1, ttl: MINUTE };
+        commits.push(StepCommit {
+            entry: Some(&entries[i]),
+            first_position: 1,
+            messages: &answers[i],
+            state: Some(RunState::Done).filter(|_| i % 2 == 0),
+            fence: Some(good),
+            ..StepCommit::new(session, run)
+        });
+        expected.push("applied");
+        if i % 3 == 0 {
+            commits.push(StepCommit {
+                entry: Some(&stale_entry),
+                fence: Some(Fence { owner: "process-b", epoch: 7, ttl: MINUTE }),
+                ..StepCommit::new(session, run)
+            });
+            expected.push("lease lost");
+        }
+        if i % 4 == 1 {
+            commits.push(new_run_commit(&rivals[i], "process-c", &inputs, 1));
+            expected.push("busy");
+        }
+        if i % 5 == 2 {
+            commits.push(StepCommit {
+                first_position: 9,
+                messages: &answers[i],
+                fence: Some(good),
+                ..StepCommit::new(session, run)
+            });
+            expected.push("conflict");
+        }
+    }
+    let outcomes = futures::future::join_all(commits.iter().map(|commit| store.commit_step(*commit))).await;
+    for ((outcome, expected), commit) in outcomes.iter().zip(&expected).zip(&commits) {
+        let got = match outcome {
+            Ok(_) => "applied",
+            Err(StoreError::LeaseLost(_)) => "lease lost",
+            Err(StoreError::Busy(_)) => "busy",
+            Err(StoreError::Conflict(_)) => "conflict",
+            Err(other) => panic!("commit of {} failed: {other}", commit.run),
+        };
+        assert_eq!(got, *expected, "commit of {}: {outcome:?}", commit.run);
+    }
+    for (i, record) in records.iter().enumerate() {
+        let session = &sessions[i];
+        let transcript: Vec<String> =
+            store.load_messages(session).await.unwrap().iter().map(|m| m.text()).collect();
+        assert_eq!(transcript, ["q".to_owned(), format!("answer {i}")], "session {session}");
+        assert_eq!(store.load_journal(&record.run_id).await.unwrap(), [entries[i].clone()], "run {i}");
+        let usage = store.session_summary(session).await.unwrap().expect("listed").usage;
+        assert_eq!(
+            usage,
+            Usage { input_tokens: 10 + i as u64, output_tokens: i as u64 },
+            "session {session}"
+        );
+        let open = store.open_runs(Some(session)).await.unwrap();
+        let open: Vec<&RunId> = open.iter().map(|o| &o.run_id).collect();
+        if i % 2 == 0 {
+            assert!(open.is_empty(), "session {session}: {open:?}");
+        } else {
+            assert_eq!(open, [&record.run_id], "session {session}: one unfinished run");
+        }
+        assert!(store.load_run(&rivals[i].run_id).await.unwrap().is_none(), "a refused run was stored");
+    }
 }

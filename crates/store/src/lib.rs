@@ -20,7 +20,7 @@ pub mod postgres;
 mod rules;
 mod sqlite;
 
-pub use backend::{Backend, Ruled, RunControl, Tx, Work};
+pub use backend::{Backend, CommitSubject, Ruled, RunControl, SessionRows, Tx, Work};
 pub use memory::{Memory, MemoryStore};
 pub use postgres::{Postgres, PostgresOptions, PostgresStore};
 pub use sqlite::{Sqlite, SqliteStore};

@@ -12,7 +12,22 @@
 //! predicate locks failed unrelated sessions' transactions faster than retries could absorb.)
 //! A transaction PostgreSQL still aborts (a deadlock) runs again from the start (the work is
 //! `FnMut` for this), up to [`MAX_ATTEMPTS`] times. Reads are `REPEATABLE READ READ ONLY`
-//! transactions: one consistent snapshot per read, taking no lock.
+//! transactions: one consistent snapshot per read, taking no lock; what a new run starts from
+//! (the session's transcript, state and unfinished run) is one statement, so one snapshot.
+//!
+//! **Step commits go together.** A statement costs the database far more than the row it
+//! writes, and a commit costs a WAL flush. So the commits waiting when a connection is free go
+//! in one transaction (up to [`MAX_BATCH`]): it locks all their sessions in one statement (in
+//! one order, so that two such transactions never wait on each other in a cycle), reads what
+//! their rules need in one statement, runs each commit's rules, writes what they wrote in one
+//! statement, and commits once (see `tx`). A commit the rules refuse is refused alone: the
+//! rules refuse before they write. Idle, a commit goes alone at once, in five statements.
+//! Under load the batches grow by themselves; nothing waits to fill them.
+//!
+//! **Plans.** keel's statements find and write rows by key. The connections forbid sequential
+//! scans and hash and merge joins, and use generic plans: a young database's statistics (a
+//! deployment's first minute, a benchmark's whole run) would otherwise make PostgreSQL scan and
+//! hash whole tables, and keep that plan as they grow.
 //!
 //! **Connections.** A pool of worker threads, each owning one connection (the `postgres` crate:
 //! the blocking face of `tokio-postgres`, because the rules' storage operations ([`Tx`]) are
@@ -36,151 +51,27 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keel_core::journal::JournalEntry;
-use keel_core::memory::{MemoryItem, MemoryOwner};
-use keel_core::persist::{
-    decode_message, decode_pending_kind, decode_record, encode_message, encode_pending_kind, encode_record,
-};
-use keel_core::{
-    BoxFuture, Clock, DecidedInput, DelayedRun, DelayedRunRecord, Message, PendingInput, RunId, RunRecord,
-    SessionId, SessionSummary, StepName, StoreError, Usage,
-};
+use keel_core::{BoxFuture, Clock, RunId, SessionId, StoreError};
 use postgres::error::SqlState;
-use postgres::types::{FromSql, ToSql};
+use postgres::types::ToSql;
 use postgres::{Client, IsolationLevel, NoTls, Row, Statement};
 
-use crate::backend::{
-    Backend, Ruled, RunControl, Tx, Work, corrupt, memory_item, memory_owner_rows, read_limits,
-    stored_delayed_state, stored_limits, stored_run_id, stored_state,
-};
+pub use crate::backend::CommitSubject;
+use crate::backend::{Backend, Ruled, SessionRows, Tx, Work};
+pub use schema::SCHEMA_VERSION;
+use schema::migrate;
+use tx::PgTx;
+use tx::get;
 
 mod events;
+mod schema;
+mod tx;
 
-/// The schema, one migration per version (index 0 makes version 1).
-const MIGRATIONS: &[&str] = &[
-    // Version 1: what SQLite's seven versions built, at once.
-    r#"CREATE TABLE sessions (
-        id TEXT COLLATE "C" PRIMARY KEY,
-        message_count BIGINT NOT NULL,
-        created_at BIGINT NOT NULL,
-        updated_at BIGINT NOT NULL,
-        state TEXT,
-        input_tokens BIGINT NOT NULL DEFAULT 0,
-        output_tokens BIGINT NOT NULL DEFAULT 0
-    );
-    CREATE TABLE messages (
-        session_id TEXT COLLATE "C" NOT NULL,
-        position BIGINT NOT NULL,
-        run_id TEXT COLLATE "C" NOT NULL,
-        body TEXT NOT NULL,
-        PRIMARY KEY (session_id, position)
-    );
-    CREATE TABLE runs (
-        id TEXT COLLATE "C" PRIMARY KEY,
-        session_id TEXT COLLATE "C" NOT NULL,
-        input TEXT NOT NULL,
-        history_len BIGINT NOT NULL,
-        call_base BIGINT NOT NULL,
-        state TEXT COLLATE "C" NOT NULL,
-        created_at BIGINT NOT NULL,
-        updated_at BIGINT NOT NULL,
-        lease_owner TEXT COLLATE "C",
-        lease_expires_at BIGINT,
-        lease_epoch BIGINT NOT NULL DEFAULT 0,
-        attempts BIGINT NOT NULL DEFAULT 0,
-        cancel_requested_by TEXT
-    );
-    CREATE INDEX runs_open ON runs (session_id, state);
-    CREATE INDEX runs_leased ON runs (state, lease_owner);
-    CREATE TABLE journal (
-        run_id TEXT COLLATE "C" NOT NULL,
-        step TEXT COLLATE "C" NOT NULL,
-        seq BIGINT NOT NULL,
-        body TEXT NOT NULL,
-        PRIMARY KEY (run_id, step)
-    );
-    CREATE TABLE schedules (
-        name TEXT COLLATE "C" PRIMARY KEY,
-        last_fire BIGINT NOT NULL
-    );
-    CREATE TABLE pending_inputs (
-        seq BIGSERIAL NOT NULL,
-        id TEXT COLLATE "C" PRIMARY KEY,
-        run_id TEXT COLLATE "C" NOT NULL,
-        session_id TEXT COLLATE "C" NOT NULL,
-        call_id TEXT NOT NULL,
-        step TEXT NOT NULL,
-        body TEXT NOT NULL,
-        created_at BIGINT NOT NULL,
-        expires_at BIGINT NOT NULL
-    );
-    CREATE INDEX pending_by_session ON pending_inputs (session_id);
-    CREATE INDEX pending_by_run ON pending_inputs (run_id);
-    CREATE TABLE decided_inputs (
-        id TEXT COLLATE "C" PRIMARY KEY,
-        run_id TEXT COLLATE "C" NOT NULL,
-        session_id TEXT COLLATE "C" NOT NULL,
-        outcome TEXT NOT NULL,
-        by_whom TEXT NOT NULL,
-        at BIGINT NOT NULL
-    );
-    CREATE INDEX decided_by_session ON decided_inputs (session_id);"#,
-    // Version 2: the shared event log (`events.rs`). `event_heads` numbers each session's
-    // events and orders its appenders; `event_batches` makes an append idempotent.
-    r#"CREATE TABLE event_heads (
-        session_id TEXT COLLATE "C" PRIMARY KEY,
-        last_seq BIGINT NOT NULL
-    );
-    CREATE TABLE events (
-        session_id TEXT COLLATE "C" NOT NULL,
-        seq BIGINT NOT NULL,
-        run_id TEXT COLLATE "C" NOT NULL,
-        body TEXT,
-        at TIMESTAMPTZ NOT NULL DEFAULT now(),
-        PRIMARY KEY (session_id, seq)
-    );
-    CREATE INDEX events_at ON events USING brin (at);
-    CREATE TABLE event_batches (
-        id BIGINT PRIMARY KEY,
-        at TIMESTAMPTZ NOT NULL DEFAULT now()
-    );"#,
-    // Version 3: delayed runs (`POST /runs`, `keel run --after`, schedules' fires), stored
-    // until they start.
-    r#"CREATE TABLE delayed_runs (
-        run_id TEXT COLLATE "C" PRIMARY KEY,
-        session_id TEXT COLLATE "C" NOT NULL,
-        input TEXT NOT NULL,
-        due_at BIGINT NOT NULL,
-        source TEXT NOT NULL,
-        state TEXT COLLATE "C" NOT NULL,
-        created_at BIGINT NOT NULL,
-        held_until BIGINT NOT NULL,
-        attempts BIGINT NOT NULL,
-        note TEXT
-    );
-    CREATE INDEX delayed_due ON delayed_runs (state, due_at);"#,
-    // Version 4: a run's own limits (`persist::encode_overrides`; NULL for the agent's).
-    "ALTER TABLE runs ADD COLUMN limits TEXT;",
-    // Version 5: what agents remember about their owners (episodes, entities, relations).
-    r#"CREATE TABLE memories (
-        owner TEXT COLLATE "C" NOT NULL,
-        kind TEXT COLLATE "C" NOT NULL,
-        key TEXT COLLATE "C" NOT NULL,
-        value TEXT NOT NULL,
-        updated_at BIGINT NOT NULL,
-        PRIMARY KEY (owner, kind, key)
-    );
-    CREATE INDEX memories_recent ON memories (owner, kind, updated_at);"#,
-];
-
-/// The schema version this build writes.
-pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+/// Parameters of a statement.
+type Params<'p> = &'p [&'p (dyn ToSql + Sync)];
 
 /// How many times a transaction PostgreSQL aborted as a deadlock (or could not serialize) is run.
 pub const MAX_ATTEMPTS: u32 = 12;
-
-/// The advisory lock migrations take (an arbitrary constant: "keel" in ASCII).
-const MIGRATION_LOCK: i64 = 0x6b65_656c;
 
 /// How a [`Postgres`] backend connects.
 #[derive(Clone, Debug)]
@@ -205,7 +96,7 @@ impl Default for PostgresOptions {
 
 /// The PostgreSQL backend. See the module docs.
 pub struct Postgres {
-    jobs: std::sync::mpsc::Sender<Box<dyn Job>>,
+    jobs: Jobs,
     shown: Arc<str>,
     setup: Arc<Setup>,
     events: Arc<events::PgEventLog>,
@@ -272,7 +163,7 @@ impl Postgres {
             round_trips: AtomicU64::new(0),
             run_sessions: Mutex::default(),
         };
-        let (jobs, queue) = std::sync::mpsc::channel::<Box<dyn Job>>();
+        let (jobs, queue) = std::sync::mpsc::channel::<Queued>();
         let queue = Arc::new(Mutex::new(queue));
         let setup = Arc::new(setup);
         // Connections are opened on the workers' own threads: the blocking client cannot run
@@ -318,11 +209,19 @@ impl Postgres {
         write: bool,
     ) -> BoxFuture<'static, Result<T, StoreError>> {
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let stopped = || StoreError::Unavailable("the PostgreSQL workers stopped".into());
-        if self.jobs.send(Box::new(TypedJob { work, write, reply })).is_err() {
-            return Box::pin(std::future::ready(Err(stopped())));
+        self.send(Queued::Alone(Box::new(TypedJob { work, write, reply })), answer)
+    }
+
+    /// Queues `job`, whose answer comes on `answer`.
+    fn send<T: Send + 'static>(
+        &self,
+        job: Queued,
+        answer: tokio::sync::oneshot::Receiver<Result<T, StoreError>>,
+    ) -> BoxFuture<'static, Result<T, StoreError>> {
+        if self.jobs.send(job).is_err() {
+            return Box::pin(std::future::ready(Err(workers_stopped())));
         }
-        Box::pin(async move { answer.await.unwrap_or_else(|_| Err(stopped())) })
+        Box::pin(async move { answer.await.unwrap_or_else(|_| Err(workers_stopped())) })
     }
 
     /// The database, as messages show it (no password).
@@ -340,6 +239,19 @@ impl Postgres {
 impl Backend for Postgres {
     fn write<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
         self.submit(work, true)
+    }
+
+    fn write_commit<T: Send + 'static>(
+        &self,
+        subject: CommitSubject,
+        work: Work<T>,
+    ) -> BoxFuture<'static, Result<T, StoreError>> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(Queued::Commit(Box::new(TypedCommit { subject, work, outcome: None, reply })), answer)
+    }
+
+    fn read_session(&self, session: SessionId) -> BoxFuture<'static, Result<SessionRows, StoreError>> {
+        submit_raw(&self.jobs, Box::new(move |connection| tx::read_session(connection, &session)))
     }
 
     fn event_log(&self) -> Option<Arc<dyn keel_core::EventLog>> {
@@ -367,8 +279,15 @@ impl Setup {
     fn open(&self) -> Result<Client, StoreError> {
         let mut client = self.config.connect(NoTls).map_err(|error| connect_error(&error, &self.shown))?;
         let timeout = u64::try_from(self.statement_timeout.as_millis()).unwrap_or(u64::MAX);
+        // Key lookups only, and generic plans (see the module docs, "Plans");
+        // `plan_cache_mode` is PostgreSQL 12's: older servers plan as they do.
         client
-            .batch_execute(&format!("SET search_path TO keel; SET statement_timeout = {timeout}"))
+            .batch_execute(&format!(
+                "SET search_path TO keel; SET statement_timeout = {timeout};
+                 SET enable_seqscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off;
+                 SELECT set_config('plan_cache_mode', 'force_generic_plan', false)
+                 FROM pg_settings WHERE name = 'plan_cache_mode'"
+            ))
             .map_err(|error| map_error(&error, &self.shown))?;
         Ok(client)
     }
@@ -430,38 +349,18 @@ fn map_error(error: &postgres::Error, shown: &str) -> StoreError {
     }
 }
 
-/// Creates or brings forward the `keel` schema, once across processes (an advisory lock).
-fn migrate(client: &mut Client, shown: &str) -> Result<(), StoreError> {
-    let fail = |error: postgres::Error| map_error(&error, shown);
-    let mut tx = client.transaction().map_err(fail)?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).map_err(fail)?;
-    tx.batch_execute(
-        "CREATE SCHEMA IF NOT EXISTS keel;
-         CREATE TABLE IF NOT EXISTS keel.schema_version (version BIGINT NOT NULL)",
-    )
-    .map_err(fail)?;
-    let version: i64 = tx
-        .query_opt("SELECT version FROM keel.schema_version", &[])
-        .map_err(fail)?
-        .map(|row| row.try_get(0))
-        .transpose()
-        .map_err(|e| corrupt(format!("{shown}: keel.schema_version: {e}")))?
-        .unwrap_or(0);
-    if version > SCHEMA_VERSION {
-        return Err(StoreError::NewerSchema { found: version, supported: SCHEMA_VERSION });
-    }
-    if version == SCHEMA_VERSION {
-        return tx.commit().map_err(fail);
-    }
-    for migration in MIGRATIONS.iter().skip(usize::try_from(version).unwrap_or(0)) {
-        tx.batch_execute(migration).map_err(fail)?;
-    }
-    tx.execute("DELETE FROM keel.schema_version", &[]).map_err(fail)?;
-    tx.execute("INSERT INTO keel.schema_version (version) VALUES ($1)", &[&SCHEMA_VERSION]).map_err(fail)?;
-    tx.commit().map_err(fail)
+/// What a worker is handed.
+enum Queued {
+    /// Work that runs alone: in a transaction of its own, or on the connection itself.
+    Alone(Box<dyn Job>),
+    /// A step's commit: it runs in one transaction with the other commits queued with it.
+    Commit(Box<dyn CommitJob>),
 }
 
-/// Work for a worker.
+/// The queue the workers take their jobs from.
+type Jobs = std::sync::mpsc::Sender<Queued>;
+
+/// Work that runs alone.
 trait Job: Send {
     fn run(self: Box<Self>, worker: &mut Worker);
 }
@@ -476,6 +375,46 @@ impl<T: Send + 'static> Job for TypedJob<T> {
     fn run(mut self: Box<Self>, worker: &mut Worker) {
         let result = worker.run(&mut self.work, self.write);
         // The caller may have stopped waiting; the transaction is done either way.
+        let _ = self.reply.send(result);
+    }
+}
+
+/// A step's commit, run with others in one transaction (see [`Worker::run_batch`]).
+trait CommitJob: Send {
+    /// What it is about, locked and read with the batch's other commits before any runs.
+    fn subject(&self) -> &CommitSubject;
+    /// Runs its work in `tx`, keeping the outcome for [`CommitJob::answer`]. Returns whether
+    /// the work failed (the rules refused it, or a statement failed).
+    fn work(&mut self, tx: &mut dyn Tx) -> bool;
+    /// Answers the caller: the kept outcome once the transaction committed, else `failure`.
+    fn answer(self: Box<Self>, failure: Option<StoreError>);
+}
+
+struct TypedCommit<T> {
+    subject: CommitSubject,
+    work: Work<T>,
+    outcome: Option<Result<T, StoreError>>,
+    reply: tokio::sync::oneshot::Sender<Result<T, StoreError>>,
+}
+
+impl<T: Send + 'static> CommitJob for TypedCommit<T> {
+    fn subject(&self) -> &CommitSubject {
+        &self.subject
+    }
+
+    fn work(&mut self, tx: &mut dyn Tx) -> bool {
+        let outcome = (self.work)(tx);
+        let failed = outcome.is_err();
+        self.outcome = Some(outcome);
+        failed
+    }
+
+    fn answer(self: Box<Self>, failure: Option<StoreError>) {
+        let stopped = || StoreError::Unavailable("the PostgreSQL workers stopped".into());
+        let result = match failure {
+            Some(failure) => Err(failure),
+            None => self.outcome.unwrap_or_else(|| Err(stopped())),
+        };
         let _ = self.reply.send(result);
     }
 }
@@ -519,6 +458,11 @@ impl Connection<'_> {
     fn fail(&self, error: &postgres::Error) -> StoreError {
         map_error(error, &self.setup.shown)
     }
+
+    /// The database, as messages show it.
+    fn shown(&self) -> &str {
+        &self.setup.shown
+    }
 }
 
 struct RawJob<T> {
@@ -534,17 +478,20 @@ impl<T: Send + 'static> Job for RawJob<T> {
 }
 
 /// Hands raw `work` to the next free worker of `jobs`.
-fn submit_raw<T: Send + 'static>(
-    jobs: &std::sync::mpsc::Sender<Box<dyn Job>>,
-    work: RawWork<T>,
-) -> BoxFuture<'static, Result<T, StoreError>> {
+fn submit_raw<T: Send + 'static>(jobs: &Jobs, work: RawWork<T>) -> BoxFuture<'static, Result<T, StoreError>> {
     let (reply, answer) = tokio::sync::oneshot::channel();
-    let stopped = || StoreError::Unavailable("the PostgreSQL workers stopped".into());
-    if jobs.send(Box::new(RawJob { work, reply })).is_err() {
-        return Box::pin(std::future::ready(Err(stopped())));
+    if jobs.send(Queued::Alone(Box::new(RawJob { work, reply }))).is_err() {
+        return Box::pin(std::future::ready(Err(workers_stopped())));
     }
-    Box::pin(async move { answer.await.unwrap_or_else(|_| Err(stopped())) })
+    Box::pin(async move { answer.await.unwrap_or_else(|_| Err(workers_stopped())) })
 }
+
+fn workers_stopped() -> StoreError {
+    StoreError::Unavailable("the PostgreSQL workers stopped".into())
+}
+
+/// The most step commits one transaction holds.
+pub const MAX_BATCH: usize = 64;
 
 /// A worker thread's connection.
 struct Worker {
@@ -560,26 +507,55 @@ impl Worker {
         Worker { setup, client: None, statements: HashMap::new() }
     }
 
-    fn serve(mut self, queue: &Mutex<std::sync::mpsc::Receiver<Box<dyn Job>>>) {
+    /// Takes jobs until the store is dropped. A step commit takes the commits queued behind it
+    /// into its transaction: under load, commits share their `BEGIN`, locks, reads, writes and
+    /// `COMMIT` (one WAL flush), and idle, a commit runs alone at once.
+    fn serve(mut self, queue: &Mutex<std::sync::mpsc::Receiver<Queued>>) {
         loop {
-            let job = {
-                let queue = queue.lock().unwrap_or_else(|p| p.into_inner());
-                queue.recv()
+            let (commits, alone) = {
+                let queue = queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let Ok(first) = queue.recv() else {
+                    // The store was dropped.
+                    return;
+                };
+                let (mut commits, mut alone) = (Vec::new(), Vec::new());
+                let mut sort = |job| match job {
+                    Queued::Commit(commit) => commits.push(commit),
+                    Queued::Alone(job) => alone.push(job),
+                };
+                let batching = matches!(first, Queued::Commit(_));
+                sort(first);
+                if batching {
+                    for _ in 1..MAX_BATCH {
+                        match queue.try_recv() {
+                            Ok(job) => sort(job),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                (commits, alone)
             };
-            match job {
-                Ok(job) => job.run(&mut self),
-                // The store was dropped.
-                Err(_) => return,
+            if !commits.is_empty() {
+                self.run_batch(commits);
+            }
+            for job in alone {
+                job.run(&mut self);
             }
         }
     }
 
-    /// Runs raw `work` on this worker's connection (opened first if needed).
-    fn run_raw<T>(&mut self, work: RawWork<T>) -> Result<T, StoreError> {
+    /// Opens the connection if it is not open.
+    fn connect(&mut self) -> Result<(), StoreError> {
         if self.client.as_ref().is_none_or(Client::is_closed) {
             self.statements.clear();
             self.client = Some(self.setup.open()?);
         }
+        Ok(())
+    }
+
+    /// Runs raw `work` on this worker's connection (opened first if needed).
+    fn run_raw<T>(&mut self, work: RawWork<T>) -> Result<T, StoreError> {
+        self.connect()?;
         let client = self.client.as_mut().expect("connected above");
         let result = work(&mut Connection { client, statements: &mut self.statements, setup: &self.setup });
         if self.client.as_ref().is_some_and(Client::is_closed) {
@@ -593,790 +569,148 @@ impl Worker {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            if self.client.as_ref().is_none_or(Client::is_closed) {
-                self.statements.clear();
-                self.client = Some(self.setup.open()?);
-            }
+            self.connect()?;
             let Worker { setup, client, statements } = self;
             let client = client.as_mut().expect("connected above");
-            let mut retry = false;
-            let outcome = run_once(client, statements, setup, work, write, &mut retry);
+            let (outcome, retry) = run_once(client, statements, setup, work, write);
             if client.is_closed() {
                 self.client = None;
             }
             if retry && attempt < MAX_ATTEMPTS {
-                // Jittered, growing: the racing transactions do not collide again in step.
-                let jitter = u64::from(std::process::id() ^ attempt.wrapping_mul(2_654_435_761)) % 5;
-                std::thread::sleep(Duration::from_millis(u64::from(attempt) * 2 + jitter));
+                back_off(attempt);
                 continue;
             }
             return outcome;
         }
     }
+
+    /// Runs step commits in one transaction, and answers each. A commit the rules refuse is
+    /// refused alone (the rules refuse before they write, so it leaves nothing to undo). When
+    /// the transaction fails otherwise, it runs again while PostgreSQL aborted it as a deadlock;
+    /// a broken connection fails every commit (their callers try again, and a commit that did
+    /// reach the database is recognised then); any other failure runs the commits one by one,
+    /// so that it is the failing commit's alone.
+    fn run_batch(&mut self, mut commits: Vec<Box<dyn CommitJob>>) {
+        let mut attempt = 0;
+        let failure = loop {
+            attempt += 1;
+            if let Err(error) = self.connect() {
+                break error;
+            }
+            let Worker { setup, client, statements } = self;
+            let client = client.as_mut().expect("connected above");
+            let outcome = run_batch_once(client, statements, setup, &mut commits);
+            let broken = client.is_closed();
+            if broken {
+                self.client = None;
+            }
+            match outcome {
+                Ok(()) => {
+                    for commit in commits {
+                        commit.answer(None);
+                    }
+                    return;
+                }
+                Err((_, true)) if attempt < MAX_ATTEMPTS => back_off(attempt),
+                Err((error, _)) if broken || commits.len() == 1 => break error,
+                Err(_) => {
+                    for commit in commits {
+                        self.run_batch(vec![commit]);
+                    }
+                    return;
+                }
+            }
+        };
+        for commit in commits {
+            commit.answer(Some(failure.clone()));
+        }
+    }
 }
 
+/// Sleeps before attempt `attempt + 1` of a transaction PostgreSQL aborted: jittered and
+/// growing, so that the racing transactions do not collide again in step.
+fn back_off(attempt: u32) {
+    let jitter = u64::from(std::process::id() ^ attempt.wrapping_mul(2_654_435_761)) % 5;
+    std::thread::sleep(Duration::from_millis(u64::from(attempt) * 2 + jitter));
+}
+
+fn begin<'c>(client: &'c mut Client, write: bool) -> Result<postgres::Transaction<'c>, postgres::Error> {
+    let isolation = if write { IsolationLevel::ReadCommitted } else { IsolationLevel::RepeatableRead };
+    client.build_transaction().isolation_level(isolation).read_only(!write).start()
+}
+
+/// Runs `work` in one transaction. Also says whether running it again may succeed.
 fn run_once<T>(
     client: &mut Client,
     statements: &mut HashMap<String, Statement>,
     setup: &Setup,
     work: &mut Work<T>,
     write: bool,
-    retry: &mut bool,
-) -> Result<T, StoreError> {
-    let (shown, round_trips) = (&*setup.shown, &setup.round_trips);
+) -> (Result<T, StoreError>, bool) {
+    let shown = &*setup.shown;
     // BEGIN and COMMIT.
-    round_trips.fetch_add(2, Ordering::Relaxed);
-    let isolation = if write { IsolationLevel::ReadCommitted } else { IsolationLevel::RepeatableRead };
-    let mut tx = client
-        .build_transaction()
-        .isolation_level(isolation)
-        .read_only(!write)
-        .start()
-        .map_err(|error| map_error(&error, shown))?;
-    let mut storage = PgTx {
-        tx: &mut tx,
-        statements,
-        shown,
-        retry,
-        round_trips,
-        write,
-        locked: Vec::new(),
-        message_count: None,
-        usage: None,
-        run_sessions: &setup.run_sessions,
+    setup.round_trips.fetch_add(2, Ordering::Relaxed);
+    let mut transaction = match begin(client, write) {
+        Ok(transaction) => transaction,
+        Err(error) => return (Err(map_error(&error, shown)), is_retryable(&error)),
     };
-    let result = work(&mut storage).and_then(|value| storage.write_usage().map(|()| value));
-    drop(storage);
-    match result {
-        Ok(value) => {
-            tx.commit().map_err(|error| {
-                *retry |= is_retryable(&error);
-                map_error(&error, shown)
-            })?;
-            Ok(value)
-        }
+    let mut tx = PgTx::new(&mut transaction, statements, setup, write);
+    let result = work(&mut tx).and_then(|value| tx.flush().map(|()| value));
+    let (failure, retry) = (tx.failure.take(), tx.retry);
+    drop(tx);
+    match (result, failure) {
+        // A statement failed (and the work went on): PostgreSQL would answer `COMMIT` with a
+        // rollback.
+        (_, Some(failure)) => (Err(failure), retry),
+        (Ok(value), None) => match transaction.commit() {
+            Ok(()) => (Ok(value), false),
+            Err(error) => (Err(map_error(&error, shown)), is_retryable(&error)),
+        },
         // Dropping the transaction rolls it back.
-        Err(error) => Err(error),
+        (Err(error), None) => (Err(error), retry),
     }
 }
 
-/// Storage operations inside one transaction.
-struct PgTx<'a, 'c> {
-    tx: &'a mut postgres::Transaction<'c>,
-    statements: &'a mut HashMap<String, Statement>,
-    shown: &'a str,
-    /// Set when PostgreSQL aborted the transaction as a deadlock: it runs again whole.
-    retry: &'a mut bool,
-    round_trips: &'a AtomicU64,
-    /// A write transaction (which locks what it touches).
-    write: bool,
-    /// The lock keys taken in this transaction.
-    locked: Vec<String>,
-    /// A session's message count read (with a run's control row) or written in this write
-    /// transaction, under the session's lock: the rules ask for it right after the control row.
-    message_count: Option<(SessionId, u64)>,
-    /// Token usage added to a session in this write transaction and not written yet: it joins
-    /// the statement that writes the session's messages (a model step adds both), or is written
-    /// before anything reads it and before the commit.
-    usage: Option<(SessionId, Usage, u64)>,
-    run_sessions: &'a Mutex<HashMap<RunId, SessionId>>,
-}
-
-/// How many run-to-session entries a store remembers before it starts over.
-const REMEMBERED_RUNS: usize = 100_000;
-
-type Params<'p> = &'p [&'p (dyn ToSql + Sync)];
-
-impl PgTx<'_, '_> {
-    fn fail(&mut self, error: &postgres::Error) -> StoreError {
-        *self.retry |= is_retryable(error);
-        map_error(error, self.shown)
-    }
-
-    /// Takes the transaction's advisory lock on `key` (once): in a write, before reading
-    /// anything the rules decide on.
-    fn lock(&mut self, key: String) -> Result<(), StoreError> {
-        if !self.write || self.locked.contains(&key) {
-            return Ok(());
+/// One transaction of step commits (see [`Worker::run_batch`]): lock and read for all, run each
+/// commit's rules, write what they held in one statement, commit. `Err` carries whether running
+/// it again may succeed; commits the rules refused keep their refusal as their outcome.
+fn run_batch_once(
+    client: &mut Client,
+    statements: &mut HashMap<String, Statement>,
+    setup: &Setup,
+    commits: &mut [Box<dyn CommitJob>],
+) -> Result<(), (StoreError, bool)> {
+    let shown = &*setup.shown;
+    setup.round_trips.fetch_add(2, Ordering::Relaxed);
+    let mut transaction =
+        begin(client, true).map_err(|error| (map_error(&error, shown), is_retryable(&error)))?;
+    let mut tx = PgTx::new(&mut transaction, statements, setup, true);
+    let subjects: Vec<CommitSubject> = commits.iter().map(|commit| commit.subject().clone()).collect();
+    tx.prefetch(&subjects).map_err(|error| (error, tx.retry))?;
+    for commit in commits.iter_mut() {
+        let writes = tx.writes;
+        let failed = commit.work(&mut tx);
+        if let Some(failure) = &tx.failure {
+            return Err((failure.clone(), tx.retry));
         }
-        self.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", &[&key])?;
-        self.locked.push(key);
-        Ok(())
-    }
-
-    fn lock_session(&mut self, session: &SessionId) -> Result<(), StoreError> {
-        self.lock(format!("session:{session}"))
-    }
-
-    /// Locks the session of `run` (when the run exists).
-    fn lock_run(&mut self, run: &RunId) -> Result<(), StoreError> {
-        if !self.write {
-            return Ok(());
-        }
-        let known = lock(self.run_sessions).get(run).cloned();
-        let session = match known {
-            Some(session) => session,
-            None => {
-                let row = self.query_opt("SELECT session_id FROM runs WHERE id = $1", &[&run.as_str()])?;
-                let Some(row) = row else { return Ok(()) };
-                let session = session_id(get(&row, 0)?)?;
-                self.remember(run, &session);
-                session
-            }
-        };
-        self.lock_session(&session)
-    }
-
-    /// Writes the token usage added and not written yet (see `usage`).
-    fn write_usage(&mut self) -> Result<(), StoreError> {
-        let Some((session, usage, now_ms)) = self.usage.take() else { return Ok(()) };
-        self.execute(
-            "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
-             VALUES ($1, 0, $2, $2, $3, $4)
-             ON CONFLICT (id) DO UPDATE SET input_tokens = sessions.input_tokens + EXCLUDED.input_tokens,
-               output_tokens = sessions.output_tokens + EXCLUDED.output_tokens",
-            &[&session.as_str(), &signed(now_ms), &signed(usage.input_tokens), &signed(usage.output_tokens)],
-        )
-        .map(drop)
-    }
-
-    /// Remembers the session of `run` (a run never changes session).
-    fn remember(&self, run: &RunId, session: &SessionId) {
-        let mut known = lock(self.run_sessions);
-        if known.len() >= REMEMBERED_RUNS {
-            known.clear();
-        }
-        known.insert(run.clone(), session.clone());
-    }
-
-    /// Locks the session of the pending input `id` (when it exists).
-    fn lock_pending(&mut self, id: &str) -> Result<(), StoreError> {
-        if !self.write {
-            return Ok(());
-        }
-        let row = self.query_opt("SELECT session_id FROM pending_inputs WHERE id = $1", &[&id])?;
-        let Some(row) = row else { return Ok(()) };
-        let session = session_id(get(&row, 0)?)?;
-        self.lock_session(&session)
-    }
-
-    fn statement(&mut self, sql: &str) -> Result<Statement, StoreError> {
-        if let Some(statement) = self.statements.get(sql) {
-            return Ok(statement.clone());
-        }
-        self.round_trips.fetch_add(1, Ordering::Relaxed);
-        let statement = self.tx.prepare(sql).map_err(|error| self.fail(&error))?;
-        self.statements.insert(sql.to_owned(), statement.clone());
-        Ok(statement)
-    }
-
-    fn query(&mut self, sql: &str, params: Params<'_>) -> Result<Vec<Row>, StoreError> {
-        let statement = self.statement(sql)?;
-        self.round_trips.fetch_add(1, Ordering::Relaxed);
-        self.tx.query(&statement, params).map_err(|error| self.fail(&error))
-    }
-
-    fn query_opt(&mut self, sql: &str, params: Params<'_>) -> Result<Option<Row>, StoreError> {
-        let statement = self.statement(sql)?;
-        self.round_trips.fetch_add(1, Ordering::Relaxed);
-        self.tx.query_opt(&statement, params).map_err(|error| self.fail(&error))
-    }
-
-    fn execute(&mut self, sql: &str, params: Params<'_>) -> Result<u64, StoreError> {
-        let statement = self.statement(sql)?;
-        self.round_trips.fetch_add(1, Ordering::Relaxed);
-        self.tx.execute(&statement, params).map_err(|error| self.fail(&error))
-    }
-}
-
-/// A column, or `KEEL_STORE_CORRUPT` when it does not hold what keel stores there.
-fn get<'r, T: FromSql<'r>>(row: &'r Row, index: usize) -> Result<T, StoreError> {
-    row.try_get(index).map_err(corrupt)
-}
-
-fn count(row: &Row, index: usize) -> Result<u64, StoreError> {
-    Ok(get::<i64>(row, index)?.max(0) as u64)
-}
-
-fn signed(n: u64) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
-}
-
-fn session_id(id: String) -> Result<SessionId, StoreError> {
-    SessionId::from_store(id).map_err(corrupt)
-}
-
-/// The columns of a [`RunControl`], for [`control_row`].
-const CONTROL_COLUMNS: &str =
-    "session_id, state, lease_owner, lease_expires_at, lease_epoch, attempts, cancel_requested_by";
-
-fn control_row(row: &Row, at: usize) -> Result<RunControl, StoreError> {
-    Ok(RunControl {
-        session: session_id(get(row, at)?)?,
-        state: stored_state(get(row, at + 1)?)?,
-        owner: get::<Option<String>>(row, at + 2)?.map(Arc::from),
-        lease_expires_ms: get::<Option<i64>>(row, at + 3)?.unwrap_or(0).max(0) as u64,
-        epoch: count(row, at + 4)?,
-        attempts: u32::try_from(get::<i64>(row, at + 5)?.max(0)).unwrap_or(u32::MAX),
-        cancel_requested_by: get(row, at + 6)?,
-    })
-}
-
-const SUMMARY_SELECT: &str = "SELECT s.id, s.updated_at, s.message_count,
-    (SELECT COUNT(*) FROM runs r WHERE r.session_id = s.id), s.input_tokens, s.output_tokens
-    FROM sessions s";
-
-fn summary_row(row: &Row) -> Result<SessionSummary, StoreError> {
-    Ok(SessionSummary {
-        id: session_id(get(row, 0)?)?,
-        updated_at_ms: count(row, 1)?,
-        messages: count(row, 2)?,
-        runs: count(row, 3)?,
-        usage: Usage { input_tokens: count(row, 4)?, output_tokens: count(row, 5)? },
-    })
-}
-
-const PENDING_COLUMNS: &str = "id, run_id, session_id, call_id, body, created_at, expires_at";
-
-fn pending_row(row: &Row) -> Result<PendingInput, StoreError> {
-    Ok(PendingInput {
-        id: get(row, 0)?,
-        run_id: stored_run_id(get(row, 1)?)?,
-        session_id: session_id(get(row, 2)?)?,
-        call_id: get(row, 3)?,
-        kind: decode_pending_kind(get(row, 4)?).map_err(corrupt)?,
-        created_at_ms: count(row, 5)?,
-        expires_at_ms: count(row, 6)?,
-    })
-}
-
-impl Tx for PgTx<'_, '_> {
-    fn message_count(&mut self, session: &SessionId) -> Result<u64, StoreError> {
-        self.lock_session(session)?;
-        if let Some((known, count)) = &self.message_count
-            && known == session
-        {
-            return Ok(*count);
-        }
-        let row = self.query_opt("SELECT message_count FROM sessions WHERE id = $1", &[&session.as_str()])?;
-        row.map_or(Ok(0), |row| count(&row, 0))
-    }
-
-    fn message_writer(&mut self, session: &SessionId, position: u64) -> Result<Option<RunId>, StoreError> {
-        self.lock_session(session)?;
-        let row = self.query_opt(
-            "SELECT run_id FROM messages WHERE session_id = $1 AND position = $2",
-            &[&session.as_str(), &signed(position)],
-        )?;
-        row.map(|row| stored_run_id(get(&row, 0)?)).transpose()
-    }
-
-    fn append_messages(
-        &mut self,
-        session: &SessionId,
-        run: &RunId,
-        first_position: u64,
-        messages: &[Arc<Message>],
-        now_ms: u64,
-    ) -> Result<(), StoreError> {
-        self.lock_session(session)?;
-        // One statement for the messages and the session's count: a statement per message, or
-        // one more for the count, would dominate a step.
-        let positions: Vec<i64> = (0..messages.len()).map(|i| signed(first_position + i as u64)).collect();
-        let bodies: Vec<String> = messages.iter().map(|m| encode_message(m)).collect();
-        let count = first_position + messages.len() as u64;
-        self.message_count = Some((session.clone(), count));
-        // The usage a model step added to this session comes along.
-        let usage = match self.usage.take() {
-            Some((known, usage, _)) if &known == session => usage,
-            other => {
-                self.usage = other;
-                Usage::default()
-            }
-        };
-        self.execute(
-            "WITH added AS (
-                 INSERT INTO messages (session_id, position, run_id, body)
-                 SELECT $1, position, $2, body FROM UNNEST($3::BIGINT[], $4::TEXT[]) AS m(position, body)
-             )
-             INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
-             VALUES ($1, $5, $6, $6, $7, $8)
-             ON CONFLICT (id) DO UPDATE SET message_count = EXCLUDED.message_count, updated_at = EXCLUDED.updated_at,
-               input_tokens = sessions.input_tokens + EXCLUDED.input_tokens,
-               output_tokens = sessions.output_tokens + EXCLUDED.output_tokens",
-            &[
-                &session.as_str(),
-                &run.as_str(),
-                &positions,
-                &bodies,
-                &signed(count),
-                &signed(now_ms),
-                &signed(usage.input_tokens),
-                &signed(usage.output_tokens),
-            ],
-        )
-        .map(drop)
-    }
-
-    fn messages(&mut self, session: &SessionId) -> Result<Vec<Arc<Message>>, StoreError> {
-        self.lock_session(session)?;
-        let rows = self.query(
-            "SELECT body FROM messages WHERE session_id = $1 ORDER BY position",
-            &[&session.as_str()],
-        )?;
-        rows.iter().map(|row| decode_message(get(row, 0)?).map(Arc::new).map_err(corrupt)).collect()
-    }
-
-    fn add_usage(&mut self, session: &SessionId, usage: Usage, now_ms: u64) -> Result<(), StoreError> {
-        self.lock_session(session)?;
-        match &mut self.usage {
-            Some((known, added, at)) if known == session => {
-                added.input_tokens += usage.input_tokens;
-                added.output_tokens += usage.output_tokens;
-                *at = now_ms;
-            }
-            _ => {
-                self.write_usage()?;
-                self.usage = Some((session.clone(), usage, now_ms));
-            }
-        }
-        Ok(())
-    }
-
-    fn set_session_state(
-        &mut self,
-        session: &SessionId,
-        state: &serde_json::Value,
-        now_ms: u64,
-    ) -> Result<(), StoreError> {
-        self.lock_session(session)?;
-        self.execute(
-            "INSERT INTO sessions (id, message_count, created_at, updated_at, state) VALUES ($1, 0, $2, $2, $3)
-             ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, updated_at = EXCLUDED.updated_at",
-            &[&session.as_str(), &signed(now_ms), &state.to_string()],
-        )
-        .map(drop)
-    }
-
-    fn session_state(&mut self, session: &SessionId) -> Result<Option<serde_json::Value>, StoreError> {
-        self.lock_session(session)?;
-        let row = self.query_opt("SELECT state FROM sessions WHERE id = $1", &[&session.as_str()])?;
-        match row.map(|row| get::<Option<String>>(&row, 0)).transpose()?.flatten() {
-            Some(json) => serde_json::from_str(&json).map(Some).map_err(corrupt),
-            None => Ok(None),
+        if failed && tx.writes != writes {
+            // Refused after it wrote: not undone inside a shared transaction, so the batch is
+            // not committed (alone, the refusal is the commit's answer and nothing is written).
+            return if commits.len() == 1 {
+                Ok(())
+            } else {
+                Err((StoreError::Conflict("a refused step commit wrote before its refusal".into()), false))
+            };
         }
     }
-
-    fn session_summary(&mut self, session: &SessionId) -> Result<Option<SessionSummary>, StoreError> {
-        self.write_usage()?;
-        let row = self.query_opt(&format!("{SUMMARY_SELECT} WHERE s.id = $1"), &[&session.as_str()])?;
-        row.map(|row| summary_row(&row)).transpose()
-    }
-
-    fn sessions(&mut self) -> Result<Vec<SessionSummary>, StoreError> {
-        self.write_usage()?;
-        let rows = self.query(&format!("{SUMMARY_SELECT} ORDER BY s.updated_at DESC, s.id"), &[])?;
-        rows.iter().map(summary_row).collect()
-    }
-
-    fn delete_session(&mut self, session: &SessionId) -> Result<bool, StoreError> {
-        self.lock_session(session)?;
-        self.write_usage()?;
-        self.message_count = None;
-        let id = session.as_str();
-        self.execute(
-            "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE session_id = $1)",
-            &[&id],
-        )?;
-        self.execute("DELETE FROM pending_inputs WHERE session_id = $1", &[&id])?;
-        self.execute("DELETE FROM decided_inputs WHERE session_id = $1", &[&id])?;
-        let runs = self.execute("DELETE FROM runs WHERE session_id = $1", &[&id])?;
-        self.execute("DELETE FROM messages WHERE session_id = $1", &[&id])?;
-        // Its event log goes too; its head stays, so that a session of the same id numbers its
-        // events after the old ones and no client's `Last-Event-ID` skips them.
-        self.execute("DELETE FROM events WHERE session_id = $1", &[&id])?;
-        let sessions = self.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
-        Ok(runs + sessions > 0)
-    }
-
-    fn insert_run(
-        &mut self,
-        record: &RunRecord,
-        control: &RunControl,
-        now_ms: u64,
-    ) -> Result<(), StoreError> {
-        self.lock_session(&record.session_id)?;
-        self.remember(&record.run_id, &record.session_id);
-        self.execute(
-            "INSERT INTO runs (id, session_id, input, history_len, call_base, state, created_at, updated_at,
-               lease_owner, lease_expires_at, lease_epoch, attempts, cancel_requested_by, limits)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8, $9, $10, $11, $12, $13)",
-            &[
-                &record.run_id.as_str(),
-                &record.session_id.as_str(),
-                &encode_message(&record.input),
-                &signed(record.history_len),
-                &signed(record.call_base),
-                &control.state.as_str(),
-                &signed(now_ms),
-                &control.owner.as_deref(),
-                &signed(control.lease_expires_ms),
-                &signed(control.epoch),
-                &i64::from(control.attempts),
-                &control.cancel_requested_by,
-                &stored_limits(record),
-            ],
-        )
-        .map(drop)
-    }
-
-    fn run(&mut self, run: &RunId) -> Result<Option<RunRecord>, StoreError> {
-        self.lock_run(run)?;
-        let row = self.query_opt(
-            "SELECT session_id, input, history_len, call_base, state, limits FROM runs WHERE id = $1",
-            &[&run.as_str()],
-        )?;
-        let Some(row) = row else { return Ok(None) };
-        Ok(Some(RunRecord {
-            run_id: run.clone(),
-            session_id: session_id(get(&row, 0)?)?,
-            input: decode_message(get(&row, 1)?).map_err(corrupt)?,
-            history_len: count(&row, 2)?,
-            call_base: count(&row, 3)?,
-            state: stored_state(get(&row, 4)?)?,
-            limits: read_limits(get(&row, 5)?)?,
-        }))
-    }
-
-    fn control(&mut self, run: &RunId) -> Result<Option<RunControl>, StoreError> {
-        self.lock_run(run)?;
-        if !self.write {
-            let sql = format!("SELECT {CONTROL_COLUMNS} FROM runs WHERE id = $1");
-            let row = self.query_opt(&sql, &[&run.as_str()])?;
-            return row.map(|row| control_row(&row, 0)).transpose();
-        }
-        // In a write, the session's message count comes along: the rules check the transcript
-        // next, and the session's lock keeps both as read until the commit.
-        let sql = format!(
-            "SELECT {CONTROL_COLUMNS}, (SELECT message_count FROM sessions s WHERE s.id = r.session_id)
-             FROM runs r WHERE id = $1"
-        );
-        let Some(row) = self.query_opt(&sql, &[&run.as_str()])? else {
-            return Ok(None);
-        };
-        let control = control_row(&row, 0)?;
-        let count = get::<Option<i64>>(&row, 7)?.map_or(0, |n| n.max(0) as u64);
-        self.message_count = Some((control.session.clone(), count));
-        Ok(Some(control))
-    }
-
-    fn set_control(&mut self, run: &RunId, control: &RunControl, now_ms: u64) -> Result<(), StoreError> {
-        self.lock_run(run)?;
-        self.execute(
-            "UPDATE runs SET state = $2, lease_owner = $3, lease_expires_at = $4, lease_epoch = $5,
-               attempts = $6, cancel_requested_by = $7, updated_at = $8
-             WHERE id = $1",
-            &[
-                &run.as_str(),
-                &control.state.as_str(),
-                &control.owner.as_deref(),
-                &signed(control.lease_expires_ms),
-                &signed(control.epoch),
-                &i64::from(control.attempts),
-                &control.cancel_requested_by,
-                &signed(now_ms),
-            ],
-        )
-        .map(drop)
-    }
-
-    fn cancel_requested(&mut self, owner: &str) -> Result<Vec<RunId>, StoreError> {
-        let rows = self.query(
-            "SELECT id FROM runs WHERE state = 'running' AND lease_owner = $1
-               AND cancel_requested_by IS NOT NULL ORDER BY id",
-            &[&owner],
-        )?;
-        rows.iter().map(|row| stored_run_id(get(row, 0)?)).collect()
-    }
-
-    fn open_runs(&mut self, session: Option<&SessionId>) -> Result<Vec<(RunId, RunControl)>, StoreError> {
-        if let Some(session) = session {
-            self.lock_session(session)?;
-        }
-        let rows = match session {
-            Some(session) => self.query(
-                &format!(
-                    "SELECT id, {CONTROL_COLUMNS} FROM runs WHERE session_id = $1
-                       AND state IN ('running', 'awaiting_input') ORDER BY id"
-                ),
-                &[&session.as_str()],
-            )?,
-            None => self.query(
-                &format!(
-                    "SELECT id, {CONTROL_COLUMNS} FROM runs WHERE state IN ('running', 'awaiting_input') ORDER BY id"
-                ),
-                &[],
-            )?,
-        };
-        rows.iter().map(|row| Ok((stored_run_id(get(row, 0)?)?, control_row(row, 1)?))).collect()
-    }
-
-    fn has_step(&mut self, run: &RunId, step: &StepName) -> Result<bool, StoreError> {
-        self.lock_run(run)?;
-        let row = self.query_opt(
-            "SELECT 1 FROM journal WHERE run_id = $1 AND step = $2",
-            &[&run.as_str(), &step.to_string()],
-        )?;
-        Ok(row.is_some())
-    }
-
-    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<bool, StoreError> {
-        self.lock_run(run)?;
-        self.execute(
-            "INSERT INTO journal (run_id, step, seq, body)
-             VALUES ($1, $2, (SELECT COUNT(*) FROM journal WHERE run_id = $1), $3)
-             ON CONFLICT (run_id, step) DO NOTHING",
-            &[&run.as_str(), &entry.step.to_string(), &encode_record(&entry.record)],
-        )
-        .map(|inserted| inserted == 1)
-    }
-
-    fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError> {
-        self.lock_run(run)?;
-        let rows =
-            self.query("SELECT step, body FROM journal WHERE run_id = $1 ORDER BY seq", &[&run.as_str()])?;
-        rows.iter()
-            .map(|row| {
-                let step: &str = get(row, 0)?;
-                let step = StepName::parse(step).ok_or_else(|| corrupt(format!("bad step name {step:?}")))?;
-                Ok(JournalEntry { step, record: decode_record(get(row, 1)?).map_err(corrupt)? })
-            })
-            .collect()
-    }
-
-    fn compact_journals(&mut self) -> Result<u64, StoreError> {
-        self.execute(
-            "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ('done', 'failed', 'cancelled'))",
-            &[],
-        )
-    }
-
-    fn pending(&mut self, id: &str) -> Result<Option<PendingInput>, StoreError> {
-        self.lock_pending(id)?;
-        let row =
-            self.query_opt(&format!("SELECT {PENDING_COLUMNS} FROM pending_inputs WHERE id = $1"), &[&id])?;
-        row.map(|row| pending_row(&row)).transpose()
-    }
-
-    fn pending_list(&mut self, session: Option<&SessionId>) -> Result<Vec<PendingInput>, StoreError> {
-        if let Some(session) = session {
-            self.lock_session(session)?;
-        }
-        let rows = match session {
-            Some(session) => self.query(
-                &format!(
-                    "SELECT {PENDING_COLUMNS} FROM pending_inputs WHERE session_id = $1 ORDER BY created_at, seq"
-                ),
-                &[&session.as_str()],
-            )?,
-            None => self.query(&format!("SELECT {PENDING_COLUMNS} FROM pending_inputs ORDER BY created_at, seq"), &[])?,
-        };
-        rows.iter().map(pending_row).collect()
-    }
-
-    fn insert_pending(&mut self, pending: &PendingInput) -> Result<(), StoreError> {
-        self.lock_session(&pending.session_id)?;
-        self.execute(
-            "INSERT INTO pending_inputs (id, run_id, session_id, call_id, step, body, created_at, expires_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-            &[
-                &pending.id,
-                &pending.run_id.as_str(),
-                &pending.session_id.as_str(),
-                &pending.call_id,
-                &pending.step().to_string(),
-                &encode_pending_kind(&pending.kind),
-                &signed(pending.created_at_ms),
-                &signed(pending.expires_at_ms),
-            ],
-        )
-        .map(drop)
-    }
-
-    fn delete_pending(&mut self, id: &str) -> Result<(), StoreError> {
-        self.lock_pending(id)?;
-        self.execute("DELETE FROM pending_inputs WHERE id = $1", &[&id]).map(drop)
-    }
-
-    fn decided(&mut self, id: &str) -> Result<Option<DecidedInput>, StoreError> {
-        let row = self.query_opt(
-            "SELECT run_id, session_id, outcome, by_whom, at FROM decided_inputs WHERE id = $1",
-            &[&id],
-        )?;
-        let Some(row) = row else { return Ok(None) };
-        Ok(Some(DecidedInput {
-            id: id.to_owned(),
-            run_id: stored_run_id(get(&row, 0)?)?,
-            session_id: session_id(get(&row, 1)?)?,
-            outcome: get(&row, 2)?,
-            by: get(&row, 3)?,
-            at_ms: count(&row, 4)?,
-        }))
-    }
-
-    fn insert_decided(&mut self, decided: &DecidedInput) -> Result<(), StoreError> {
-        self.lock_session(&decided.session_id)?;
-        self.execute(
-            "INSERT INTO decided_inputs (id, run_id, session_id, outcome, by_whom, at) VALUES ($1, $2, $3, $4, $5, $6)
-             ON CONFLICT (id) DO UPDATE SET outcome = EXCLUDED.outcome, by_whom = EXCLUDED.by_whom, at = EXCLUDED.at",
-            &[
-                &decided.id,
-                &decided.run_id.as_str(),
-                &decided.session_id.as_str(),
-                &decided.outcome,
-                &decided.by,
-                &signed(decided.at_ms),
-            ],
-        )
-        .map(drop)
-    }
-
-    fn schedule_last_fire(&mut self, name: &str) -> Result<Option<u64>, StoreError> {
-        self.lock(format!("schedule:{name}"))?;
-        let row = self.query_opt("SELECT last_fire FROM schedules WHERE name = $1", &[&name])?;
-        row.map(|row| count(&row, 0)).transpose()
-    }
-
-    fn set_schedule_last_fire(&mut self, name: &str, tick_ms: u64) -> Result<(), StoreError> {
-        self.lock(format!("schedule:{name}"))?;
-        self.execute(
-            "INSERT INTO schedules (name, last_fire) VALUES ($1, $2)
-             ON CONFLICT (name) DO UPDATE SET last_fire = EXCLUDED.last_fire",
-            &[&name, &signed(tick_ms)],
-        )
-        .map(drop)
-    }
-
-    fn delayed_run(&mut self, run: &RunId) -> Result<Option<DelayedRunRecord>, StoreError> {
-        self.lock(format!("delayed:{run}"))?;
-        let row = self.query_opt(
-            "SELECT session_id, input, due_at, source, state, created_at, held_until, attempts, note
-             FROM delayed_runs WHERE run_id = $1",
-            &[&run.as_str()],
-        )?;
-        let Some(row) = row else { return Ok(None) };
-        Ok(Some(DelayedRunRecord {
-            run: DelayedRun {
-                run_id: run.clone(),
-                session_id: session_id(get(&row, 0)?)?,
-                input: decode_message(get(&row, 1)?).map_err(corrupt)?,
-                due_ms: count(&row, 2)?,
-                source: get(&row, 3)?,
-            },
-            state: stored_delayed_state(get(&row, 4)?)?,
-            created_ms: count(&row, 5)?,
-            held_until_ms: count(&row, 6)?,
-            attempts: u32::try_from(count(&row, 7)?).unwrap_or(u32::MAX),
-            note: get(&row, 8)?,
-        }))
-    }
-
-    fn put_delayed_run(&mut self, record: &DelayedRunRecord) -> Result<(), StoreError> {
-        let run = &record.run;
-        self.lock(format!("delayed:{}", run.run_id))?;
-        self.execute(
-            "INSERT INTO delayed_runs (run_id, session_id, input, due_at, source, state, created_at, held_until,
-             attempts, note) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-             ON CONFLICT (run_id) DO UPDATE SET state = EXCLUDED.state, held_until = EXCLUDED.held_until,
-             attempts = EXCLUDED.attempts, note = EXCLUDED.note",
-            &[
-                &run.run_id.as_str(),
-                &run.session_id.as_str(),
-                &encode_message(&run.input),
-                &signed(run.due_ms),
-                &run.source,
-                &record.state.as_str(),
-                &signed(record.created_ms),
-                &signed(record.held_until_ms),
-                &i64::from(record.attempts),
-                &record.note,
-            ],
-        )
-        .map(drop)
-    }
-
-    fn due_delayed_runs(&mut self, now_ms: u64, limit: usize) -> Result<Vec<RunId>, StoreError> {
-        let rows = self.query(
-            "SELECT run_id FROM delayed_runs WHERE state = 'waiting' AND due_at <= $1 AND held_until <= $1
-             ORDER BY due_at, run_id LIMIT $2",
-            &[&signed(now_ms), &signed(limit as u64)],
-        )?;
-        rows.iter().map(|row| stored_run_id(get(row, 0)?)).collect()
-    }
-
-    fn memory_item(&mut self, owner: &str, kind: &str, key: &str) -> Result<Option<MemoryItem>, StoreError> {
-        // A write reads what it merges with under the owner's lock: two runs of one owner
-        // merging the same relation take turns.
-        self.lock(format!("memory:{owner}"))?;
-        let row = self.query_opt(
-            "SELECT value, updated_at FROM memories WHERE owner = $1 AND kind = $2 AND key = $3",
-            &[&owner, &kind, &key],
-        )?;
-        row.map(|row| memory_item(kind.to_owned(), key.to_owned(), get(&row, 0)?, get(&row, 1)?)).transpose()
-    }
-
-    fn put_memory_item(&mut self, owner: &str, item: &MemoryItem) -> Result<(), StoreError> {
-        self.lock(format!("memory:{owner}"))?;
-        self.execute(
-            "INSERT INTO memories (owner, kind, key, value, updated_at) VALUES ($1, $2, $3, $4, $5)
-             ON CONFLICT (owner, kind, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
-            &[&owner, &item.kind, &item.key, &item.value.to_string(), &signed(item.updated_ms)],
-        )
-        .map(drop)
-    }
-
-    fn memory_items(&mut self, owner: &str, kind: Option<&str>) -> Result<Vec<MemoryItem>, StoreError> {
-        let rows = self.query(
-            "SELECT kind, key, value, updated_at FROM memories WHERE owner = $1 AND ($2::text IS NULL OR kind = $2)
-             ORDER BY updated_at DESC, key",
-            &[&owner, &kind],
-        )?;
-        rows.iter().map(|row| memory_item(get(row, 0)?, get(row, 1)?, get(row, 2)?, get(row, 3)?)).collect()
-    }
-
-    fn delete_memory(
-        &mut self,
-        owner: &str,
-        kind: Option<&str>,
-        key: Option<&str>,
-    ) -> Result<u64, StoreError> {
-        self.lock(format!("memory:{owner}"))?;
-        self.execute(
-            "DELETE FROM memories WHERE owner = $1 AND ($2::text IS NULL OR kind = $2) AND ($3::text IS NULL OR key = $3)",
-            &[&owner, &kind, &key],
-        )
-    }
-
-    fn memory_owners(&mut self) -> Result<Vec<MemoryOwner>, StoreError> {
-        let rows = self.query(
-            "SELECT owner, kind, count(*), max(updated_at) FROM memories GROUP BY owner, kind ORDER BY owner, kind",
-            &[],
-        )?;
-        let rows: Vec<(String, String, u64, u64)> = rows
-            .iter()
-            .map(|row| Ok((get(row, 0)?, get(row, 1)?, count(row, 2)?, count(row, 3)?)))
-            .collect::<Result<_, StoreError>>()?;
-        Ok(memory_owner_rows(rows.into_iter()))
-    }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    tx.flush().map_err(|error| (error, tx.retry))?;
+    drop(tx);
+    transaction.commit().map_err(|error| (map_error(&error, shown), is_retryable(&error)))
 }
 
 #[cfg(test)]
 mod tests {
-    use keel_core::Store;
+    use keel_core::{Message, Store};
     use keel_testkit::postgres::ScratchDatabase;
 
     use super::*;
@@ -1396,6 +730,31 @@ mod tests {
         )
         .unwrap();
         crate::conformance::run_all(&store, &clock).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn commits_queued_together_share_a_transaction_and_are_answered_each_alone() {
+        let database = ScratchDatabase::create("together");
+        // One connection: the commits queued while it works go together in its next transaction.
+        let options = PostgresOptions { pool_size: 1, ..PostgresOptions::default() };
+        let store = PostgresStore::connect(&database.url, options).unwrap();
+        let records: Vec<_> = (0..40)
+            .map(|i| {
+                let session = SessionId::new(format!("batched-{i}")).unwrap();
+                crate::conformance::run_record(&format!("batched-{i}"), &session, 0)
+            })
+            .collect();
+        let before = store.backend().round_trips();
+        let created = futures::future::join_all(
+            records.iter().map(|record| crate::conformance::create_run(&store, record)),
+        )
+        .await;
+        assert!(created.iter().all(Result::is_ok), "{created:?}");
+        // Alone, each commit takes five statements (BEGIN, lock, read, write, COMMIT): 200.
+        let statements = store.backend().round_trips() - before;
+        assert!(statements <= 20, "{statements} statements for 40 commits: they were not batched");
+        // Batched with refusals among them, each commit still gets its own answer.
+        crate::conformance::commits_made_together_are_each_applied_or_refused_alone(&store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1480,7 +839,7 @@ mod tests {
                      CREATE TABLE keel.schema_version (version BIGINT NOT NULL);
                      INSERT INTO keel.schema_version VALUES (1);
                      INSERT INTO keel.sessions (id, message_count, created_at, updated_at) VALUES ('old', 0, 1, 1);",
-                    MIGRATIONS[0]
+                    schema::MIGRATIONS[0]
                 ))
                 .unwrap();
         })

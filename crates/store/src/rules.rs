@@ -34,7 +34,7 @@ use keel_core::{
     SessionSummary, StepCommit, Store, StoreError,
 };
 
-use crate::backend::{Backend, Ruled, RunControl, Tx};
+use crate::backend::{Backend, CommitSubject, Ruled, RunControl, Tx};
 
 /// A [`StepCommit`] with its data owned, so that it can travel to a backend's writer.
 struct OwnedCommit {
@@ -549,6 +549,16 @@ impl<B: Backend> Ruled<B> {
         }
     }
 
+    /// [`Ruled::write`] for a step's commit (see [`Backend::write_commit`]).
+    fn write_commit<T: Send + 'static>(
+        &self,
+        subject: CommitSubject,
+        mut work: impl FnMut(&mut dyn Tx, u64) -> Result<T, StoreError> + Send + 'static,
+    ) -> BoxFuture<'static, Result<T, StoreError>> {
+        let clock = Arc::clone(&self.clock);
+        self.backend.write_commit(subject, Box::new(move |tx: &mut dyn Tx| work(tx, clock.now_ms())))
+    }
+
     fn read<T: Send + 'static>(
         &self,
         work: impl FnMut(&mut dyn Tx) -> Result<T, StoreError> + Send + 'static,
@@ -573,12 +583,13 @@ impl<B: Backend> Store for Ruled<B> {
         &'a self,
         session: &'a SessionId,
     ) -> BoxFuture<'a, Result<SessionSnapshot, StoreError>> {
-        let session = session.clone();
-        self.read(move |tx| {
+        let rows = self.backend.read_session(session.clone());
+        Box::pin(async move {
+            let rows = rows.await?;
             Ok(SessionSnapshot {
-                messages: tx.messages(&session)?,
-                state: tx.session_state(&session)?,
-                open_run: tx.open_runs(Some(&session))?.into_iter().next().map(|(run, c)| open_run(run, c)),
+                messages: rows.messages,
+                state: rows.state,
+                open_run: rows.open_run.map(|(run, control)| open_run(run, control)),
             })
         })
     }
@@ -612,7 +623,12 @@ impl<B: Backend> Store for Ruled<B> {
             Ok(result) => Box::pin(std::future::ready(result)),
             Err(_) => {
                 let owned = OwnedCommit::new(&commit);
-                self.write(move |tx, now| commit_step(tx, &owned.view(), now))
+                let subject = CommitSubject {
+                    session: owned.session.clone(),
+                    run: owned.run.clone(),
+                    step: owned.entry.as_ref().map(|entry| entry.step.clone()),
+                };
+                self.write_commit(subject, move |tx, now| commit_step(tx, &owned.view(), now))
             }
         }
     }

@@ -26,7 +26,7 @@ use keel_core::event_log::OnWake;
 use keel_core::{BoxFuture, EventLog, LogWake, LoggedEvent, NewEvent, SessionId, StoreError};
 use postgres::fallible_iterator::FallibleIterator;
 
-use super::{Connection, Job, Setup, Worker, get, submit_raw};
+use super::{Connection, Jobs, Queued, Setup, Worker, get, submit_raw};
 use crate::backend::stored_run_id;
 
 /// The notification channel (also named in [`APPEND`]).
@@ -38,7 +38,7 @@ const LISTENER_PING: Duration = Duration::from_secs(5);
 
 /// The event log of a [`super::Postgres`] store. See the module docs.
 pub(crate) struct PgEventLog {
-    jobs: std::sync::mpsc::Sender<Box<dyn Job>>,
+    jobs: Jobs,
     setup: Arc<Setup>,
     /// This process's name in notifications, so that its own appends do not wake it.
     instance: Arc<str>,
@@ -46,11 +46,11 @@ pub(crate) struct PgEventLog {
     alive: Arc<()>,
     /// The connection appends go through, opened on first use: a writer appends one batch at
     /// a time, and on its own connection its appends never queue behind the store's commits.
-    appender: std::sync::OnceLock<std::sync::mpsc::Sender<Box<dyn Job>>>,
+    appender: std::sync::OnceLock<Jobs>,
 }
 
 impl PgEventLog {
-    pub(crate) fn new(jobs: std::sync::mpsc::Sender<Box<dyn Job>>, setup: Arc<Setup>) -> PgEventLog {
+    pub(crate) fn new(jobs: Jobs, setup: Arc<Setup>) -> PgEventLog {
         PgEventLog {
             jobs,
             setup,
@@ -61,9 +61,9 @@ impl PgEventLog {
     }
 
     /// The appending connection's queue (its thread ends when the log is dropped).
-    fn appender(&self) -> &std::sync::mpsc::Sender<Box<dyn Job>> {
+    fn appender(&self) -> &Jobs {
         self.appender.get_or_init(|| {
-            let (jobs, queue) = std::sync::mpsc::channel::<Box<dyn Job>>();
+            let (jobs, queue) = std::sync::mpsc::channel::<Queued>();
             let worker = Worker::new(Arc::clone(&self.setup));
             let spawned = std::thread::Builder::new()
                 .name("keel-postgres-events".into())
