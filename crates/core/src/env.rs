@@ -81,7 +81,7 @@ env_vars! {
     /// The log format.
     LOG_FORMAT = "KEEL_LOG_FORMAT", Cli, "text", "`json` logs one JSON object per line, for log collectors";
     /// The PostgreSQL pool size.
-    STORE_POOL = "KEEL_STORE_POOL", Runtime, "8",
+    STORE_POOL = "KEEL_STORE_POOL", Runtime, "4",
         "connections (and worker threads) a `postgres://` store opens";
     /// The PostgreSQL statement timeout.
     STORE_STATEMENT_TIMEOUT = "KEEL_STORE_STATEMENT_TIMEOUT", Runtime, "`30s`",

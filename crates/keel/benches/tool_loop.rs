@@ -10,7 +10,10 @@
 //! - 1000 concurrent runs: wall time, and peak heap (counted by a tracking allocator) and peak
 //!   RSS growth during the burst;
 //! - runs per second with the SQLite store (every step committed), sequentially and 1000 at a
-//!   time, and the bytes stored per run.
+//!   time, and the bytes stored per run;
+//! - the same with the PostgreSQL store on a scratch database of the local server: one instance,
+//!   then three on one database (with `KEEL_STORE_POOL` connections each, then half as many), with
+//!   the statements and bytes per run (`-- --postgres` for these alone).
 //!
 //! The allocator is mimalloc, as in the `keel` binary, wrapped to count heap bytes.
 //!
@@ -176,21 +179,21 @@ struct PostgresFigures {
 }
 
 /// Runs against a fresh PostgreSQL database (`KEEL_TEST_POSTGRES`'s server), sequentially and
-/// 1000 at a time, with `instances` stores on it sharing the concurrent runs (as `keel serve`
-/// instances would).
-fn durable_postgres(runtime: &tokio::runtime::Runtime, runs: usize, instances: usize) -> PostgresFigures {
+/// 1000 at a time, with `instances` stores of `options` on it sharing the concurrent runs (as
+/// `keel serve` instances would).
+fn durable_postgres(
+    runtime: &tokio::runtime::Runtime,
+    runs: usize,
+    instances: usize,
+    options: &keel_store::PostgresOptions,
+) -> PostgresFigures {
     let database = keel_testkit::postgres::ScratchDatabase::create("bench");
     let url = database.url.clone();
+    let options = options.clone();
     let task = runtime.spawn(async move {
         let stores: Vec<Arc<keel::PostgresStore>> = (0..instances)
             .map(|_| {
-                Arc::new(
-                    keel::PostgresStore::connect(
-                        &url,
-                        keel_store::postgres_options().expect("the pool settings"),
-                    )
-                    .expect("the database opens"),
-                )
+                Arc::new(keel::PostgresStore::connect(&url, options.clone()).expect("the database opens"))
             })
             .collect();
         let agents: Vec<Agent> = stores.iter().map(|store| agent_with(store.clone())).collect();
@@ -286,10 +289,7 @@ fn main() {
         // Only the PostgreSQL figures: one store, then three on the same database.
         let multi = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
         let runs = if quick { 2_000 } else { 10_000 };
-        for instances in [1, 3] {
-            let figures = durable_postgres(&multi, runs, instances);
-            print_postgres(runs, instances, &figures);
-        }
+        postgres_figures(&multi, runs);
         return;
     }
     if std::env::args().any(|a| a == "--profile") {
@@ -347,19 +347,25 @@ fn main() {
         "sqlite bytes stored per run: {:.0}; {:.0} once finished runs' journals are compacted (database size / runs)",
         sqlite.bytes_per_run, sqlite.compacted_bytes_per_run
     );
-    for instances in [1, 3] {
-        let figures = durable_postgres(&multi, durable_runs, instances);
-        print_postgres(durable_runs, instances, &figures);
-    }
+    postgres_figures(&multi, durable_runs);
 }
 
-fn print_postgres(runs: usize, instances: usize, figures: &PostgresFigures) {
-    println!(
-        "postgres store ({instances} instance{} on one database, multi-thread runtime), {runs} runs: {:.0} runs/s sequential, {:.0} runs/s 1000 at a time; {:.1} round trips and {:.0} bytes stored per run",
-        if instances == 1 { "" } else { "s" },
-        figures.sequential_per_second,
-        figures.concurrent_per_second,
-        figures.round_trips_per_run,
-        figures.bytes_per_run,
-    );
+/// One instance with the pool of `KEEL_STORE_POOL` (4 by default), three with it each, and three
+/// with half of it each (a database's connections shared out among its instances, as
+/// docs/scaling.md advises).
+fn postgres_figures(runtime: &tokio::runtime::Runtime, runs: usize) {
+    let options = keel_store::postgres_options().expect("the pool settings");
+    let half = keel_store::PostgresOptions { pool_size: options.pool_size.div_ceil(2), ..options.clone() };
+    for (instances, options) in [(1, &options), (3, &options), (3, &half)] {
+        let figures = durable_postgres(runtime, runs, instances, options);
+        println!(
+            "postgres store ({instances} instance{} × {} connections on one database, multi-thread runtime), {runs} runs: {:.0} runs/s sequential, {:.0} runs/s 1000 at a time; {:.1} round trips and {:.0} bytes stored per run",
+            if instances == 1 { "" } else { "s" },
+            options.pool_size,
+            figures.sequential_per_second,
+            figures.concurrent_per_second,
+            figures.round_trips_per_run,
+            figures.bytes_per_run,
+        );
+    }
 }

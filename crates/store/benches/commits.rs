@@ -94,20 +94,26 @@ async fn one_run(store: &dyn Store, session: &str) {
         .expect("the answer commits");
 }
 
-/// Runs per second: `runs / 10` one at a time, then `runs` 1000 at a time.
-fn measure(runtime: &tokio::runtime::Runtime, store: Arc<dyn Store>, runs: usize, tag: &str) -> (f64, f64) {
+/// Runs per second: `runs / 10` one at a time, then `runs` 1000 at a time, spread over
+/// `stores` (instances of one store) in turn.
+fn measure(
+    runtime: &tokio::runtime::Runtime,
+    stores: &[Arc<dyn Store>],
+    runs: usize,
+    tag: &str,
+) -> (f64, f64) {
     runtime.block_on(async {
         let start = Instant::now();
         let one_by_one = runs / 10;
         for i in 0..one_by_one {
-            one_run(store.as_ref(), &format!("{tag}-s{i}")).await;
+            one_run(stores[i % stores.len()].as_ref(), &format!("{tag}-s{i}")).await;
         }
         let sequential = one_by_one as f64 / start.elapsed().as_secs_f64();
         let start = Instant::now();
         for round in 0..runs.div_ceil(1000) {
             let tasks: Vec<_> = (0..1000)
                 .map(|i| {
-                    let store = Arc::clone(&store);
+                    let store = Arc::clone(&stores[i % stores.len()]);
                     let session = format!("{tag}-c{round}-{i}");
                     tokio::spawn(async move { one_run(store.as_ref(), &session).await })
                 })
@@ -128,24 +134,33 @@ fn main() {
     let runs = if quick { 5000 } else { 20_000 };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a runtime");
     if !postgres_only {
-        let (sequential, concurrent) =
-            measure(&runtime, Arc::new(keel_store::MemoryStore::new()), runs, "memory");
+        let memory: Arc<dyn Store> = Arc::new(keel_store::MemoryStore::new());
+        let (sequential, concurrent) = measure(&runtime, &[memory], runs, "memory");
         println!("memory store: {sequential:.0} runs/s one at a time, {concurrent:.0} runs/s 1000 at a time");
         let dir = tempfile::tempdir().expect("a temporary directory");
         let sqlite = keel_store::SqliteStore::open(&dir.path().join("bench.db")).expect("the database opens");
-        let (sequential, concurrent) = measure(&runtime, Arc::new(sqlite), runs, "sqlite");
+        let (sequential, concurrent) = measure(&runtime, &[Arc::new(sqlite)], runs, "sqlite");
         println!("sqlite store: {sequential:.0} runs/s one at a time, {concurrent:.0} runs/s 1000 at a time");
     }
-    let database = keel_testkit::postgres::ScratchDatabase::create("commits");
     let options = keel_store::postgres_options().expect("KEEL_STORE_POOL and KEEL_STORE_STATEMENT_TIMEOUT");
-    let store = keel_store::PostgresStore::connect(&database.url, options).expect("the database connects");
-    let store = Arc::new(store);
-    let before = store.backend().round_trips();
-    let (sequential, concurrent) = measure(&runtime, Arc::clone(&store) as Arc<dyn Store>, runs, "pg");
-    let trips =
-        (store.backend().round_trips() - before) as f64 / (runs / 10 + runs.div_ceil(1000) * 1000) as f64;
-    println!(
-        "postgres store: {sequential:.0} runs/s one at a time, {concurrent:.0} runs/s 1000 at a time; \
-         {trips:.1} statements per run"
-    );
+    for instances in [1, 3] {
+        let database = keel_testkit::postgres::ScratchDatabase::create("commits");
+        let stores: Vec<Arc<keel_store::PostgresStore>> = (0..instances)
+            .map(|_| {
+                let store = keel_store::PostgresStore::connect(&database.url, options.clone());
+                Arc::new(store.expect("the database connects"))
+            })
+            .collect();
+        let statements = || stores.iter().map(|store| store.backend().round_trips()).sum::<u64>();
+        let before = statements();
+        let dyn_stores: Vec<Arc<dyn Store>> =
+            stores.iter().map(|s| Arc::clone(s) as Arc<dyn Store>).collect();
+        let (sequential, concurrent) = measure(&runtime, &dyn_stores, runs, "pg");
+        let per_run = (statements() - before) as f64 / (runs / 10 + runs.div_ceil(1000) * 1000) as f64;
+        println!(
+            "postgres store, {instances} instance(s) of {} connections: {sequential:.0} runs/s one at a time, \
+             {concurrent:.0} runs/s 1000 at a time; {per_run:.1} statements per run",
+            options.pool_size
+        );
+    }
 }

@@ -60,7 +60,7 @@ pub fn postgres_options() -> Result<PostgresOptions, StoreError> {
     if let Some(text) = var(env::STORE_POOL.name) {
         options.pool_size = text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
             StoreError::Unavailable(format!(
-                "KEEL_STORE_POOL must be a number of connections, like 8, not {text:?}"
+                "KEEL_STORE_POOL must be a number of connections, like 4, not {text:?}"
             ))
         })?;
     }

@@ -76,7 +76,8 @@ pub const MAX_ATTEMPTS: u32 = 12;
 /// How a [`Postgres`] backend connects.
 #[derive(Clone, Debug)]
 pub struct PostgresOptions {
-    /// Connections (and worker threads). Default 8.
+    /// Connections (and worker threads). Default 4: with step commits batched, a few carry
+    /// what the database can (see docs/scaling.md).
     pub pool_size: usize,
     /// How long one statement may run before PostgreSQL cancels it. Default 30 s.
     pub statement_timeout: Duration,
@@ -87,7 +88,7 @@ pub struct PostgresOptions {
 impl Default for PostgresOptions {
     fn default() -> PostgresOptions {
         PostgresOptions {
-            pool_size: 8,
+            pool_size: 4,
             statement_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
         }
