@@ -17,10 +17,10 @@ cat > "$agent/agent.yaml" <<'SPEC'
 name: helper
 description: Tells the day of the week
 model: mock
-tools: [day-name]
+tools: [day_name]
 mock:
   script:
-    - tool_calls: [{ name: day-name, input: {} }]
+    - tool_calls: [{ name: day_name, input: {} }]
     - text: "Today is {{last_tool_output}}."
 SPEC
 "$keel" serve "$agent" --port 0 --store memory 2> "$agent/serve.log" &

@@ -35,7 +35,7 @@ try {
   await page.click("#send");
   await page.waitForSelector(".msg.user >> text=What day is it?");
   await page.waitForSelector(".msg.assistant >> text=Let me look at the calendar.");
-  const approval = page.locator(".pending", { hasText: "Approve day-name" });
+  const approval = page.locator(".pending", { hasText: "Approve day_name" });
   await approval.waitFor();
   assert.match(await page.textContent("#state"), /waiting for you/);
 
@@ -46,7 +46,7 @@ try {
   // The first attempt's words were dropped when the turn was retried.
   assert.equal(await page.locator(".msg.assistant", { hasText: "Nothingday" }).count(), 0);
   const tool = await page.locator(".tool.ok").first().textContent();
-  assert.match(tool, /day-name/);
+  assert.match(tool, /day_name/);
   assert.match(tool, /✓ \w+day/);
   assert.match(await page.textContent("#state"), /done \(final/);
   const updates = await page.evaluate(() => window.__updates);

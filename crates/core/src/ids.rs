@@ -286,7 +286,7 @@ mod tests {
         for step in [
             StepName::ModelTurn(0),
             StepName::ModelTurn(41),
-            StepName::Tool { name: "day-name".into(), call_id: "call:1".into() },
+            StepName::Tool { name: "day_name".into(), call_id: "call:1".into() },
             StepName::Approval("call_0_1".into()),
             StepName::Question("toolu:9".into()),
         ] {

@@ -59,7 +59,7 @@ use crate::Agent;
 pub struct Setup {
     /// Records the agent's tool dispatches and step commits.
     pub probe: Option<Probe>,
-    /// The time the clock tools (`current-date`, `day-name`) read instead of the clock, in
+    /// The time the clock tools (`current_date`, `day_name`) read instead of the clock, in
     /// this zone unless a call names another.
     pub now: Option<jiff::ZonedDateTime>,
 }

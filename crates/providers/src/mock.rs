@@ -246,7 +246,7 @@ mod tests {
         MockProvider::new(MockScript::new(vec![
             MockEntry {
                 tool_calls: vec![
-                    MockToolCall { name: "day-name".into(), input: json!({}) },
+                    MockToolCall { name: "day_name".into(), input: json!({}) },
                     MockToolCall { name: "add".into(), input: json!({"a": 1}) },
                 ],
                 ..MockEntry::default()
@@ -296,7 +296,7 @@ mod tests {
                 other => format!("{other:?}"),
             })
             .collect();
-        assert_eq!(names, ["call_0_0 day-name", "call_0_1 add"]);
+        assert_eq!(names, ["call_0_0 day_name", "call_0_1 add"]);
     }
 
     #[tokio::test]
@@ -315,7 +315,7 @@ mod tests {
                     }),
                     Part::ToolResult(keel_core::message::ToolResult {
                         call_id: "b".into(),
-                        name: "day-name".into(),
+                        name: "day_name".into(),
                         output: json!("Sunday"),
                         is_error: false,
                     }),

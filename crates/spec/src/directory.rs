@@ -523,8 +523,22 @@ pub(crate) fn finish(
     }
     let mut builtin_tools = Vec::new();
     let mut seen: HashMap<&str, Pos> = HashMap::new();
+    // A built-in's former name works, with a warning; it is known by its name from here on.
+    let renamed = |name: &str| renamed_builtin(options, name).map(str::to_owned);
+    let warn_renamed = |diagnostics: &mut Vec<Diagnostic>, name: &str, now: &str, pos: Pos| {
+        diagnostics.push(
+            Diagnostic::warning(
+                ErrorCode::SpecInvalid,
+                file,
+                pos,
+                format!("the tool `{name}` is now called `{now}`"),
+            )
+            .with_hint(format!("write `{now}`: the old name still works, for now")),
+        );
+    };
     for (name, pos) in &spec.tools {
-        if let Some(first) = seen.insert(name, *pos) {
+        let now = renamed_builtin(options, name);
+        if let Some(first) = seen.insert(now.unwrap_or(name), *pos) {
             diagnostics.push(Diagnostic::warning(
                 ErrorCode::SpecInvalid,
                 file,
@@ -533,7 +547,10 @@ pub(crate) fn finish(
             ));
             continue;
         }
-        if options.builtin_tools.contains(&name.as_str()) {
+        if let Some(now) = now {
+            warn_renamed(diagnostics, name, now, *pos);
+            builtin_tools.push(now.to_owned());
+        } else if options.builtin_tools.contains(&name.as_str()) {
             builtin_tools.push(name.clone());
         } else if !command_names.contains(&name.as_str()) {
             let candidates: Vec<&str> =
@@ -581,7 +598,13 @@ pub(crate) fn finish(
     for (key, name, pos) in
         named.chain(forced_tool.iter().map(|(name, pos)| ("provider.tool_choice", name, *pos)))
     {
-        let builtin = builtin_tools.iter().any(|b| b == name || (options.tool_name)(b) == name);
+        if let Some(now) = renamed(name)
+            && builtin_tools.contains(&now)
+        {
+            warn_renamed(diagnostics, name, &now, pos);
+            continue;
+        }
+        let builtin = builtin_tools.contains(name);
         if !builtin
             && !command_names.contains(&name.as_str())
             && !workspace_names.contains(&name.as_str())
@@ -605,9 +628,15 @@ pub(crate) fn finish(
             );
         }
     }
-    let mock = spec.mock.map(|(script, called)| {
+    let mock = spec.mock.map(|(mut script, called)| {
         for (name, pos) in called {
-            let known = builtin_tools.iter().any(|b| *b == name || (options.tool_name)(b) == name)
+            if let Some(now) = renamed(&name)
+                && builtin_tools.contains(&now)
+            {
+                warn_renamed(diagnostics, &name, &now, pos);
+                continue;
+            }
+            let known = builtin_tools.contains(&name)
                 || command_names.contains(&name.as_str())
                 || workspace_names.contains(&name.as_str())
                 || from_mcp(&name);
@@ -618,6 +647,13 @@ pub(crate) fn finish(
                     pos,
                     format!("the mock script calls `{name}`, which the agent does not have (the model will get an error result)"),
                 ));
+            }
+        }
+        for entry in script.entries.iter_mut().chain(script.compact.iter_mut()) {
+            for call in &mut entry.tool_calls {
+                if let Some(now) = renamed(&call.name) {
+                    call.name = now;
+                }
             }
         }
         script
@@ -642,12 +678,20 @@ pub(crate) fn finish(
         shell: spec.shell,
         subagents,
         concurrency: spec.concurrency,
-        approval_tools: spec.approval_tools.into_iter().map(|(name, _)| name).collect(),
+        approval_tools: spec
+            .approval_tools
+            .into_iter()
+            .map(|(name, _)| (options.tool_name)(&name).to_owned())
+            .collect(),
         approval_timeout: spec.approval_timeout.unwrap_or(keel_core::AgentDef::DEFAULT_APPROVAL_TIMEOUT),
         output_schema: spec.output_schema,
         max_repairs: spec.max_repairs.unwrap_or(keel_core::LoopControl::DEFAULT_MAX_REPAIRS),
         compaction: spec.compaction,
-        stop_tools: spec.stop_tools.into_iter().map(|(name, _)| name).collect(),
+        stop_tools: spec
+            .stop_tools
+            .into_iter()
+            .map(|(name, _)| (options.tool_name)(&name).to_owned())
+            .collect(),
         initial_state: spec.initial_state,
         memory: spec.memory,
         mock,
@@ -657,4 +701,10 @@ pub(crate) fn finish(
         channels: Vec::new(),
         source: file.to_owned(),
     })
+}
+
+/// The name a built-in now has, when `name` is one of its former names.
+fn renamed_builtin<'n>(options: &LoadOptions<'_>, name: &'n str) -> Option<&'n str> {
+    let now = (options.tool_name)(name);
+    (now != name && options.builtin_tools.contains(&now)).then_some(now)
 }

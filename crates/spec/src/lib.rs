@@ -115,8 +115,8 @@ pub struct LoadOptions<'a> {
     pub builtin_tools: &'a [&'a str],
     /// The provider names a `model` may start with (`keel_providers::PROVIDER_NAMES`).
     pub providers: &'a [&'a str],
-    /// The name the model knows a built-in by, for its spec name (`keel_tools::tool_name`:
-    /// `http` → `http_request`), so approvals and mock scripts may use either.
+    /// A built-in's name for a former name (`keel_tools::tool_name`: `day-name` → `day_name`):
+    /// a spec using a former name works, with a warning, and the loaded spec has the new one.
     pub tool_name: fn(&str) -> &str,
 }
 

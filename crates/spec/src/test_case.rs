@@ -144,10 +144,13 @@ pub fn test_files(agent_dir: &Path) -> std::io::Result<Vec<PathBuf>> {
 
 /// Loads test case files. `tools`: the agent's tool names as the model sees them, to check
 /// the names the cases use (`None` when some are only known at run time, from MCP servers).
-pub fn load_tests(files: &[PathBuf], tools: Option<&[String]>) -> LoadedTests {
+/// `tool_name`: a built-in's name for a former name (`keel_tools::tool_name`): a case using a
+/// former name works, with a warning.
+pub fn load_tests(files: &[PathBuf], tools: Option<&[String]>, tool_name: fn(&str) -> &str) -> LoadedTests {
     let mut loaded = LoadedTests::default();
     for file in files {
-        if let Some(case) = load_case(file, tools, &mut loaded.diagnostics) {
+        if let Some(mut case) = load_case(file, tools, tool_name, &mut loaded.diagnostics) {
+            rename_tools(&mut case, tool_name, &mut loaded.diagnostics);
             loaded.cases.push(case);
         }
     }
@@ -160,7 +163,49 @@ pub fn load_tests(files: &[PathBuf], tools: Option<&[String]>) -> LoadedTests {
     loaded
 }
 
-fn load_case(file: &Path, tools: Option<&[String]>, diagnostics: &mut Vec<Diagnostic>) -> Option<TestCase> {
+/// Gives the built-ins a case names by a former name their names now, warning once per name.
+fn rename_tools(case: &mut TestCase, tool_name: fn(&str) -> &str, diagnostics: &mut Vec<Diagnostic>) {
+    let mut warned: Vec<String> = Vec::new();
+    let mut rename = |name: &mut String, pos: Pos| {
+        let now = tool_name(name);
+        if now == name.as_str() {
+            return;
+        }
+        let now = now.to_owned();
+        if !warned.contains(name) {
+            diagnostics.push(
+                Diagnostic::warning(
+                    ErrorCode::SpecInvalid,
+                    &case.file,
+                    pos,
+                    format!("the tool `{name}` is now called `{now}`"),
+                )
+                .with_hint(format!("write `{now}`: the old name still works, for now")),
+            );
+            warned.push(name.clone());
+        }
+        *name = now;
+    };
+    let root = Pos { line: 1, col: 1 };
+    for call in case.expect.tool_calls.iter_mut().flatten() {
+        rename(&mut call.name, call.pos);
+    }
+    for (name, _) in &mut case.approvals {
+        rename(name, root);
+    }
+    for entry in case.mock.iter_mut().flat_map(|script| script.entries.iter_mut()) {
+        for call in &mut entry.tool_calls {
+            rename(&mut call.name, root);
+        }
+    }
+}
+
+fn load_case(
+    file: &Path,
+    tools: Option<&[String]>,
+    tool_name: fn(&str) -> &str,
+    diagnostics: &mut Vec<Diagnostic>,
+) -> Option<TestCase> {
     let text = match std::fs::read_to_string(file) {
         Ok(text) => text,
         Err(error) => {
@@ -182,12 +227,18 @@ fn load_case(file: &Path, tools: Option<&[String]>, diagnostics: &mut Vec<Diagno
     };
     let errors_before = diagnostics.iter().filter(|d| d.is_error()).count();
     let mut d = Decoder { file: file.to_owned(), diagnostics };
-    let case = decode_case(&root, file, tools, &mut d);
+    let case = decode_case(&root, file, tools, tool_name, &mut d);
     let failed = d.diagnostics.iter().filter(|d| d.is_error()).count() > errors_before;
     if failed { None } else { case }
 }
 
-fn decode_case(root: &Node, file: &Path, tools: Option<&[String]>, d: &mut Decoder<'_>) -> Option<TestCase> {
+fn decode_case(
+    root: &Node,
+    file: &Path,
+    tools: Option<&[String]>,
+    tool_name: fn(&str) -> &str,
+    d: &mut Decoder<'_>,
+) -> Option<TestCase> {
     if matches!(root.kind, Kind::Null) {
         d.error(root.pos, "the test case is empty").hint =
             Some("write at least `input: Hello` and an `expect:` section".into());
@@ -231,7 +282,8 @@ fn decode_case(root: &Node, file: &Path, tools: Option<&[String]>, d: &mut Decod
         let expected = expect.tool_calls.iter().flatten().map(|call| (call.name.clone(), call.pos));
         let decided = approvals.iter().map(|(name, _)| (name.clone(), root.pos));
         for (name, pos) in called.into_iter().chain(expected).chain(decided) {
-            if !tools.contains(&name) {
+            // A former name is checked as the name it now has (`rename_tools` renames it).
+            if !tools.iter().any(|tool| tool == tool_name(&name)) {
                 let known: Vec<&str> = tools.iter().map(String::as_str).collect();
                 d.error(pos, format!("the test case names tool `{name}`, which the agent does not have"))
                     .hint = Some(match did_you_mean(&name, &known) {

@@ -8,9 +8,14 @@ use serde_json::json;
 use super::*;
 
 const OPTIONS: LoadOptions<'static> = LoadOptions {
-    builtin_tools: &["current-date", "day-name", "ask_question", "http", "shell"],
+    builtin_tools: &["current_date", "day_name", "ask_question", "http_request", "shell"],
     providers: &["mock", "openai", "anthropic", "ollama", "openrouter"],
-    tool_name: |name| name,
+    tool_name: |name| match name {
+        "current-date" => "current_date",
+        "day-name" => "day_name",
+        "http" => "http_request",
+        other => other,
+    },
 };
 
 /// Writes `files` (path, content) under a fresh directory and returns it.
@@ -46,7 +51,7 @@ fn a_full_agent_directory_loads() {
     let dir = tree(&[
         (
             "assistant/agent.yaml",
-            "model: mock\ntools: [day-name]\nlimits: { max_turns: 4, tool_timeout: 5s }\nmock:\n  script:\n    - tool_calls: [{ name: day-name }]\n    - { text: 'It is {{last_tool_output}}.', delay_ms: 10 }\n    - error: { status: 503, times: 1 }\n      text: ok\n",
+            "model: mock\ntools: [day_name]\nlimits: { max_turns: 4, tool_timeout: 5s }\nmock:\n  script:\n    - tool_calls: [{ name: day_name }]\n    - { text: 'It is {{last_tool_output}}.', delay_ms: 10 }\n    - error: { status: 503, times: 1 }\n      text: ok\n",
         ),
         ("assistant/instructions.md", "You are helpful.\n"),
         (
@@ -64,7 +69,7 @@ fn a_full_agent_directory_loads() {
     let spec = loaded.spec.unwrap();
     assert_eq!(spec.name, "assistant");
     assert_eq!(spec.model, "mock");
-    assert_eq!(spec.builtin_tools, ["day-name"]);
+    assert_eq!(spec.builtin_tools, ["day_name"]);
     assert_eq!(
         spec.instructions,
         "You are helpful.\n\n## Skill: billing\nHandles invoices.\n\nAlways quote the invoice number.\n"
@@ -87,9 +92,9 @@ fn a_full_agent_directory_loads() {
 #[test]
 fn the_same_spec_in_toml_and_json() {
     let toml =
-        "model = \"mock\"\ntools = [\"day-name\"]\n[limits]\nmax_turns = 3\n[[mock.script]]\ntext = \"hi\"\n";
-    let json = r#"{"model": "mock", "tools": ["day-name"], "limits": {"max_turns": 3}, "mock": {"script": [{"text": "hi"}]}}"#;
-    let yaml = "model: mock\ntools: [day-name]\nlimits: {max_turns: 3}\nmock: {script: [{text: hi}]}\n";
+        "model = \"mock\"\ntools = [\"day_name\"]\n[limits]\nmax_turns = 3\n[[mock.script]]\ntext = \"hi\"\n";
+    let json = r#"{"model": "mock", "tools": ["day_name"], "limits": {"max_turns": 3}, "mock": {"script": [{"text": "hi"}]}}"#;
+    let yaml = "model: mock\ntools: [day_name]\nlimits: {max_turns: 3}\nmock: {script: [{text: hi}]}\n";
     let dir = tree(&[("a.toml", toml), ("a.json", json), ("a.yaml", yaml)]);
     let specs: Vec<AgentSpec> = ["a.toml", "a.json", "a.yaml"]
         .iter()
@@ -107,16 +112,16 @@ fn every_problem_is_reported_with_its_position() {
     check(
         &[(
             "agent.yaml",
-            "modle: mock\ntools: [day-nam, current-date]\nlimits:\n  max_turns: 0\n  tool_timeout: soon\n  max_tool_cals: 3\nretry: 4\n",
+            "modle: mock\ntools: [day_nam, current_date]\nlimits:\n  max_turns: 0\n  tool_timeout: soon\n  max_tool_cals: 3\nretry: 4\n",
         )],
         "agent.yaml",
         expect![[r#"
             error[KEEL_SPEC_INVALID]: unknown key `modle`
               --> agent.yaml:1:1
               hint: did you mean `model`?
-            error[KEEL_SPEC_INVALID]: unknown tool `day-nam`
+            error[KEEL_SPEC_INVALID]: unknown tool `day_nam`
               --> agent.yaml:2:9
-              hint: did you mean `day-name`?
+              hint: did you mean `day_name`?
             error[KEEL_SPEC_INVALID]: `limits.max_turns` must be at least 1, not 0
               --> agent.yaml:4:14
             error[KEEL_SPEC_INVALID]: `limits.tool_timeout` is not a duration (expected number at 0): "soon"
@@ -188,10 +193,10 @@ fn unknown_tools_and_providers_get_suggestions() {
               hint: did you mean `openai`?
             error[KEEL_SPEC_INVALID]: unknown tool `day-nam`
               --> agent.toml:2:10
-              hint: did you mean `day-name`?
+              hint: did you mean `day_name`?
             error[KEEL_SPEC_INVALID]: unknown tool `weather`
               --> agent.toml:2:21
-              hint: available tools: current-date, day-name, ask_question, http, shell
+              hint: available tools: current_date, day_name, ask_question, http_request, shell
         "#]],
     );
     check(
@@ -200,10 +205,10 @@ fn unknown_tools_and_providers_get_suggestions() {
         expect![[r#"
             error[KEEL_SPEC_INVALID]: unknown tool `day-nam`
               --> agent.toml:2:10
-              hint: did you mean `day-name`?
+              hint: did you mean `day_name`?
             error[KEEL_SPEC_INVALID]: unknown tool `weather`
               --> agent.toml:2:21
-              hint: available tools: current-date, day-name, ask_question, http, shell
+              hint: available tools: current_date, day_name, ask_question, http_request, shell
         "#]],
     );
 }
@@ -269,14 +274,14 @@ fn bad_command_tools() {
                 "description = \"x\"\ncommand = [\"true\"]\n[input_schema]\ntype = 12\n",
             ),
             ("a/tools/typo.toml", "descripton = \"x\"\ncommand = [\"true\"]\n"),
-            ("a/tools/day-name.toml", "description = \"x\"\ncommand = [\"true\"]\n"),
+            ("a/tools/day_name.toml", "description = \"x\"\ncommand = [\"true\"]\n"),
         ],
         "a",
         expect![[r#"
             error[KEEL_SPEC_INVALID]: `input_schema` is not a valid JSON Schema: at `type`: 12 is not a type: write one of array, boolean, integer, null, number, object, string (or a list of them)
               --> a/tools/bad_schema.toml:4:8
-            error[KEEL_SPEC_INVALID]: tool `day-name` has the name of a built-in tool
-              --> a/tools/day-name.toml
+            error[KEEL_SPEC_INVALID]: tool `day_name` has the name of a built-in tool
+              --> a/tools/day_name.toml
               hint: rename the file: built-in tool names are reserved
             error[KEEL_SPEC_INVALID]: the command's program `./bin/tool.sh` does not exist (looked at a/bin/tool.sh)
               --> a/tools/missing_program.toml:2:11
@@ -633,16 +638,16 @@ fn approvals_name_the_agents_tools_and_take_a_duration() {
     check(
         &[(
             "a.yaml",
-            "model: mock\ntools: [day-name, ask_question]\napprovals:\n  tools: [day-nam, shell]\n  timeout: soon\n  timout: 3d\n",
+            "model: mock\ntools: [day_name, ask_question]\napprovals:\n  tools: [day_nam, shell]\n  timeout: soon\n  timout: 3d\n",
         )],
         "a.yaml",
         expect![[r#"
-            error[KEEL_SPEC_INVALID]: `approvals.tools` names `day-nam`, which the agent does not have
+            error[KEEL_SPEC_INVALID]: `approvals.tools` names `day_nam`, which the agent does not have
               --> a.yaml:4:11
-              hint: did you mean `day-name`?
+              hint: did you mean `day_name`?
             error[KEEL_SPEC_INVALID]: `approvals.tools` names `shell`, which the agent does not have
               --> a.yaml:4:20
-              hint: the agent's tools: day-name, ask_question
+              hint: the agent's tools: day_name, ask_question
             error[KEEL_SPEC_INVALID]: `approvals.timeout` is not a duration (expected number at 0): "soon"
               --> a.yaml:5:12
               hint: write durations like `500ms`, `30s`, `5m`, `2h` or `3d`
@@ -750,12 +755,12 @@ fn provider_settings_load_and_bad_ones_are_pointed_at() {
 #[test]
 fn a_forced_tool_must_be_one_of_the_agents() {
     check(
-        &[("a.yaml", "model: openai/gpt-4o\ntools: [day-name]\nprovider: { tool_choice: day_name }\n")],
+        &[("a.yaml", "model: openai/gpt-4o\ntools: [day_name]\nprovider: { tool_choice: day_nam }\n")],
         "a.yaml",
         expect![[r#"
-            error[KEEL_SPEC_INVALID]: `provider.tool_choice` names `day_name`, which the agent does not have
+            error[KEEL_SPEC_INVALID]: `provider.tool_choice` names `day_nam`, which the agent does not have
               --> a.yaml:3:13
-              hint: did you mean `day-name`?
+              hint: did you mean `day_name`?
         "#]],
     );
 }
@@ -764,7 +769,7 @@ fn a_forced_tool_must_be_one_of_the_agents() {
 fn http_settings_load_and_bad_hosts_are_pointed_at() {
     let dir = tree(&[(
         "a.yaml",
-        "model: mock\ntools: [http]\nhttp: { allow: [api.github.com, \"*.Example.com\"], allow_loopback: true }\n",
+        "model: mock\ntools: [http_request]\nhttp: { allow: [api.github.com, \"*.Example.com\"], allow_loopback: true }\n",
     )]);
     let spec = load(&dir.path().join("a.yaml"), &OPTIONS).spec.unwrap();
     assert_eq!(
@@ -935,9 +940,9 @@ fn channels_load_from_their_directory_and_bad_ones_are_pointed_at() {
 fn loop_controls_load_and_bad_ones_are_pointed_at() {
     let dir = tree(&[(
         "a.yaml",
-        "model: mock\ntools: [day-name]\noutput: { schema: { type: object }, max_repairs: 2 }\n\
+        "model: mock\ntools: [day_name]\noutput: { schema: { type: object }, max_repairs: 2 }\n\
          compaction: { max_messages: 40, keep_recent: 10, model: small-model }\n\
-         stop_when: [{ tool: day-name }]\nstate: { initial: { cart: [] } }\n",
+         stop_when: [{ tool: day_name }]\nstate: { initial: { cart: [] } }\n",
     )]);
     let loaded = load(&dir.path().join("a.yaml"), &OPTIONS);
     assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
@@ -946,7 +951,7 @@ fn loop_controls_load_and_bad_ones_are_pointed_at() {
     let compaction = loaded.compaction.unwrap();
     assert_eq!((compaction.max_messages, compaction.keep_recent), (40, 10));
     assert_eq!(compaction.model.as_deref(), Some("small-model"));
-    assert_eq!(loaded.stop_tools, ["day-name"]);
+    assert_eq!(loaded.stop_tools, ["day_name"]);
     assert_eq!(loaded.initial_state, Some(serde_json::json!({"cart": []})));
 
     // `keep_recent` defaults to half of `max_messages`; one repair turn by default.
@@ -1033,4 +1038,37 @@ fn memory_kinds_load_with_their_settings_and_bad_ones_are_pointed_at() {
           --> a.yaml:2:41
     "#]],
     );
+}
+
+#[test]
+fn built_ins_by_their_former_names_still_load_with_a_warning_each() {
+    let spec = "model: mock\ntools: [day-name, http]\napprovals: { tools: [http] }\nstop_when: [{ tool: day-name }]\n\
+                mock:\n  script:\n    - tool_calls: [{ name: day-name }]\n";
+    let dir = tree(&[("a.yaml", spec)]);
+    expect![[r#"
+        warning: the tool `day-name` is now called `day_name`
+          --> a.yaml:2:9
+          hint: write `day_name`: the old name still works, for now
+        warning: the tool `http` is now called `http_request`
+          --> a.yaml:2:19
+          hint: write `http_request`: the old name still works, for now
+        warning: the tool `http` is now called `http_request`
+          --> a.yaml:3:22
+          hint: write `http_request`: the old name still works, for now
+        warning: the tool `day-name` is now called `day_name`
+          --> a.yaml:4:21
+          hint: write `day_name`: the old name still works, for now
+        warning: the tool `day-name` is now called `day_name`
+          --> a.yaml:7:7
+          hint: write `day_name`: the old name still works, for now
+        (loaded)
+    "#]]
+    .assert_eq(&diagnostics(dir.path(), "a.yaml"));
+    // The agent has the tools by their names: the model, approvals and the script use them.
+    let loaded = load(&dir.path().join("a.yaml"), &OPTIONS).spec.unwrap();
+    assert_eq!(loaded.builtin_tools, ["day_name", "http_request"]);
+    assert_eq!(loaded.approval_tools, ["http_request"]);
+    assert_eq!(loaded.stop_tools, ["day_name"]);
+    let script = loaded.mock.unwrap();
+    assert_eq!(script.entries[0].tool_calls[0].name, "day_name");
 }

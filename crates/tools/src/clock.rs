@@ -1,4 +1,4 @@
-//! The clock tools: `current-date` and `day-name`.
+//! The clock tools: `current_date` and `day_name`.
 //!
 //! Both take an optional IANA time zone (`Europe/Paris`); without one they use the machine's
 //! local zone. Reading the clock inside a tool step is what keeps the run loop deterministic:
@@ -48,10 +48,15 @@ pub struct ClockTool {
 }
 
 impl ClockTool {
-    /// `current-date`: today's date, weekday, time and zone.
+    /// The name of [`ClockTool::current_date`].
+    pub const CURRENT_DATE: &'static str = "current_date";
+    /// The name of [`ClockTool::day_name`].
+    pub const DAY_NAME: &'static str = "day_name";
+
+    /// `current_date`: today's date, weekday, time and zone.
     pub fn current_date() -> ClockTool {
         ClockTool::new(
-            "current-date",
+            Self::CURRENT_DATE,
             "Returns the current date, weekday and time (ISO 8601), optionally in a given time zone.",
             |now| {
                 json!({
@@ -65,10 +70,10 @@ impl ClockTool {
         )
     }
 
-    /// `day-name`: the name of today's weekday (`Sunday`).
+    /// `day_name`: the name of today's weekday (`Sunday`).
     pub fn day_name() -> ClockTool {
         ClockTool::new(
-            "day-name",
+            Self::DAY_NAME,
             "Returns the name of today's day of the week (for example Monday), optionally in a given time zone.",
             |now| Value::String(now.strftime("%A").to_string()),
         )
@@ -112,7 +117,7 @@ mod tests {
             run_id: RunId::from_suffix("t"),
             session_id: SessionId::new("s").unwrap(),
             call_id: "c".into(),
-            idempotency_key: "run_t:tool:day-name:c".into(),
+            idempotency_key: "run_t:tool:day_name:c".into(),
             state: keel_core::SessionState::default(),
         }
     }

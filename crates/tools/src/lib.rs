@@ -1,9 +1,10 @@
 //! keel-tools: tools an agent can use.
 //!
-//! - built-ins, by name ([`builtin`], [`BUILTIN_NAMES`]): `current-date`, `day-name`,
-//!   `ask_question` ([`AskQuestion`]), which pauses the run for a human's answer,
-//!   `http_request` ([`HttpTool`], spec name `http`) and `web_fetch`, behind the SSRF guard of
-//!   [`net`], `shell`, `js` (sandboxed JavaScript), and the workspace file tools
+//! - built-ins, by name ([`builtin`], [`BUILTIN_NAMES`]; every name in snake_case, as the model
+//!   sees it, the former names still accepted: [`RENAMED_BUILTINS`]): `current_date`,
+//!   `day_name`, `ask_question` ([`AskQuestion`]), which pauses the run for a human's answer,
+//!   `http_request` ([`HttpTool`]) and `web_fetch`, behind the SSRF guard of [`net`], `shell`,
+//!   `js` (sandboxed JavaScript), `compose`, and the workspace file tools
 //!   ([`workspace_tools`]);
 //! - tools from plain async Rust functions, with the input schema derived by schemars
 //!   ([`function_tool`]);
@@ -33,19 +34,25 @@ pub use http::{GuardedClient, HttpTool};
 pub use process::contain_helper;
 pub use question::AskQuestion;
 
-/// The names of the built-in tools, for specs to refer to. `http` is the spec's short name of
-/// the `http_request` tool; both are accepted.
+/// The names of the built-in tools, as specs list them and the model sees them.
 pub const BUILTIN_NAMES: &[&str] = &[
-    "current-date",
-    "day-name",
+    ClockTool::CURRENT_DATE,
+    ClockTool::DAY_NAME,
     AskQuestion::NAME,
-    "http",
     HttpTool::NAME,
-    "web-fetch",
     web_fetch::WebFetch::NAME,
     shell::ShellTool::NAME,
     js::JsTool::NAME,
     compose::ComposeTool::NAME,
+];
+
+/// Built-ins' former names, `(old, new)`: still accepted (a spec using one gets a warning), so
+/// that agents written before every built-in was named in snake_case keep working.
+pub const RENAMED_BUILTINS: &[(&str, &str)] = &[
+    ("current-date", ClockTool::CURRENT_DATE),
+    ("day-name", ClockTool::DAY_NAME),
+    ("http", HttpTool::NAME),
+    ("web-fetch", web_fetch::WebFetch::NAME),
 ];
 
 /// What the configurable built-ins are configured with (the spec's `http` key...).
@@ -87,20 +94,21 @@ pub const WORKSPACE_WRITE_TOOLS: &[&str] = &["write_file", "edit_file"];
 /// The workspace tools every enabled workspace has.
 pub const WORKSPACE_READ_TOOLS: &[&str] = &["read_file", "list_files"];
 
-/// The name the model knows a built-in by, for a name a spec uses (`http` → `http_request`).
+/// A built-in's name for a name a spec may use: its own, or the one a former name now has
+/// (`current-date` → `current_date`). Any other name is returned as it is.
 pub fn tool_name(spec_name: &str) -> &str {
-    match spec_name {
-        "http" => HttpTool::NAME,
-        "web-fetch" => web_fetch::WebFetch::NAME,
-        other => other,
-    }
+    RENAMED_BUILTINS.iter().find(|(old, _)| *old == spec_name).map_or(spec_name, |(_, new)| new)
 }
 
 /// The built-in tool a spec calls `name`, configured by `config`.
 pub fn builtin(name: &str, config: &BuiltinConfig) -> Option<Arc<dyn Tool>> {
     match tool_name(name) {
-        "current-date" | "day-name" => {
-            let tool = if name == "current-date" { ClockTool::current_date() } else { ClockTool::day_name() };
+        name @ (ClockTool::CURRENT_DATE | ClockTool::DAY_NAME) => {
+            let tool = if name == ClockTool::CURRENT_DATE {
+                ClockTool::current_date()
+            } else {
+                ClockTool::day_name()
+            };
             Some(Arc::new(match &config.now {
                 Some(now) => tool.at(now.clone()),
                 None => tool,

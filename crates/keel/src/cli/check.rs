@@ -102,7 +102,7 @@ fn check_tests(agent: &std::path::Path, spec: &keel_spec::AgentSpec) -> (usize, 
         }
     };
     let names = super::test::spec_tool_names(spec);
-    let loaded = keel_spec::load_tests(&files, names.as_deref());
+    let loaded = keel_spec::load_tests(&files, names.as_deref(), keel_tools::tool_name);
     (files.len(), loaded.diagnostics)
 }
 

@@ -158,7 +158,7 @@ async fn load_cases(spec: &AgentSpec, files: &[PathBuf]) -> std::io::Result<Opti
                 return Ok(None);
             }
         };
-    let loaded = keel_spec::load_tests(files, tools.as_deref());
+    let loaded = keel_spec::load_tests(files, tools.as_deref(), keel_tools::tool_name);
     for diagnostic in &loaded.diagnostics {
         writeln!(stderr, "{diagnostic}")?;
     }
@@ -519,7 +519,7 @@ fn say(line: &Value) {
 
 async fn worker_run(args: &WorkerArgs) -> std::io::Result<u8> {
     let Some(spec) = load_spec(&args.agent)? else { return Ok(exit::INVALID_AGENT) };
-    let loaded = keel_spec::load_tests(std::slice::from_ref(&args.case), None);
+    let loaded = keel_spec::load_tests(std::slice::from_ref(&args.case), None, keel_tools::tool_name);
     let Some(case) = loaded.cases.into_iter().next() else {
         for diagnostic in &loaded.diagnostics {
             eprintln!("{diagnostic}");

@@ -24,8 +24,8 @@ fn the_quick_start_example_answers_with_today() {
     let stderr = String::from_utf8(output.stderr).unwrap();
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 2, "{stderr:?}");
-    assert_eq!(lines[0], "→ day-name {}");
-    assert!(lines[1].starts_with("✓ day-name "), "{stderr:?}");
+    assert_eq!(lines[0], "→ day_name {}");
+    assert!(lines[1].starts_with("✓ day_name "), "{stderr:?}");
     assert!(
         !stderr.contains('\r') && !stderr.contains('\u{1b}'),
         "terminal control codes when piped: {stderr:?}"
@@ -61,7 +61,7 @@ fn json_prints_every_event_as_a_json_line() {
     );
     assert_eq!(events[0]["sessionId"], "default");
     assert!(events[0]["runId"].as_str().unwrap().starts_with("run_"));
-    assert_eq!(events[3]["name"], "day-name");
+    assert_eq!(events[3]["name"], "day_name");
     let done = events.last().unwrap();
     assert_eq!(done["stopped"], "final");
     let text = done["text"].as_str().unwrap();
@@ -253,7 +253,7 @@ fn check_prints_every_problem_with_its_place() {
     assert!(!stderr.contains("missing `model`"), "{stderr}");
     for expected in [
         "error[KEEL_SPEC_INVALID]: unknown key `modle`\n  --> bad/agent.yaml:1:1\n  hint: did you mean `model`?",
-        "error[KEEL_SPEC_INVALID]: unknown tool `day-nam`\n  --> bad/agent.yaml:2:9\n  hint: did you mean `day-name`?",
+        "error[KEEL_SPEC_INVALID]: unknown tool `day-nam`\n  --> bad/agent.yaml:2:9\n  hint: did you mean `day_name`?",
         "error[KEEL_SPEC_INVALID]: `limits.max_turns` must be an integer, not a string\n  --> bad/agent.yaml:3:22",
         "`input_schema` is not a valid JSON Schema: at `type`: \"objekt\" is not a type: write one of array,",
         "(or a list of them)\n  --> bad/tools/lookup.toml:3:8",
@@ -416,7 +416,7 @@ fn command_tools_run_with_json_on_stdin_and_errors_go_back_to_the_model() {
 fn max_turns_stops_with_exit_code_4() {
     let dir = agent_dir(&[(
         "agent.yaml",
-        "model: mock\ntools: [day-name]\nlimits: { max_turns: 1 }\nmock: { script: [ { tool_calls: [ { name: day-name } ] } ] }\n",
+        "model: mock\ntools: [day_name]\nlimits: { max_turns: 1 }\nmock: { script: [ { tool_calls: [ { name: day_name } ] } ] }\n",
     )]);
     keel()
         .arg("run")
@@ -585,7 +585,7 @@ fn a_sqlite_store_continues_a_conversation_across_processes() {
     let transcript = String::from_utf8(show.stdout).unwrap();
     let lines: Vec<&str> = transcript.lines().collect();
     assert_eq!(lines[0], "user: What day is it?");
-    assert!(lines[1].starts_with("assistant: → day-name {}"), "{transcript}");
+    assert!(lines[1].starts_with("assistant: → day_name {}"), "{transcript}");
     assert_eq!(lines[4], "user: thanks!");
     assert!(lines[6].starts_with("usage: ") && lines[6].ends_with(" output tokens"), "{transcript}");
     assert_eq!(lines.len(), 7, "{transcript}");
@@ -731,7 +731,7 @@ fn prune_removes_sessions_unused_for_longer_than_the_time_to_live() {
 fn chat_runs_a_turn_per_line_in_one_session() {
     let dir = agent_dir(&[(
         "agent.yaml",
-        "model: mock\ntools: [day-name]\nmock:\n  script:\n    - text: 'Hello!'\n    - tool_calls: [{ name: day-name, input: {} }]\n    - text: 'Today is {{last_tool_output}}.'\n",
+        "model: mock\ntools: [day_name]\nmock:\n  script:\n    - text: 'Hello!'\n    - tool_calls: [{ name: day_name, input: {} }]\n    - text: 'Today is {{last_tool_output}}.'\n",
     )]);
     let store = format!("sqlite:{}", dir.path().join("keel.db").display());
     let output = keel()
@@ -967,4 +967,41 @@ fn a_retried_turn_is_announced_on_the_terminal_and_in_json() {
     );
     assert_eq!(events[3]["attempt"], 2);
     assert_eq!(events[6]["text"], "Hello!");
+}
+
+/// Every built-in is named in snake_case; an agent written with the former names still runs,
+/// and `keel check`, `keel run` and `keel test` say the new name once per use.
+#[test]
+fn built_ins_by_their_former_names_run_with_a_warning_naming_the_new_name() {
+    let dir = agent_dir(&[
+        (
+            "agent.yaml",
+            "model: mock\ntools: [day-name]\nmock:\n  script:\n    - tool_calls: [{ name: day-name, input: {} }]\n    - text: 'It is {{last_tool_output}}.'\n",
+        ),
+        (
+            "tests/today.yaml",
+            "input: What day is it?\nexpect:\n  tool_calls: [day-name]\n  text_contains: It is\n",
+        ),
+    ]);
+    let check = keel().arg("check").arg(dir.path()).output().unwrap();
+    assert!(check.status.success(), "{check:?}");
+    let said = String::from_utf8_lossy(&check.stderr);
+    let warnings: Vec<&str> = said.lines().filter(|line| line.starts_with("warning")).collect();
+    assert_eq!(
+        warnings,
+        [
+            "warning: the tool `day-name` is now called `day_name`",
+            "warning: the tool `day-name` is now called `day_name`",
+            "warning: the tool `day-name` is now called `day_name`",
+        ],
+        "{said}"
+    );
+    // The model is offered the tool by its name, and calls it.
+    let run = keel().args(["run", "--json"]).arg(dir.path()).arg("What day is it?").output().unwrap();
+    assert!(run.status.success(), "{run:?}");
+    let events = String::from_utf8_lossy(&run.stdout);
+    assert!(events.contains(r#""type":"tool.start","callId":"call_0_0","name":"day_name""#), "{events}");
+    assert!(events.contains(r#""type":"tool.done""#), "{events}");
+    let test = keel().arg("test").arg(dir.path()).output().unwrap();
+    assert!(test.status.success(), "{test:?}");
 }

@@ -64,7 +64,7 @@ fn seen(request: &Recorded) -> Seen {
 }
 
 /// A fake model: a brief's request gets a brief naming how many lines it condensed; a turn whose
-/// last message is the user's calls `day-name` (id unique per request); after a tool result it
+/// last message is the user's calls `day_name` (id unique per request); after a tool result it
 /// answers in text.
 async fn fake_model() -> WireServer {
     let counter = Arc::new(Mutex::new(0u64));
@@ -82,7 +82,7 @@ async fn fake_model() -> WireServer {
         }
         match seen.messages.last().map(|m| m["role"].as_str().unwrap_or_default()) {
             Some("tool") => text_reply("It is a fine day.", tokens),
-            _ => call_reply(&format!("call_fake_{n}"), "day-name", "{}", tokens),
+            _ => call_reply(&format!("call_fake_{n}"), "day_name", "{}", tokens),
         }
     })
     .await
@@ -90,7 +90,7 @@ async fn fake_model() -> WireServer {
 
 fn compacting_agent(base_url: &str, compaction: &str) -> String {
     format!(
-        "model: openai/fake\nprovider: {{ base_url: '{base_url}/v1' }}\ntools: [day-name]\n\
+        "model: openai/fake\nprovider: {{ base_url: '{base_url}/v1' }}\ntools: [day_name]\n\
          retry: {{ max_attempts: 1 }}\ncompaction: {compaction}\n"
     )
 }
@@ -250,7 +250,7 @@ fn an_answer_that_misses_the_schema_is_repaired_once_through_keel_run() {
 }
 
 const CART: &str = "model: mock
-tools: [day-name]
+tools: [day_name]
 state: { initial: { cart: [] } }
 stop_when: [{ tool: finish }]
 mock:
@@ -301,8 +301,8 @@ async fn a_session_s_state_starts_from_state_initial_tools_replace_it_and_http_s
 
 #[tokio::test]
 async fn a_request_may_lower_a_run_s_limits_but_never_raise_them() {
-    let agent = "model: mock\ntools: [day-name]\nlimits: { max_turns: 5 }\nmock:\n  script:\n    \
-                 - tool_calls: [{ name: day-name, input: {} }]\n    - tool_calls: [{ name: day-name, input: {} }]\n    \
+    let agent = "model: mock\ntools: [day_name]\nlimits: { max_turns: 5 }\nmock:\n  script:\n    \
+                 - tool_calls: [{ name: day_name, input: {} }]\n    - tool_calls: [{ name: day_name, input: {} }]\n    \
                  - text: done\n";
     let dir = agent_dir(&[("agent.yaml", agent)]);
     let server = Served::start(dir.path(), &sqlite(dir.path()), &[]);

@@ -389,9 +389,9 @@ fn python_client(target: &[&str], calls: &Value) -> Result<Vec<Value>, String> {
 /// An agent for MCP clients: it asks for the day name, then answers with it. With `approve`,
 /// the tool call waits for a human's approval.
 fn helper_agent(approve: bool) -> tempfile::TempDir {
-    let approvals = if approve { "approvals: { tools: [day-name] }\n" } else { "" };
+    let approvals = if approve { "approvals: { tools: [day_name] }\n" } else { "" };
     let spec = format!(
-        "name: helper\ndescription: Tells the day of the week\nmodel: mock\ntools: [day-name]\n{approvals}mock:\n  script:\n    - tool_calls: [{{ name: day-name, input: {{}} }}]\n    - text: 'Today is {{{{last_tool_output}}}}.'\n"
+        "name: helper\ndescription: Tells the day of the week\nmodel: mock\ntools: [day_name]\n{approvals}mock:\n  script:\n    - tool_calls: [{{ name: day_name, input: {{}} }}]\n    - text: 'Today is {{{{last_tool_output}}}}.'\n"
     );
     agent_dir(&[("agent.yaml", &spec)])
 }
@@ -405,7 +405,7 @@ fn assert_answered(line: &Value, session: &str) {
     assert_eq!(result["structuredContent"]["sessionId"], session);
     assert_eq!(result["structuredContent"]["stopped"], "final");
     // Progress notifications while it ran (the client sent a progress token).
-    assert_eq!(line["progress"], serde_json::json!(["turn 1", "calling day-name", "turn 2"]));
+    assert_eq!(line["progress"], serde_json::json!(["turn 1", "calling day_name", "turn 2"]));
 }
 
 #[test]
@@ -477,7 +477,7 @@ fn a_run_paused_for_approval_answers_with_what_it_waits_for_and_how_to_decide() 
     assert_eq!(structured["stopped"], "awaiting_input");
     let pending = &structured["pending"][0];
     assert_eq!(pending["kind"], "approval");
-    assert_eq!(pending["tool"], "day-name");
+    assert_eq!(pending["tool"], "day_name");
     let id = pending["id"].as_str().unwrap();
     let text = result["content"][0]["text"].as_str().unwrap();
     let command = format!("keel approvals approve {id} --store {store} --agent {agent}");
@@ -652,12 +652,12 @@ fn duplicate_and_colliding_tool_names_are_refused_at_load() {
     );
     // A server's tool named like a built-in (no prefix).
     let (ok, stderr) = run_failing(&format!(
-        "model: mock\ntools: [day-name]\nmcp: [ {{ name: odd, command: {}, prefix: '' }} ]\n",
-        raw_server(&["day-name"])
+        "model: mock\ntools: [day_name]\nmcp: [ {{ name: odd, command: {}, prefix: '' }} ]\n",
+        raw_server(&["day_name"])
     ));
     assert!(!ok);
     assert!(
-        stderr.contains("two tools would be named `day-name`: tool `day-name` of MCP server `odd` and the agent's tool `day-name`"),
+        stderr.contains("two tools would be named `day_name`: tool `day_name` of MCP server `odd` and the agent's tool `day_name`"),
         "{stderr}"
     );
     // `only` naming a tool the server does not have.

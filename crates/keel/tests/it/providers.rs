@@ -193,13 +193,13 @@ async fn keel_run_drives_every_provider_through_a_tool_call() {
     ];
     for Case { model, wire, keys, base_variable, auth } in cases {
         let server = WireServer::start(vec![
-            tool_call_stream(wire, "call_day_1", "day-name", "{}"),
+            tool_call_stream(wire, "call_day_1", "day_name", "{}"),
             text_stream(wire, "It is a fine day."),
         ])
         .await;
         let dir = agent_dir(&[(
             "agent.yaml",
-            &format!("model: {model}\ninstructions: Answer briefly.\ntools: [day-name]\n"),
+            &format!("model: {model}\ninstructions: Answer briefly.\ntools: [day_name]\n"),
         )]);
         let base = if wire == Wire::OpenAi { format!("{}/v1", server.url()) } else { server.url() };
         let mut env = pairs(keys);
@@ -272,11 +272,11 @@ async fn a_missing_key_fails_before_any_request_and_says_what_to_do() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_arguments_and_unknown_tools_go_back_to_the_model_which_recovers() {
     let first = "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[\
-                 {\"index\":0,\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"day-name\",\"arguments\":\"{\\\"x\\\": \"}},\
+                 {\"index\":0,\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"day_name\",\"arguments\":\"{\\\"x\\\": \"}},\
                  {\"index\":1,\"id\":\"c2\",\"type\":\"function\",\"function\":{\"name\":\"teleport\",\"arguments\":\"{}\"}}]}}]}\n\n\
                  data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\ndata: [DONE]\n\n";
     let server = WireServer::start(vec![Reply::sse(first), text_stream(Wire::OpenAi, "Sorry, fixed.")]).await;
-    let dir = agent_dir(&[("agent.yaml", "model: openai/gpt-4o-mini\ntools: [day-name]\n")]);
+    let dir = agent_dir(&[("agent.yaml", "model: openai/gpt-4o-mini\ntools: [day_name]\n")]);
     let env = pairs(&[("OPENAI_API_KEY", "k"), ("OPENAI_BASE_URL", &format!("{}/v1", server.url()))]);
     let output = keel_run(dir.path(), strings(&["go"]), env).await;
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
@@ -286,7 +286,7 @@ async fn bad_arguments_and_unknown_tools_go_back_to_the_model_which_recovers() {
         second["messages"].as_array().unwrap().iter().filter(|m| m["role"] == "tool").collect();
     assert_eq!(tool_messages.len(), 2);
     let invalid = tool_messages[0]["content"].as_str().unwrap();
-    assert!(invalid.starts_with("Error: the arguments for `day-name` are not valid JSON"), "{invalid}");
+    assert!(invalid.starts_with("Error: the arguments for `day_name` are not valid JSON"), "{invalid}");
     let unknown = tool_messages[1]["content"].as_str().unwrap();
     assert!(unknown.starts_with("Error: unknown tool `teleport`"), "{unknown}");
     // The model's broken arguments went back as it wrote them, so it can see its mistake.
@@ -295,10 +295,10 @@ async fn bad_arguments_and_unknown_tools_go_back_to_the_model_which_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_switches_provider_mid_session() {
-    let dir = agent_dir(&[("agent.yaml", "model: openai-compatible/qwen\ntools: [day-name]\n")]);
+    let dir = agent_dir(&[("agent.yaml", "model: openai-compatible/qwen\ntools: [day_name]\n")]);
     let store = sqlite(dir.path());
     let reasoning_then_call = "data: {\"choices\":[{\"index\":0,\"delta\":{\"reasoning_content\":\"I need the day.\"}}]}\n\n\
-         data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call:1\",\"type\":\"function\",\"function\":{\"name\":\"day-name\",\"arguments\":\"\"}}]}}]}\n\n\
+         data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call:1\",\"type\":\"function\",\"function\":{\"name\":\"day_name\",\"arguments\":\"\"}}]}}]}\n\n\
          data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\ndata: [DONE]\n\n";
     let compatible = WireServer::start(vec![
         Reply::sse(reasoning_then_call),
@@ -333,7 +333,7 @@ async fn a_conversation_switches_provider_mid_session() {
     // and matches its result.
     assert_eq!(
         messages[1]["content"],
-        json!([{"type": "tool_use", "id": "call_1", "name": "day-name", "input": {}}])
+        json!([{"type": "tool_use", "id": "call_1", "name": "day_name", "input": {}}])
     );
     assert_eq!(messages[2]["content"][0]["tool_use_id"], "call_1");
     assert_eq!(messages[3]["content"], json!([{"type": "text", "text": "Today is known."}]));
@@ -568,7 +568,7 @@ async fn the_ssrf_guarded_tools_never_go_through_the_providers_proxy() {
         std::fs::write(
             dir.path().join("agent.yaml"),
             format!(
-                "model: mock\ntools: [http, web_fetch]\nhttp: {{ allow_loopback: {loopback} }}\nmock:\n  script:\n    - tool_calls: [{{ name: http_request, input: {{ url: '{url}' }} }}]\n    - tool_calls: [{{ name: web_fetch, input: {{ url: '{url}' }} }}]\n    - text: 'got: {{{{last_tool_output}}}}'\n"
+                "model: mock\ntools: [http_request, web_fetch]\nhttp: {{ allow_loopback: {loopback} }}\nmock:\n  script:\n    - tool_calls: [{{ name: http_request, input: {{ url: '{url}' }} }}]\n    - tool_calls: [{{ name: web_fetch, input: {{ url: '{url}' }} }}]\n    - text: 'got: {{{{last_tool_output}}}}'\n"
             ),
         )
         .unwrap();

@@ -162,10 +162,10 @@ pub(crate) async fn error_of(response: reqwest::Response) -> (u16, String) {
 }
 
 const DAY_AGENT: &str = "model: mock
-tools: [day-name]
+tools: [day_name]
 mock:
   script:
-    - tool_calls: [{ name: day-name, input: {} }]
+    - tool_calls: [{ name: day_name, input: {} }]
     - text: 'Today is {{last_tool_output}}.'
 ";
 
@@ -296,11 +296,11 @@ async fn a_body_that_ends_early_is_a_400_and_the_server_stays_up() {
 
 /// Three turns, each after a pause: a run that lasts long enough to watch.
 pub(crate) const SLOW_AGENT: &str = "model: mock
-tools: [day-name]
+tools: [day_name]
 mock:
   script:
-    - { delay_ms: 300, tool_calls: [{ name: day-name, input: {} }] }
-    - { delay_ms: 300, tool_calls: [{ name: day-name, input: {} }] }
+    - { delay_ms: 300, tool_calls: [{ name: day_name, input: {} }] }
+    - { delay_ms: 300, tool_calls: [{ name: day_name, input: {} }] }
     - { delay_ms: 300, text: 'It is still {{last_tool_output}}.' }
 ";
 
@@ -379,11 +379,11 @@ async fn observers_see_every_event_once_and_a_reconnect_resumes_without_gaps() {
 }
 
 pub(crate) const APPROVAL_AGENT: &str = "model: mock
-tools: [day-name]
-approvals: { tools: [day-name] }
+tools: [day_name]
+approvals: { tools: [day_name] }
 mock:
   script:
-    - tool_calls: [{ name: day-name, input: {} }]
+    - tool_calls: [{ name: day_name, input: {} }]
     - text: 'Today is {{last_tool_output}}.'
 ";
 
@@ -420,7 +420,7 @@ async fn an_approval_is_decided_over_http_and_the_continued_run_streams() {
     let server = Served::start(dir.path(), &store, &[]);
     let transcript: Value = http.get(server.url("/chat/s")).send().await.unwrap().json().await.unwrap();
     assert_eq!(transcript["pending"][0]["id"], approval_id.as_str());
-    assert_eq!(transcript["pending"][0]["tool"], "day-name");
+    assert_eq!(transcript["pending"][0]["tool"], "day_name");
     let url = server.url(&format!("/chat/s/approvals/{approval_id}"));
     let answer = http.post(&url).json(&json!({"answer": "yes"})).send().await.unwrap();
     assert_eq!(error_of(answer).await, (400, "KEEL_DECISION_INVALID".to_owned()));
@@ -448,7 +448,7 @@ async fn an_approval_is_decided_over_http_and_the_continued_run_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_approval_that_times_out_on_a_server_is_counted() {
     let spec = APPROVAL_AGENT
-        .replace("approvals: { tools: [day-name] }", "approvals: { tools: [day-name], timeout: 1s }");
+        .replace("approvals: { tools: [day_name] }", "approvals: { tools: [day_name], timeout: 1s }");
     let dir = agent_dir(&[("agent.yaml", &spec)]);
     let server = Served::start(dir.path(), &sqlite(dir.path()), &[]);
     let http = client();

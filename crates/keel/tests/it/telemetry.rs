@@ -102,7 +102,7 @@ async fn a_served_tool_loop_exports_its_span_tree_under_the_callers_trace_and_pa
             "agent.yaml",
             &format!(
                 "name: reader\nmodel: openai/fake\nprovider: {{ base_url: '{}/v1' }}\nretry: {{ max_attempts: 1 }}\n\
-                 tools: [http]\nhttp: {{ allow_loopback: true }}\n",
+                 tools: [http_request]\nhttp: {{ allow_loopback: true }}\n",
                 model.url()
             ),
         ),
@@ -215,7 +215,7 @@ fn content_is_recorded_only_when_asked_and_a_protocol_keel_cannot_speak_stops_it
     assert!(output.status.success(), "{output:?}");
     // `keel run` sends its spans as it exits: they are there already.
     let spans = receiver.wait_for(4);
-    let tool = named(&spans, "execute_tool day-name");
+    let tool = named(&spans, "execute_tool day_name");
     assert_eq!(tool.len(), 1, "{spans:#?}");
     assert_eq!(tool[0]["attributes"]["gen_ai.tool.call.arguments"], "{}");
     let weekday = tool[0]["attributes"]["gen_ai.tool.call.result"].as_str().unwrap().to_owned();

@@ -47,7 +47,7 @@ async fn http_request_reaches_an_allowed_server_and_is_refused_the_metadata_addr
     let server = WireServer::start(vec![Reply::json(200, &serde_json::json!({"temp": 21}))]).await;
     let spec = format!(
         "model: mock
-tools: [http]
+tools: [http_request]
 http: {{ allow_loopback: true }}
 mock:
   script:
@@ -78,7 +78,7 @@ async fn without_allow_loopback_the_local_server_is_out_of_reach() {
     let server = WireServer::start(vec![Reply::new(200, "text/plain", "secret")]).await;
     let spec = format!(
         "model: mock
-tools: [http]
+tools: [http_request]
 approvals: {{ tools: [] }}
 mock:
   script:
@@ -217,7 +217,7 @@ async fn web_fetch_reads_a_page_as_markdown_in_a_run() {
     let server = WireServer::start(vec![Reply::new(200, "text/html", page)]).await;
     let spec = format!(
         "model: mock
-tools: [web-fetch]
+tools: [web_fetch]
 http: {{ allow_loopback: true }}
 mock:
   script:
@@ -263,10 +263,10 @@ const ECHO_TOOL: &str =
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compose_runs_a_data_flow_script_of_tools_in_one_call() {
     let steps: Vec<String> =
-        (0..17).map(|i| format!("{{ id: s{i}, tool: day-name, input: {{}} }}")).collect();
+        (0..17).map(|i| format!("{{ id: s{i}, tool: day_name, input: {{}} }}")).collect();
     let spec = format!(
         "model: mock
-tools: [compose, current-date, day-name, ask_question]
+tools: [compose, current_date, day_name, ask_question]
 approvals: {{ tools: [echo_secret] }}
 mock:
   script:
@@ -274,7 +274,7 @@ mock:
         - name: compose
           input:
             steps:
-              - {{ id: today, tool: current-date, input: {{}} }}
+              - {{ id: today, tool: current_date, input: {{}} }}
               - {{ id: shout, tool: echo, input: {{ day: {{ $from: today, $path: weekday }}, all: {{ $from: today }} }} }}
         - name: compose
           input: {{ steps: [{}] }}
