@@ -131,6 +131,9 @@ pub enum Event {
         call_id: String,
         /// The output as the model sees it (after the output cap).
         output: Value,
+        /// How long the call ran, when it ran now (`None` for a result read from the journal,
+        /// or a call refused without running).
+        duration: Option<std::time::Duration>,
     },
     /// A tool call failed; the error went back to the model.
     ToolError {
@@ -138,6 +141,8 @@ pub enum Event {
         call_id: String,
         /// What went wrong.
         error: String,
+        /// How long the call ran, when it ran now (as for `ToolDone`).
+        duration: Option<std::time::Duration>,
     },
     /// A tool call waits for a human's approval; the run pauses once nothing else is running.
     ApprovalRequested {

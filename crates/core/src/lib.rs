@@ -55,7 +55,8 @@ pub use provider::{
 };
 pub use store::{
     Claim, Committed, DecidedInput, DelayedRun, DelayedRunRecord, DelayedState, Fence, LeaseStatus, OpenRun,
-    RunRecord, RunState, SessionSnapshot, SessionSummary, StepCommit, Store, StoreError,
+    RunRecord, RunState, SessionFilter, SessionScope, SessionSnapshot, SessionSummary, StepCommit, Store,
+    StoreError,
 };
 pub use tool::{ApprovalRule, SessionState, Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
 

@@ -29,6 +29,7 @@
 //!   instructions) and after the answer, before `run.done` (what the run established is kept).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -63,6 +64,8 @@ pub enum Input {
         call_id: String,
         /// Its outcome, before the output cap.
         outcome: ToolOutcome,
+        /// How long it ran, when it ran now (`None`: its result came from the journal).
+        duration: Option<Duration>,
     },
     /// A human decided a pending approval or question of the current turn.
     Decision {
@@ -433,8 +436,8 @@ impl Machine {
             }
             (Phase::Compacting, Input::ModelReply(reply)) => self.on_compacted(reply, &mut actions),
             (Phase::Compacting, Input::ModelFailed(error)) => self.on_compaction_failed(&error, &mut actions),
-            (Phase::AwaitingTools, Input::ToolDone { call_id, outcome }) => {
-                self.on_tool_done(&call_id, outcome, &mut actions);
+            (Phase::AwaitingTools, Input::ToolDone { call_id, outcome, duration }) => {
+                self.on_tool_done(&call_id, outcome, duration, &mut actions);
             }
             (Phase::AwaitingTools, Input::Decision { call_id, decision }) => {
                 self.on_decision(&call_id, decision, &mut actions);
@@ -708,10 +711,7 @@ impl Machine {
             });
             match refusal {
                 Some(error) => {
-                    actions.push(Action::Emit(Event::ToolError {
-                        call_id: call.call_id.clone(),
-                        error: error.message.clone(),
-                    }));
+                    actions.push(Action::Emit(outcome_event(&call.call_id, &Err(error.clone()), None)));
                     pending.push(PendingCall {
                         call_id: call.call_id.clone(),
                         result: Some(Err(error)),
@@ -824,9 +824,15 @@ impl Machine {
         None
     }
 
-    fn on_tool_done(&mut self, call_id: &str, outcome: ToolOutcome, actions: &mut Vec<Action>) {
+    fn on_tool_done(
+        &mut self,
+        call_id: &str,
+        outcome: ToolOutcome,
+        duration: Option<Duration>,
+        actions: &mut Vec<Action>,
+    ) {
         if let Some(index) = self.compose_step_owner(call_id) {
-            return self.on_compose_step_done(index, call_id, outcome, actions);
+            return self.on_compose_step_done(index, call_id, outcome, duration, actions);
         }
         let max_chars = self.limits.max_tool_output_chars;
         let Some(pending) = self.calls.iter_mut().find(|p| p.call_id == call_id && p.result.is_none()) else {
@@ -839,10 +845,7 @@ impl Machine {
             return self.fail(failure, actions);
         };
         let outcome = outcome.map(|output| cap_output(output, max_chars));
-        actions.push(Action::Emit(match &outcome {
-            Ok(output) => Event::ToolDone { call_id: call_id.to_owned(), output: output.clone() },
-            Err(error) => Event::ToolError { call_id: call_id.to_owned(), error: error.message.clone() },
-        }));
+        actions.push(Action::Emit(outcome_event(call_id, &outcome, duration)));
         pending.result = Some(outcome);
         self.complete_turn_if_done(actions);
     }
@@ -909,7 +912,7 @@ impl Machine {
                 return self.fail(failure, actions);
             }
         };
-        self.on_tool_done(call_id, outcome, actions);
+        self.on_tool_done(call_id, outcome, None, actions);
     }
 
     /// The index of the `compose` call whose running step has this call id.
@@ -929,16 +932,14 @@ impl Machine {
         index: usize,
         call_id: &str,
         outcome: ToolOutcome,
+        duration: Option<Duration>,
         actions: &mut Vec<Action>,
     ) {
         let max_chars = self.limits.max_tool_output_chars;
         let parent = self.calls[index].call_id.clone();
         let mut plan = self.calls[index].compose.take().expect("the owner has a plan");
         let outcome = outcome.map(|output| cap_output(output, max_chars));
-        actions.push(Action::Emit(match &outcome {
-            Ok(output) => Event::ToolDone { call_id: call_id.to_owned(), output: output.clone() },
-            Err(error) => Event::ToolError { call_id: call_id.to_owned(), error: error.message.clone() },
-        }));
+        actions.push(Action::Emit(outcome_event(call_id, &outcome, duration)));
         let step = plan.steps[plan.next].clone();
         let finished = match outcome {
             Ok(output) => {
@@ -1015,10 +1016,8 @@ impl Machine {
         actions: &mut Vec<Action>,
     ) -> ToolOutcome {
         let outcome = outcome.map(|output| cap_output(output, self.limits.max_tool_output_chars));
-        actions.push(Action::Emit(match &outcome {
-            Ok(output) => Event::ToolDone { call_id: parent.to_owned(), output: output.clone() },
-            Err(error) => Event::ToolError { call_id: parent.to_owned(), error: error.message.clone() },
-        }));
+        // The script's steps carry their own durations; the whole is not one call's run.
+        actions.push(Action::Emit(outcome_event(parent, &outcome, None)));
         outcome
     }
 
@@ -1179,10 +1178,7 @@ impl Machine {
         }
         for pending in self.calls.iter_mut().filter(|p| p.result.is_none()) {
             let error = ToolError::with_code(code, message, false);
-            actions.push(Action::Emit(Event::ToolError {
-                call_id: pending.call_id.clone(),
-                error: error.message.clone(),
-            }));
+            actions.push(Action::Emit(outcome_event(&pending.call_id, &Err(error.clone()), None)));
             pending.result = Some(Err(error));
         }
         self.close_turn(actions);
@@ -1310,6 +1306,16 @@ fn short_duration(duration: std::time::Duration) -> String {
 }
 
 /// Cuts an output longer than `max_chars` characters, leaving a marker that says so.
+/// The event that announces a call's outcome: `tool.done` or `tool.error`.
+fn outcome_event(call_id: &str, outcome: &ToolOutcome, duration: Option<Duration>) -> Event {
+    match outcome {
+        Ok(output) => Event::ToolDone { call_id: call_id.to_owned(), output: output.clone(), duration },
+        Err(error) => {
+            Event::ToolError { call_id: call_id.to_owned(), error: error.message.clone(), duration }
+        }
+    }
+}
+
 fn cap_output(output: Value, max_chars: usize) -> Value {
     let truncated = {
         // Images a tool returned do not count: the cap is on what the model reads as text.

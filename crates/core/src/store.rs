@@ -224,6 +224,48 @@ pub struct SessionSummary {
     pub usage: crate::event::Usage,
 }
 
+/// Which sessions [`Store::list_sessions`] lists: those of one owner scope, or all; at most
+/// `limit` of them, most recently written first.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SessionFilter {
+    /// The owner scope.
+    pub scope: SessionScope,
+    /// At most this many (`None`: all).
+    pub limit: Option<usize>,
+}
+
+/// An owner scope of sessions (see [`crate::SessionId::scoped`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum SessionScope {
+    /// Every session.
+    #[default]
+    Any,
+    /// The sessions no owner scope holds: those named without per-user auth.
+    Unscoped,
+    /// The sessions of one owner scope (a JWT subject's digest).
+    Scoped(String),
+}
+
+impl SessionScope {
+    /// Whether `session` is in this scope.
+    pub fn holds(&self, session: &crate::SessionId) -> bool {
+        let scope = session.as_str().split_once(crate::SessionId::SCOPE_SEPARATOR).map(|(scope, _)| scope);
+        match self {
+            SessionScope::Any => true,
+            SessionScope::Unscoped => scope.is_none(),
+            SessionScope::Scoped(wanted) => scope == Some(wanted.as_str()),
+        }
+    }
+
+    /// The prefix every id of a scoped scope starts with (`<scope>~`).
+    pub fn prefix(&self) -> Option<String> {
+        match self {
+            SessionScope::Scoped(scope) => Some(format!("{scope}{}", crate::SessionId::SCOPE_SEPARATOR)),
+            _ => None,
+        }
+    }
+}
+
 /// What one step of a run writes: its journal entry (when the step produced a fresh result),
 /// the messages it appended, and the run's new state (when the run ended). Written atomically by
 /// [`Store::commit_step`].
@@ -640,8 +682,8 @@ pub trait Store: Send + Sync {
         session: &'a SessionId,
     ) -> BoxFuture<'a, Result<Option<SessionSummary>, StoreError>>;
 
-    /// Every session, most recently written first.
-    fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>>;
+    /// The sessions `filter` names, most recently written first.
+    fn list_sessions(&self, filter: SessionFilter) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>>;
 
     /// Deletes a session with its messages, runs and journals. Returns whether it existed.
     fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>>;

@@ -305,6 +305,11 @@ impl ToolSet {
         self.get(name).is_some_and(|tool| tool.composes())
     }
 
+    /// The approval rule of tool `name`, if it has one.
+    pub fn approval_rule(&self, name: &str) -> Option<&ApprovalRule> {
+        self.index.get(name).and_then(|&i| self.approvals.get(i)).and_then(Option::as_ref)
+    }
+
     /// Whether calls of `name` may need approval (a rule of any kind is set).
     pub fn has_approval_rule(&self, name: &str) -> bool {
         self.index.get(name).is_some_and(|&i| matches!(self.approvals.get(i), Some(Some(_))))

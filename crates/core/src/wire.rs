@@ -59,9 +59,19 @@ enum EventJson<'a> {
     #[serde(rename = "tool.start", rename_all = "camelCase")]
     ToolStart { call_id: &'a str, name: &'a str, input: &'a Value },
     #[serde(rename = "tool.done", rename_all = "camelCase")]
-    ToolDone { call_id: &'a str, output: &'a Value },
+    ToolDone {
+        call_id: &'a str,
+        output: &'a Value,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        duration_ms: Option<u64>,
+    },
     #[serde(rename = "tool.error", rename_all = "camelCase")]
-    ToolError { call_id: &'a str, error: &'a str },
+    ToolError {
+        call_id: &'a str,
+        error: &'a str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        duration_ms: Option<u64>,
+    },
     #[serde(rename = "approval.requested", rename_all = "camelCase")]
     ApprovalRequested { approval_id: &'a str, call_id: &'a str, tool: &'a str, input: &'a Value },
     #[serde(rename = "question.asked", rename_all = "camelCase")]
@@ -126,11 +136,15 @@ pub fn event_to_json(event: &Event) -> String {
             attempt: *attempt,
             code: code.as_str(),
             message,
-            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+            wait_ms: millis(*wait),
         },
         Event::ToolStart { call_id, name, input } => EventJson::ToolStart { call_id, name, input },
-        Event::ToolDone { call_id, output } => EventJson::ToolDone { call_id, output },
-        Event::ToolError { call_id, error } => EventJson::ToolError { call_id, error },
+        Event::ToolDone { call_id, output, duration } => {
+            EventJson::ToolDone { call_id, output, duration_ms: duration.map(millis) }
+        }
+        Event::ToolError { call_id, error, duration } => {
+            EventJson::ToolError { call_id, error, duration_ms: duration.map(millis) }
+        }
         Event::ApprovalRequested { approval_id, call_id, tool, input } => {
             EventJson::ApprovalRequested { approval_id, call_id, tool, input }
         }
@@ -259,6 +273,11 @@ pub fn session_summary_to_json(summary: &crate::store::SessionSummary) -> Value 
     })
 }
 
+/// A duration in whole milliseconds, as the wire shows durations.
+fn millis(duration: std::time::Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,8 +301,13 @@ mod tests {
                 wait: std::time::Duration::from_millis(1500),
             },
             Event::ToolStart { call_id: "c".into(), name: "add".into(), input: json!({"a": 2}) },
-            Event::ToolDone { call_id: "c".into(), output: json!(5) },
-            Event::ToolError { call_id: "c".into(), error: "boom".into() },
+            Event::ToolDone { call_id: "c".into(), output: json!(5), duration: None },
+            Event::ToolError { call_id: "c".into(), error: "boom".into(), duration: None },
+            Event::ToolDone {
+                call_id: "c".into(),
+                output: json!(5),
+                duration: Some(std::time::Duration::from_micros(12_700)),
+            },
             Event::ApprovalRequested {
                 approval_id: "ap_1".into(),
                 call_id: "c".into(),
@@ -334,6 +358,7 @@ mod tests {
             {"type":"tool.start","callId":"c","name":"add","input":{"a":2}}
             {"type":"tool.done","callId":"c","output":5}
             {"type":"tool.error","callId":"c","error":"boom"}
+            {"type":"tool.done","callId":"c","output":5,"durationMs":12}
             {"type":"approval.requested","approvalId":"ap_1","callId":"c","tool":"shell","input":{"command":"ls"}}
             {"type":"question.asked","questionId":"qu_1","question":"Which city?"}
             {"type":"output.repair","attempt":1,"problem":"missing `answer`"}

@@ -68,7 +68,18 @@ impl Plan {
 
 /// A tool call in flight: its step, call id, outcome and, when it succeeded and replaced the
 /// session's state object, the new state.
-type ToolFuture = BoxFuture<'static, (StepName, String, ToolOutcome, Option<Value>)>;
+type ToolFuture = BoxFuture<'static, ToolFinished>;
+
+/// A tool call that ran.
+struct ToolFinished {
+    step: StepName,
+    call_id: String,
+    outcome: ToolOutcome,
+    /// The session state the call set (committed with its result).
+    state: Option<Value>,
+    /// How long it ran.
+    duration: Duration,
+}
 
 /// Runs a run to its end and returns its result, like [`run`], but a panic in the run's task
 /// (a bug in keel, a provider, a hook) becomes a `KEEL_INTERNAL` failure: the run's lease is
@@ -613,9 +624,10 @@ impl Driver<'_> {
                             tools.clear();
                             Wake::Input(Input::Cancel, None, None)
                         }
-                        Some((step, call_id, outcome, state)) = tools.next() => {
+                        Some(ToolFinished { step, call_id, outcome, state, duration }) = tools.next() => {
                             let entry = JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) };
-                            Wake::Input(Input::ToolDone { call_id, outcome }, Some(entry), state)
+                            let input = Input::ToolDone { call_id, outcome, duration: Some(duration) };
+                            Wake::Input(input, Some(entry), state)
                         }
                         // After the work: a call done at once never starts the heartbeat's timer.
                         () = next_beat(&mut self.beat) => Wake::Heartbeat,
@@ -653,7 +665,9 @@ impl Driver<'_> {
                         self.commit(&machine, &mut pending, None).await?;
                         match self.journal.remove(&step) {
                             Some(JournalRecord::ToolResult(outcome)) => {
-                                inputs.push_back((Input::ToolDone { call_id: call.call_id, outcome }, None));
+                                let input =
+                                    Input::ToolDone { call_id: call.call_id, outcome, duration: None };
+                                inputs.push_back((input, None));
                             }
                             Some(_) => return Err(self.corrupt(&step).await),
                             None if self.epoch.is_none() => return Err(self.finished(&step)),
@@ -1121,7 +1135,9 @@ impl Driver<'_> {
         let Some(tool) = self.agent.tools.get(&name).cloned() else {
             // The machine checked the name; this is a bug, reported to the model as a failure.
             let error = ToolError::with_code(ErrorCode::Internal, format!("tool `{name}` vanished"), false);
-            return Box::pin(std::future::ready((step, call_id, Err(error), None)));
+            let finished =
+                ToolFinished { step, call_id, outcome: Err(error), state: None, duration: Duration::ZERO };
+            return Box::pin(std::future::ready(finished));
         };
         let state = self.state.for_call();
         let ctx = ToolContext {
@@ -1132,6 +1148,7 @@ impl Driver<'_> {
             state: state.clone(),
         };
         let span = spans::execute_tool(&name, &call_id, &input);
+        let started = tokio::time::Instant::now();
         let work = async move { tool.call(input, &ctx).await };
         let mut task = AbortOnDrop(match span.clone() {
             Some(context) => tokio::spawn(opentelemetry::trace::FutureExt::with_context(work, context)),
@@ -1155,8 +1172,8 @@ impl Driver<'_> {
             };
             spans::end_tool(span, &outcome);
             // A failed call's state replacement is dropped with it.
-            let new_state = if outcome.is_ok() { state.commit_staged() } else { None };
-            (step, call_id, outcome, new_state)
+            let state = if outcome.is_ok() { state.commit_staged() } else { None };
+            ToolFinished { step, call_id, outcome, state, duration: started.elapsed() }
         })
     }
 
@@ -1199,6 +1216,7 @@ enum Pause {
 }
 
 /// Why a driver waiting on tools woke up.
+#[allow(clippy::large_enum_variant, reason = "made once per wake-up, on the stack, and taken apart at once")]
 enum Wake {
     /// Time to renew the lease.
     Heartbeat,

@@ -297,7 +297,10 @@ async fn parallel_tool_calls_run_concurrently_and_keep_call_order() {
     let mut run = engine.start(session("p"), Message::user("go")).unwrap();
     let mut done_order = Vec::new();
     while let Some(event) = run.next().await {
-        if let Event::ToolDone { output, .. } = event {
+        if let Event::ToolDone { output, duration, .. } = event {
+            // Each call reports how long it ran: at least its wait.
+            let ran = duration.expect("a call that ran now has a duration");
+            assert!(ran >= Duration::from_millis(output.as_u64().unwrap()), "{output}: {ran:?}");
             done_order.push(output);
         }
     }

@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use governor::clock::{Clock, DefaultClock};
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet, KeyAlgorithm};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
-use keel_core::{ErrorCode, SessionId};
+use keel_core::{ErrorCode, SessionId, SessionScope};
 use sha2::Digest;
 use subtle::ConstantTimeEq;
 
@@ -251,6 +251,15 @@ impl Identity {
     /// `HTTP API (api-token)`, `HTTP API (ip:127.0.0.1)`. Never a secret.
     pub(crate) fn describe(&self) -> String {
         format!("HTTP API ({})", self.key)
+    }
+
+    /// The sessions this caller reaches: its owner's, or (without per-user auth) those no
+    /// owner holds.
+    pub(crate) fn scope(&self) -> SessionScope {
+        match &self.owner {
+            None => SessionScope::Unscoped,
+            Some(owner) => SessionScope::Scoped(subject_scope(owner)),
+        }
     }
 
     /// The session `id` names for this caller: scoped to its owner, if it has one.

@@ -170,6 +170,8 @@ impl Server {
             .route("/health", get(routes::health))
             .route("/metrics", get(routes::metrics))
             .route("/openapi.json", get(routes::openapi))
+            .route("/agent", get(routes::agent))
+            .route("/sessions", get(routes::sessions))
             .route("/chat/{session}", get(routes::transcript))
             .route("/chat/{session}/state", get(routes::session_state))
             .route("/chat/{session}/run", delete(routes::cancel))

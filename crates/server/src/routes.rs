@@ -242,19 +242,30 @@ pub(crate) async fn chat(
         Some(limits) => parse_limits(limits, &state.engine.agent().limits)?,
         None => LimitOverrides::default(),
     };
+    let (subscriber, run) = start_run(&state, &headers, &session, input, RunOptions { limits }).await?;
+    Ok(sse(subscription(&state, subscriber, Some(run))))
+}
+
+/// Starts a run of `session` whose events the returned subscriber reads from the first. The run's
+/// span continues the client's trace (`traceparent`); a refusal (a busy session, here or in
+/// another process) is an error, before any byte of an answer.
+pub(crate) async fn start_run(
+    state: &AppState,
+    headers: &HeaderMap,
+    session: &SessionId,
+    input: Message,
+    options: RunOptions,
+) -> Result<(Subscriber, RunId), ApiError> {
     // Subscribe before the run starts: its first event is not missed.
-    let subscriber = state.feeds.subscribe(&session, None).await?;
+    let subscriber = state.feeds.subscribe(session, None).await?;
     let mut handle = {
-        // The run's span continues the client's trace.
-        let _trace = crate::observe::trace_parent(&headers).map(opentelemetry::Context::attach);
-        state.engine.start_with(session.clone(), input, RunOptions { limits })?
+        let _trace = crate::observe::trace_parent(headers).map(opentelemetry::Context::attach);
+        state.engine.start_with(session.clone(), input, options)?
     };
-    // A refusal (a busy session, here or in another process) is an error status, before any
-    // byte of a stream.
     handle.admitted().await?;
     let run = handle.run_id().clone();
-    drop(state.feeds.forward(&session, handle));
-    Ok(sse(subscription(&state, subscriber, Some(run))))
+    drop(state.feeds.forward(session, handle));
+    Ok((subscriber, run))
 }
 
 /// The request's `limits`: `{ maxTurns, maxTotalTokens, maxToolCalls, maxToolOutputChars,
@@ -417,6 +428,74 @@ pub(crate) async fn session_state(
     }
     let value = store.load_session_state(&session).await?.unwrap_or(Value::Null);
     Ok(axum::Json(json!({ "sessionId": session.external(), "state": value })).into_response())
+}
+
+/// How many sessions `GET /sessions` lists when the request does not say, and at most.
+const SESSIONS_LISTED: usize = 50;
+const MOST_SESSIONS_LISTED: usize = 1000;
+
+/// The query of `GET /sessions`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SessionsQuery {
+    limit: Option<usize>,
+}
+
+/// `GET /sessions`: the caller's sessions, most recently written first. A JWT subject sees its
+/// own; a caller without per-user auth, the sessions no subject owns.
+pub(crate) async fn sessions(
+    State(state): State<Arc<AppState>>,
+    Extension(identity): Extension<Identity>,
+    query: Result<axum::extract::Query<SessionsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let query = query.map_err(|rejection| {
+        ApiError::invalid(format!(
+            "the query must be at most `limit=N` (1 to {MOST_SESSIONS_LISTED}): {}",
+            rejection.body_text()
+        ))
+    })?;
+    let limit = query.limit.unwrap_or(SESSIONS_LISTED);
+    if !(1..=MOST_SESSIONS_LISTED).contains(&limit) {
+        return Err(ApiError::invalid(format!(
+            "`limit` must be 1 to {MOST_SESSIONS_LISTED} (it is {limit})"
+        )));
+    }
+    let filter = keel_core::SessionFilter { scope: identity.scope(), limit: Some(limit) };
+    let sessions = state.engine.store().list_sessions(filter).await?;
+    let sessions: Vec<Value> = sessions.iter().map(keel_core::wire::session_summary_to_json).collect();
+    Ok(axum::Json(json!({ "sessions": sessions })).into_response())
+}
+
+/// `GET /agent`: who answers: the agent's name, description, model, tools (with whether they
+/// wait for approval) and output schema. What a client shows; the instructions stay private.
+pub(crate) async fn agent(State(state): State<Arc<AppState>>) -> Response {
+    let agent = state.engine.agent();
+    let tools: Vec<Value> = agent
+        .tools
+        .specs()
+        .iter()
+        .map(|spec| {
+            let approval = match agent.tools.approval_rule(&spec.name) {
+                None => "never",
+                Some(keel_core::ApprovalRule::Always) => "always",
+                Some(keel_core::ApprovalRule::When(_)) => "sometimes",
+            };
+            json!({
+                "name": spec.name,
+                "description": spec.description,
+                "inputSchema": spec.input_schema,
+                "approval": approval,
+            })
+        })
+        .collect();
+    axum::Json(json!({
+        "name": agent.name,
+        "description": agent.description,
+        "model": agent.model,
+        "tools": tools,
+        "outputSchema": agent.output_schema.as_ref().map(keel_core::agent::OutputSchema::schema),
+    }))
+    .into_response()
 }
 
 /// `GET /chat/:sessionId/events`: the session's live events, resumable with `Last-Event-ID`.
@@ -654,7 +733,7 @@ fn subscription(
     })
 }
 
-fn sse(stream: impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static) -> Response {
+pub(crate) fn sse(stream: impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static) -> Response {
     let mut response = Sse::new(stream).keep_alive(KeepAlive::default()).into_response();
     // Proxies must not buffer the stream.
     response.headers_mut().insert("x-accel-buffering", HeaderValue::from_static("no"));

@@ -13,7 +13,7 @@ use keel_core::journal::JournalEntry;
 use keel_core::memory::{MemoryItem, MemoryOwner};
 use keel_core::{
     BoxFuture, Clock, DecidedInput, DelayedRunRecord, DelayedState, Message, PendingInput, RunId, RunRecord,
-    RunState, SessionId, SessionSummary, StepName, StoreError, Usage,
+    RunState, SessionFilter, SessionId, SessionSummary, StepName, StoreError, Usage,
 };
 
 /// What a backend keeps about a run besides its [`RunRecord`]: where it is, who drives it, and
@@ -70,8 +70,8 @@ pub trait Tx {
     fn session_state(&mut self, session: &SessionId) -> Result<Option<serde_json::Value>, StoreError>;
     /// One session's summary.
     fn session_summary(&mut self, session: &SessionId) -> Result<Option<SessionSummary>, StoreError>;
-    /// Every session, most recently written first.
-    fn sessions(&mut self) -> Result<Vec<SessionSummary>, StoreError>;
+    /// The sessions `filter` names, most recently written first.
+    fn sessions(&mut self, filter: &SessionFilter) -> Result<Vec<SessionSummary>, StoreError>;
     /// Deletes the session and everything of it: messages, runs, journals, pending and decided
     /// inputs. Returns whether there was anything.
     fn delete_session(&mut self, session: &SessionId) -> Result<bool, StoreError>;
@@ -317,4 +317,14 @@ pub(crate) fn memory_owner_rows(rows: impl Iterator<Item = (String, String, u64,
 /// A stored run state.
 pub(crate) fn stored_state(name: &str) -> Result<RunState, StoreError> {
     RunState::parse(name).ok_or_else(|| corrupt(format!("unknown run state {name:?}")))
+}
+
+/// A [`SessionScope`] as the parameters of the SQL stores' session listing: its kind (0 any, 1
+/// unscoped, 2 one owner's) and, for an owner's, the prefix of its ids (else empty).
+pub(crate) fn scope_parameters(scope: &keel_core::SessionScope) -> (i32, String) {
+    match scope {
+        keel_core::SessionScope::Any => (0, String::new()),
+        keel_core::SessionScope::Unscoped => (1, String::new()),
+        keel_core::SessionScope::Scoped(_) => (2, scope.prefix().unwrap_or_default()),
+    }
 }

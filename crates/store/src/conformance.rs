@@ -12,8 +12,8 @@ use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, MAX_REDRIVES};
 use keel_core::{
     Claim, Committed, Decision, DelayedRun, DelayedState, Fence, LeaseStatus, LimitOverrides, ManualClock,
-    Message, ModelReply, Part, PendingInput, PendingKind, RunId, RunRecord, RunState, SessionId, StepCommit,
-    StepName, Store, StoreError, Usage,
+    Message, ModelReply, Part, PendingInput, PendingKind, RunId, RunRecord, RunState, SessionFilter,
+    SessionId, SessionScope, StepCommit, StepName, Store, StoreError, Usage,
 };
 use serde_json::json;
 
@@ -254,12 +254,46 @@ pub async fn sessions_are_listed_and_deleted(store: &dyn Store, clock: &ManualCl
     let messages = [Arc::new(Message::user("b")), Arc::new(Message::assistant("c"))];
     append_messages(store, &newer, &other.run_id, 0, &messages).await.unwrap();
 
-    let listed = store.list_sessions().await.unwrap();
+    let listed = store.list_sessions(SessionFilter::default()).await.unwrap();
     let position = |id: &SessionId| listed.iter().position(|s| &s.id == id).expect("listed");
     assert!(position(&newer) < position(&older), "not most recent first: {listed:?}");
     let a = &listed[position(&older)];
     assert_eq!((a.messages, a.runs), (1, 1));
     assert_eq!(listed[position(&newer)].messages, 2);
+
+    // An owner's sessions, apart from everyone else's (ids the same after the scope).
+    let (alice, bob) = ("a1a1a1a1", "b2b2b2b2");
+    let alices = SessionId::scoped(alice, &SessionId::new("conformance-list-c").unwrap());
+    let bobs = SessionId::scoped(bob, &SessionId::new("conformance-list-c").unwrap());
+    for (suffix, session) in [("list-c", &alices), ("list-d", &bobs)] {
+        clock.advance(Duration::from_millis(5));
+        let record = run_record(suffix, session, 0);
+        create_run(store, &record).await.unwrap();
+        append_messages(store, session, &record.run_id, 0, &[Arc::new(Message::user("c"))]).await.unwrap();
+    }
+    let ids = |filter: SessionFilter| async move {
+        let listed = store.list_sessions(filter).await.unwrap();
+        listed.into_iter().map(|s| s.id.as_str().to_owned()).collect::<Vec<_>>()
+    };
+    let scoped = |scope: &str, limit| SessionFilter { scope: SessionScope::Scoped(scope.into()), limit };
+    assert_eq!(ids(scoped(alice, None)).await, [alices.as_str()]);
+    assert_eq!(ids(scoped(bob, None)).await, [bobs.as_str()]);
+    // A scope that is a prefix of another's is not it.
+    assert_eq!(ids(scoped("a1a1", None)).await, Vec::<String>::new());
+    let has = |ids: &[String], session: &SessionId| ids.iter().any(|id| id == session.as_str());
+    let unscoped = ids(SessionFilter { scope: SessionScope::Unscoped, limit: None }).await;
+    assert!(has(&unscoped, &newer) && has(&unscoped, &older), "{unscoped:?}");
+    assert!(!has(&unscoped, &alices) && !has(&unscoped, &bobs), "{unscoped:?}");
+    let all = ids(SessionFilter::default()).await;
+    assert!(has(&all, &alices) && has(&all, &bobs) && has(&all, &newer), "{all:?}");
+    // The newest first, cut at the limit.
+    let newest = ids(SessionFilter { limit: Some(2), ..SessionFilter::default() }).await;
+    assert_eq!(newest, [bobs.as_str(), alices.as_str()]);
+    let newest_unscoped = ids(SessionFilter { scope: SessionScope::Unscoped, limit: Some(1) }).await;
+    assert_eq!(newest_unscoped, [newer.as_str()]);
+    for session in [&alices, &bobs] {
+        assert!(store.delete_session(session).await.unwrap());
+    }
 
     assert!(store.delete_session(&older).await.unwrap());
     assert!(!store.delete_session(&older).await.unwrap(), "deleting twice found something");
@@ -882,7 +916,7 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
     let summary = store.session_summary(&session).await.unwrap().expect("the session exists");
     assert_eq!(summary.usage, Usage { input_tokens: 600, output_tokens: 6 });
     assert_eq!((summary.messages, summary.runs), (3, 1));
-    let listed = store.list_sessions().await.unwrap();
+    let listed = store.list_sessions(SessionFilter::default()).await.unwrap();
     assert_eq!(listed.iter().find(|s| s.id == session).map(|s| s.usage), Some(summary.usage));
     assert!(store.delete_session(&session).await.unwrap());
     assert_eq!(store.session_summary(&session).await.unwrap(), None);

@@ -13,7 +13,7 @@ use keel_core::journal::JournalEntry;
 use keel_core::memory::{MemoryItem, MemoryOwner};
 use keel_core::{
     BoxFuture, Clock, DecidedInput, DelayedRunRecord, DelayedState, Message, PendingInput, RunId, RunRecord,
-    SessionId, SessionSummary, StepName, StoreError, Usage,
+    SessionFilter, SessionId, SessionSummary, StepName, StoreError, Usage,
 };
 
 use crate::backend::{Backend, Ruled, RunControl, Tx, Work, memory_owner_rows};
@@ -141,10 +141,15 @@ impl Tx for Inner {
         Ok(self.sessions.get(session).map(|data| self.summary(session, data)))
     }
 
-    fn sessions(&mut self) -> Result<Vec<SessionSummary>, StoreError> {
-        let mut sessions: Vec<SessionSummary> =
-            self.sessions.iter().map(|(id, data)| self.summary(id, data)).collect();
+    fn sessions(&mut self, filter: &SessionFilter) -> Result<Vec<SessionSummary>, StoreError> {
+        let mut sessions: Vec<SessionSummary> = self
+            .sessions
+            .iter()
+            .filter(|(id, _)| filter.scope.holds(id))
+            .map(|(id, data)| self.summary(id, data))
+            .collect();
         sessions.sort_by(|a, b| b.updated_at_ms.cmp(&a.updated_at_ms).then_with(|| a.id.cmp(&b.id)));
+        sessions.truncate(filter.limit.unwrap_or(usize::MAX));
         Ok(sessions)
     }
 

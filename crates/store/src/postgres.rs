@@ -847,7 +847,7 @@ mod tests {
         .join()
         .unwrap();
         let store = store(&database);
-        let sessions = store.list_sessions().await.unwrap();
+        let sessions = store.list_sessions(keel_core::SessionFilter::default()).await.unwrap();
         assert_eq!(sessions.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["old"]);
         // The event log, new in version 2, works.
         let log = store.event_log().unwrap();

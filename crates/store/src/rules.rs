@@ -30,8 +30,8 @@ use keel_core::memory::{MemoryItem, MemoryMerge, MemoryOwner, MemoryWrite};
 use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, decision_outcome};
 use keel_core::{
     BoxFuture, Claim, Committed, DecidedInput, Decision, DelayedRun, DelayedRunRecord, DelayedState, Fence,
-    LeaseStatus, Message, OpenRun, PendingInput, RunId, RunRecord, RunState, SessionId, SessionSnapshot,
-    SessionSummary, StepCommit, Store, StoreError,
+    LeaseStatus, Message, OpenRun, PendingInput, RunId, RunRecord, RunState, SessionFilter, SessionId,
+    SessionSnapshot, SessionSummary, StepCommit, Store, StoreError,
 };
 
 use crate::backend::{Backend, CommitSubject, Ruled, RunControl, Tx};
@@ -792,8 +792,8 @@ impl<B: Backend> Store for Ruled<B> {
         self.read(move |tx| tx.session_summary(&session))
     }
 
-    fn list_sessions(&self) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
-        self.read(|tx| tx.sessions())
+    fn list_sessions(&self, filter: SessionFilter) -> BoxFuture<'_, Result<Vec<SessionSummary>, StoreError>> {
+        self.read(move |tx| tx.sessions(&filter))
     }
 
     fn delete_session<'a>(&'a self, session: &'a SessionId) -> BoxFuture<'a, Result<bool, StoreError>> {

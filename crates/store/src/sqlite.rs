@@ -36,13 +36,13 @@ use keel_core::persist::{
 };
 use keel_core::{
     BoxFuture, Clock, DecidedInput, DelayedRun, DelayedRunRecord, Message, PendingInput, RunId, RunRecord,
-    SessionId, SessionSummary, StepName, StoreError, Usage,
+    SessionFilter, SessionId, SessionSummary, StepName, StoreError, Usage,
 };
 use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
 
 use crate::backend::{
     Backend, Ruled, RunControl, Tx, Work, corrupt, memory_item, memory_owner_rows, read_limits,
-    stored_delayed_state, stored_limits, stored_run_id, stored_state,
+    scope_parameters, stored_delayed_state, stored_limits, stored_run_id, stored_state,
 };
 
 /// The schema, one migration per version (index 0 makes version 1).
@@ -629,12 +629,19 @@ impl Tx for SqliteTx<'_> {
             .and_then(Option::transpose)
     }
 
-    fn sessions(&mut self) -> Result<Vec<SessionSummary>, StoreError> {
+    fn sessions(&mut self, filter: &SessionFilter) -> Result<Vec<SessionSummary>, StoreError> {
+        let (kind, prefix) = scope_parameters(&filter.scope);
+        let limit = filter.limit.map_or(-1, |limit| i64::try_from(limit).unwrap_or(i64::MAX));
         let mut statement = self
             .c
-            .prepare_cached(&format!("{SUMMARY_SELECT} ORDER BY s.updated_at DESC, s.id"))
+            .prepare_cached(&format!(
+                "{SUMMARY_SELECT} WHERE ?1 = 0 OR (?1 = 1 AND instr(s.id, '{separator}') = 0)
+                   OR (?1 = 2 AND substr(s.id, 1, length(?2)) = ?2)
+                 ORDER BY s.updated_at DESC, s.id LIMIT ?3",
+                separator = SessionId::SCOPE_SEPARATOR
+            ))
             .map_err(map_error)?;
-        let rows = statement.query_map([], summary_row).map_err(map_error)?;
+        let rows = statement.query_map(params![kind, prefix, limit], summary_row).map_err(map_error)?;
         rows.map(|row| row.map_err(map_error)?).collect()
     }
 

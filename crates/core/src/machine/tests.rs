@@ -102,7 +102,7 @@ fn calls(list: &[(&str, &str, Value)]) -> Input {
 }
 
 fn done(call_id: &str, outcome: ToolOutcome) -> Input {
-    Input::ToolDone { call_id: call_id.into(), outcome }
+    Input::ToolDone { call_id: call_id.into(), outcome, duration: None }
 }
 
 /// Feeds the inputs and renders every action; persisted messages are shown in their stored form.

@@ -156,8 +156,8 @@ impl Render for HumanRenderer {
                 self.tool_names.insert(call_id.clone(), name.clone());
                 self.tool_line("→", call_id, &compact(input))?;
             }
-            Event::ToolDone { call_id, output } => self.tool_line("✓", call_id, &compact(output))?,
-            Event::ToolError { call_id, error } => {
+            Event::ToolDone { call_id, output, .. } => self.tool_line("✓", call_id, &compact(output))?,
+            Event::ToolError { call_id, error, .. } => {
                 self.tool_line("✗", call_id, &format!("failed: {error}"))?
             }
             Event::ApprovalRequested { approval_id, call_id, .. } => {

@@ -68,7 +68,8 @@ fn no_session(id: &SessionId, args: &StoreArgs) -> Stop {
 
 async fn list(json: bool, args: &StoreArgs) -> Outcome {
     let store = open(args)?;
-    let sessions = store.list_sessions().await.map_err(|e| store_failed(&e))?;
+    let sessions =
+        store.list_sessions(keel_core::SessionFilter::default()).await.map_err(|e| store_failed(&e))?;
     if json {
         let mut out = std::io::stdout().lock();
         for session in &sessions {
@@ -196,7 +197,8 @@ async fn prune(older_than: Option<Duration>, compact: bool, dry_run: bool, args:
 
 /// Removes the sessions unused for longer than `older_than` (lists them with `dry_run`).
 async fn expire(store: &dyn Store, older_than: Duration, dry_run: bool) -> Outcome<()> {
-    let sessions = store.list_sessions().await.map_err(|e| store_failed(&e))?;
+    let sessions =
+        store.list_sessions(keel_core::SessionFilter::default()).await.map_err(|e| store_failed(&e))?;
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));

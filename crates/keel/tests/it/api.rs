@@ -457,7 +457,7 @@ async fn a_replayed_subagent_call_finds_its_child_run_instead_of_running_it_agai
     // Another call is another child run.
     tool.call(json!({"input": "count"}), &ctx("c2")).await.unwrap();
     assert_eq!(runs.load(Ordering::SeqCst), 2);
-    let sessions = store.list_sessions().await.unwrap();
+    let sessions = store.list_sessions(keel_core::SessionFilter::default()).await.unwrap();
     assert_eq!(sessions.iter().filter(|s| s.id.as_str().starts_with("sub-helper-")).count(), 2);
 }
 

@@ -199,6 +199,8 @@ async fn a_turn_streams_as_sse_and_the_transcript_follows() {
     assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids must increase: {ids:?}");
     let done = events.last().unwrap().json();
     assert!(done["text"].as_str().unwrap().starts_with("Today is "), "{done}");
+    let tool_done = events.iter().find(|m| m.kind() == "tool.done").unwrap().json();
+    assert!(tool_done["durationMs"].is_u64(), "how long the call ran: {tool_done}");
 
     let transcript: Value = http.get(server.url("/chat/s1")).send().await.unwrap().json().await.unwrap();
     assert_eq!(transcript["sessionId"], "s1");
@@ -864,6 +866,102 @@ async fn jwt_subjects_own_their_sessions_and_see_nobody_elses() {
         let response = http.get(server.url("/chat/shared-name")).bearer_auth(&token).send().await.unwrap();
         assert_eq!(error_of(response).await, (401, "KEEL_UNAUTHORIZED".to_owned()), "{token}");
     }
+}
+
+#[tokio::test]
+async fn each_caller_lists_its_own_sessions_newest_first() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let secret = "a-shared-secret-for-hs256";
+    let server = Served::start(
+        dir.path(),
+        &sqlite(dir.path()),
+        &[("KEEL_JWT_SECRET", secret), ("KEEL_API_TOKEN", "the-api-token")],
+    );
+    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes());
+    let token =
+        |sub: &str| jwt(jsonwebtoken::Algorithm::HS256, None, &key, json!({"sub": sub, "exp": in_an_hour()}));
+    let (alice, bob) = (token("alice"), token("bob"));
+    let http = client();
+    let chat = |who: String, session: &'static str| {
+        let request = http.post(server.url("/chat")).bearer_auth(who);
+        async move {
+            let response =
+                request.json(&json!({"sessionId": session, "input": "day?"})).send().await.unwrap();
+            let messages = read_sse(response).await;
+            assert!(messages.iter().any(|m| m.event.is_none() && m.kind() == "run.done"), "{session}");
+        }
+    };
+    chat(alice.clone(), "first").await;
+    chat(bob.clone(), "first").await;
+    chat(alice.clone(), "second").await;
+    chat("the-api-token".to_owned(), "shared").await;
+
+    let list = |who: &str, query: &str| {
+        let request = http.get(server.url(&format!("/sessions{query}"))).bearer_auth(who);
+        async move {
+            let response = request.send().await.unwrap();
+            assert_eq!(response.status(), 200);
+            let body: Value = response.json().await.unwrap();
+            body["sessions"].as_array().unwrap().clone()
+        }
+    };
+    let ids = |sessions: &[Value]| -> Vec<String> {
+        sessions.iter().map(|s| s["sessionId"].as_str().unwrap().to_owned()).collect()
+    };
+    let alices = list(&alice, "").await;
+    assert_eq!(ids(&alices), ["second", "first"], "Alice's, newest first, and nobody else's");
+    assert_eq!(alices[0]["messages"], 4, "{alices:?}");
+    assert_eq!(alices[0]["runs"], 1);
+    assert!(alices[0]["usage"]["inputTokens"].as_u64().unwrap() > 0);
+    assert!(alices[0]["updatedAtMs"].as_u64().unwrap() >= alices[1]["updatedAtMs"].as_u64().unwrap());
+    assert_eq!(ids(&list(&bob, "").await), ["first"]);
+    assert_eq!(
+        ids(&list("the-api-token", "").await),
+        ["shared"],
+        "the token reaches the sessions no subject owns"
+    );
+    assert_eq!(ids(&list(&alice, "?limit=1").await), ["second"]);
+
+    for query in ["?limit=0", "?limit=1001", "?limit=many", "?owner=bob"] {
+        let response =
+            http.get(server.url(&format!("/sessions{query}"))).bearer_auth(&alice).send().await.unwrap();
+        assert_eq!(error_of(response).await, (400, "KEEL_REQUEST_INVALID".to_owned()), "{query}");
+    }
+    let anonymous = http.get(server.url("/sessions")).send().await.unwrap();
+    assert_eq!(error_of(anonymous).await, (401, "KEEL_UNAUTHORIZED".to_owned()));
+}
+
+#[tokio::test]
+async fn the_agent_route_names_the_agent_and_its_tools_but_not_its_instructions() {
+    let dir = agent_dir(&[(
+        "agent.yaml",
+        "name: front-desk
+description: Answers the door.
+instructions: The secret handshake is 7-7-3.
+model: mock
+tools: [day_name, current_date]
+approvals: { tools: [day_name] }
+",
+    )]);
+    let server = Served::start(dir.path(), "memory", &[("KEEL_API_TOKEN", "the-api-token")]);
+    let http = client();
+    let response = http.get(server.url("/agent")).send().await.unwrap();
+    assert_eq!(error_of(response).await, (401, "KEEL_UNAUTHORIZED".to_owned()));
+    let response = http.get(server.url("/agent")).bearer_auth("the-api-token").send().await.unwrap();
+    let text = response.text().await.unwrap();
+    assert!(!text.contains("7-7-3"), "the instructions leaked: {text}");
+    let agent: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(agent["name"], "front-desk");
+    assert_eq!(agent["description"], "Answers the door.");
+    assert_eq!(agent["model"], "mock");
+    assert_eq!(agent["outputSchema"], Value::Null);
+    let tools = agent["tools"].as_array().unwrap();
+    let tool =
+        |name: &str| tools.iter().find(|t| t["name"] == name).unwrap_or_else(|| panic!("{name}: {agent}"));
+    assert_eq!(tool("day_name")["approval"], "always");
+    assert_eq!(tool("current_date")["approval"], "never");
+    assert!(tool("current_date")["description"].as_str().unwrap().len() > 10);
+    assert_eq!(tool("current_date")["inputSchema"]["type"], "object");
 }
 
 #[tokio::test]

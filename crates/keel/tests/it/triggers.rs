@@ -31,7 +31,7 @@ async fn open(url: &str) -> Arc<dyn Store> {
 /// The fires of schedule `tick` in `store`: each tick's session (by its time stamp) with its
 /// number of runs and messages.
 async fn fires(store: &dyn Store) -> BTreeMap<String, (u64, u64)> {
-    let sessions = store.list_sessions().await.unwrap();
+    let sessions = store.list_sessions(keel_core::SessionFilter::default()).await.unwrap();
     sessions
         .into_iter()
         .filter_map(|s| {

@@ -27,8 +27,8 @@ use keel_core::persist::{
     decode_message, decode_pending_kind, decode_record, encode_message, encode_pending_kind, encode_record,
 };
 use keel_core::{
-    DecidedInput, DelayedRun, DelayedRunRecord, Message, PendingInput, RunId, RunRecord, RunState, SessionId,
-    SessionSummary, StepName, StoreError, Usage,
+    DecidedInput, DelayedRun, DelayedRunRecord, Message, PendingInput, RunId, RunRecord, RunState,
+    SessionFilter, SessionId, SessionSummary, StepName, StoreError, Usage,
 };
 use postgres::types::{FromSql, ToSql};
 use postgres::{Row, Statement};
@@ -803,8 +803,18 @@ impl Tx for PgTx<'_, '_> {
         row.map(|row| summary_row(&row)).transpose()
     }
 
-    fn sessions(&mut self) -> Result<Vec<SessionSummary>, StoreError> {
-        let rows = self.query(&format!("{SUMMARY_SELECT} ORDER BY s.updated_at DESC, s.id"), &[])?;
+    fn sessions(&mut self, filter: &SessionFilter) -> Result<Vec<SessionSummary>, StoreError> {
+        let (kind, prefix) = crate::backend::scope_parameters(&filter.scope);
+        let limit = filter.limit.map(|limit| i64::try_from(limit).unwrap_or(i64::MAX));
+        let rows = self.query(
+            &format!(
+                "{SUMMARY_SELECT} WHERE $1 = 0 OR ($1 = 1 AND strpos(s.id, '{separator}') = 0)
+                   OR ($1 = 2 AND starts_with(s.id, $2))
+                 ORDER BY s.updated_at DESC, s.id LIMIT $3",
+                separator = SessionId::SCOPE_SEPARATOR
+            ),
+            &[&kind, &prefix, &limit],
+        )?;
         rows.iter().map(summary_row).collect()
     }
 
