@@ -18,14 +18,27 @@ pub(crate) fn approvals(command: ApprovalsCommand) -> std::io::Result<u8> {
         match command {
             ApprovalsCommand::List { session, json, store } => list(session.as_deref(), json, &store).await,
             ApprovalsCommand::Approve { id, note, target } => {
-                decide(&id, Decision::Approve { note }, &target).await
+                decide(id, Decision::Approve { note }, &target).await
             }
             ApprovalsCommand::Reject { id, note, target } => {
-                decide(&id, Decision::Reject { note }, &target).await
+                decide(id, Decision::Reject { note }, &target).await
             }
-            ApprovalsCommand::Answer { id, answer, target } => {
-                decide(&id, Decision::Answer(answer), &target).await
-            }
+            // With `--session`, the one argument given is the answer.
+            ApprovalsCommand::Answer { id, answer, target } => match (id, answer) {
+                (Some(id), Some(answer)) if target.session.is_none() => {
+                    decide(Some(id), Decision::Answer(answer), &target).await
+                }
+                (Some(answer), None) if target.session.is_some() => {
+                    decide(None, Decision::Answer(answer), &target).await
+                }
+                _ => {
+                    eprintln!(
+                        "error: give the question's id and the answer (`keel approvals answer qu_... \"Paris\"`), \
+                         or `--session <id>` and the answer"
+                    );
+                    Ok(exit::USAGE)
+                }
+            },
         }
     })?
 }
@@ -41,6 +54,10 @@ pub(crate) struct DecisionTarget {
     /// Print the continued run's events as JSON lines (with --agent).
     #[arg(long)]
     json: bool,
+    /// Decide what this session waits for, instead of naming its id: there must be exactly one
+    /// approval (or, for `answer`, one question) pending in it.
+    #[arg(long)]
+    session: Option<String>,
     #[command(flatten)]
     store: StoreArgs,
 }
@@ -91,7 +108,7 @@ async fn list(session: Option<&str>, json: bool, args: &StoreArgs) -> std::io::R
     Ok(exit::OK)
 }
 
-async fn decide(id: &str, decision: Decision, target: &DecisionTarget) -> std::io::Result<u8> {
+async fn decide(id: Option<String>, decision: Decision, target: &DecisionTarget) -> std::io::Result<u8> {
     let store = match keel_store::open(&target.store.store) {
         Ok(store) => store,
         Err(error) => {
@@ -99,6 +116,18 @@ async fn decide(id: &str, decision: Decision, target: &DecisionTarget) -> std::i
             return Ok(exit::INVALID_AGENT);
         }
     };
+    let id = match (id, &target.session) {
+        (Some(id), None) => id,
+        (None, Some(session)) => match pending_of(store.as_ref(), session, &decision).await {
+            Ok(id) => id,
+            Err(code) => return Ok(code),
+        },
+        _ => {
+            eprintln!("error: name the approval by its id or by `--session`, not both");
+            return Ok(exit::USAGE);
+        }
+    };
+    let id = id.as_str();
     let verb = match decision {
         Decision::Approve { .. } => "approved",
         Decision::Reject { .. } => "rejected",
@@ -139,4 +168,42 @@ async fn decide(id: &str, decision: Decision, target: &DecisionTarget) -> std::i
         eprintln!("paused again: still waiting for {}", ids.join(", "));
     }
     Ok(code)
+}
+
+/// The id of the one input `session` waits for that `decision` decides (an approval, or a
+/// question for an answer); a clear error when there is none or more than one.
+async fn pending_of(store: &dyn keel::Store, session: &str, decision: &Decision) -> Result<String, u8> {
+    let session = SessionId::new(session).map_err(|failure| {
+        eprintln!("error[{}]: {}", failure.code, failure.message);
+        exit::USAGE
+    })?;
+    let pending = store.pending_inputs(Some(&session)).await.map_err(|error| {
+        eprintln!("error[{}]: {error}", error.code());
+        exit::RUN_FAILED
+    })?;
+    let question = matches!(decision, Decision::Answer(_));
+    let (what, kind) = if question { ("question", "questions") } else { ("approval", "approvals") };
+    let matching: Vec<_> =
+        pending.iter().filter(|p| matches!(p.kind, PendingKind::Question { .. }) == question).collect();
+    match matching.as_slice() {
+        [one] => Ok(one.id.clone()),
+        [] => {
+            eprintln!(
+                "error[{}]: session {} waits for no {what}",
+                keel::ErrorCode::NotPending,
+                session.external()
+            );
+            Err(exit::RUN_FAILED)
+        }
+        several => {
+            let ids: Vec<&str> = several.iter().map(|p| p.id.as_str()).collect();
+            eprintln!(
+                "error: session {} waits for {} {kind} ({}): name the one to decide by its id",
+                session.external(),
+                several.len(),
+                ids.join(", ")
+            );
+            Err(exit::USAGE)
+        }
+    }
 }

@@ -29,6 +29,7 @@ use clap::{Parser, Subcommand};
 pub(crate) mod exit {
     pub const OK: u8 = 0;
     pub const INVALID_AGENT: u8 = 1;
+    pub const USAGE: u8 = 2;
     pub const RUN_FAILED: u8 = 3;
     pub const STOPPED_AT_LIMIT: u8 = 4;
     pub const AWAITING_INPUT: u8 = 5;
@@ -255,7 +256,8 @@ pub(crate) enum ApprovalsCommand {
     /// Approve a tool call: it runs, and the run goes on.
     Approve {
         /// The approval id (`ap_...`), from `keel approvals list` or the `approval.requested` event.
-        id: String,
+        #[arg(required_unless_present = "session")]
+        id: Option<String>,
         /// Why, for the record.
         #[arg(long)]
         note: Option<String>,
@@ -265,7 +267,8 @@ pub(crate) enum ApprovalsCommand {
     /// Reject a tool call: the model is told (with the note), and the run goes on.
     Reject {
         /// The approval id (`ap_...`).
-        id: String,
+        #[arg(required_unless_present = "session")]
+        id: Option<String>,
         /// Why; the model sees it.
         #[arg(long)]
         note: Option<String>,
@@ -274,10 +277,11 @@ pub(crate) enum ApprovalsCommand {
     },
     /// Answer a question the agent asked (`ask_question`).
     Answer {
-        /// The question id (`qu_...`).
-        id: String,
+        /// The question id (`qu_...`); or `--session` and the answer alone.
+        #[arg(required_unless_present = "session")]
+        id: Option<String>,
         /// The answer.
-        answer: String,
+        answer: Option<String>,
         #[command(flatten)]
         target: approvals::DecisionTarget,
     },

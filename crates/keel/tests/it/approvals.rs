@@ -428,3 +428,33 @@ fn a_crash_at_every_step_around_a_pause_is_recovered_without_repeating_work() {
         }
     }
 }
+
+/// `--session` decides what a session waits for without its id, when that is one input; with
+/// none or several it says so and decides nothing.
+#[test]
+fn a_session_s_one_approval_is_decided_by_naming_the_session() {
+    let dir = approvals_agent("3d");
+    let dir = dir.path();
+    assert_eq!(run_go(dir).output().unwrap().status.code(), Some(5));
+    // Two approvals wait (`pay`, `ship`): naming the session is ambiguous.
+    let both = keel(dir, &["approvals", "approve", "--session", "s"]).output().unwrap();
+    assert_eq!(both.status.code(), Some(2), "{both:?}");
+    let said = String::from_utf8_lossy(&both.stderr);
+    let (pay, ship) = (pending_id(dir, "pay"), pending_id(dir, "ship"));
+    assert!(said.contains("waits for 2 approvals") && said.contains(&pay) && said.contains(&ship), "{said}");
+    assert_eq!(pending(dir).len(), 2, "nothing was decided");
+    // Once one is decided by its id, the session names the other.
+    keel(dir, &["approvals", "reject", &pay]).output().unwrap();
+    let one = keel(dir, &["approvals", "approve", "--session", "s"]).output().unwrap();
+    assert!(one.status.success(), "{one:?}");
+    assert!(String::from_utf8_lossy(&one.stderr).contains(&format!("approved {ship}")), "{one:?}");
+    // Now nothing waits; nor was a question ever asked.
+    let approve: &[&str] = &["approvals", "approve", "--session", "s"];
+    let answer: &[&str] = &["approvals", "answer", "--session", "s", "Paris"];
+    for args in [approve, answer] {
+        let none = keel(dir, args).output().unwrap();
+        assert_eq!(none.status.code(), Some(3), "{none:?}");
+        let said = String::from_utf8_lossy(&none.stderr);
+        assert!(said.contains("error[KEEL_NOT_PENDING]: session s waits for no"), "{said}");
+    }
+}

@@ -23,3 +23,4 @@ mod testing;
 mod tidy;
 mod tools;
 mod triggers;
+mod tutorial;
