@@ -98,6 +98,23 @@ try {
   assert.equal(allowed.status, 200);
   assert.match(allowed.text, /"type":"run\.start"/);
   assert.match(allowed.text, /event: done/);
+  // OpenAI's face too, with the headers OpenAI's browser SDK adds, and the session readable.
+  const openai = await page.evaluate(async (base) => {
+    const response = await fetch(`${base}/v1/chat/completions`, {
+      method: "POST",
+      headers: {
+        "content-type": "application/json",
+        "x-keel-session": "cors-openai",
+        "x-stainless-lang": "js",
+        "x-stainless-retry-count": "0",
+      },
+      body: JSON.stringify({ model: "browser-test", messages: [{ role: "user", content: "hello" }] }),
+    });
+    return { status: response.status, session: response.headers.get("x-keel-session"), body: await response.json() };
+  }, corsBase);
+  assert.equal(openai.status, 200, JSON.stringify(openai.body));
+  assert.equal(openai.session, "cors-openai");
+  assert.equal(openai.body.object, "chat.completion");
   console.log("cross-origin: a page on another origin cannot drive keel; a listed one can");
 } finally {
   await browser.close();

@@ -152,13 +152,13 @@ pub(crate) fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
         CorsLayer::new()
             .allow_origin(AllowOrigin::list(origins))
             .allow_methods([Method::GET, Method::POST, Method::DELETE])
-            .allow_headers([
-                header::AUTHORIZATION,
-                header::CONTENT_TYPE,
-                HeaderName::from_static("last-event-id"),
+            // The listed origins may send any header they ask for (OpenAI's browser SDK sends
+            // its own `x-stainless-*` ones): the origin list is what keeps other pages out.
+            .allow_headers(tower_http::cors::AllowHeaders::mirror_request())
+            .expose_headers([
                 HeaderName::from_static("x-request-id"),
+                HeaderName::from_static("x-keel-session"),
             ])
-            .expose_headers([HeaderName::from_static("x-request-id")])
             .max_age(std::time::Duration::from_secs(600)),
     )
 }

@@ -27,6 +27,7 @@ mod guard;
 mod mcp;
 mod metrics;
 mod observe;
+mod openai;
 mod routes;
 
 use std::net::SocketAddr;
@@ -183,6 +184,11 @@ impl Server {
             .route("/chat", post(routes::chat))
             .route("/chat/{session}/events", get(routes::events))
             .route("/chat/{session}/approvals/{id}", post(routes::decide))
+            // The OpenAI-compatible face: its answers take as long as their runs.
+            .route("/v1/models", get(openai::models))
+            .route("/v1/models/{model}", get(openai::model))
+            .route("/v1/chat/completions", post(openai::chat_completions))
+            .route("/v1/responses", post(openai::responses))
             .route_service("/mcp", mcp::service(state));
         // Outermost first: observe, CORS preflights (listed origins only), the browser guard
         // (Host, Origin), auth, then the routes.

@@ -12,6 +12,7 @@ mod mcp;
 mod memory;
 mod model;
 mod one_run;
+mod openai;
 mod providers;
 mod security;
 mod semantic;

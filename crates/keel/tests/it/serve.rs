@@ -111,6 +111,10 @@ impl Sse {
     pub(crate) fn json(&self) -> Value {
         serde_json::from_str(&self.data).unwrap()
     }
+    /// The data as sent (`[DONE]` ends an OpenAI stream, and is no JSON).
+    pub(crate) fn data(&self) -> &str {
+        &self.data
+    }
     pub(crate) fn kind(&self) -> String {
         self.json()["type"].as_str().unwrap_or_default().to_owned()
     }
