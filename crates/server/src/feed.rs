@@ -630,6 +630,11 @@ pub(crate) struct Subscriber {
 }
 
 impl Subscriber {
+    /// The id of the last entry before those this subscriber reads.
+    pub(crate) fn position(&self) -> u64 {
+        self.cursor
+    }
+
     /// The next entry; `None` when the subscriber fell so far behind that entries it did not read
     /// were evicted (it should reconnect with `Last-Event-ID`).
     pub(crate) async fn next(&mut self) -> Option<Arc<Entry>> {
@@ -660,6 +665,47 @@ impl Drop for Subscriber {
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// One run's events (as JSON) from its session's feed, until the run's stream ends: what the
+/// answers that are not keel's own SSE (the OpenAI and AI SDK faces) are made from.
+pub(crate) struct RunEvents {
+    subscriber: Subscriber,
+    run: RunId,
+    closing: tokio_util::sync::CancellationToken,
+}
+
+impl RunEvents {
+    pub(crate) fn new(
+        subscriber: Subscriber,
+        run: RunId,
+        closing: tokio_util::sync::CancellationToken,
+    ) -> RunEvents {
+        RunEvents { subscriber, run, closing }
+    }
+
+    /// The run's next event; `None` once its stream ended (after its closing event, if it had
+    /// one: without one its process stopped it, and it resumes later), or when the feed was cut
+    /// (the server is stopping, or the reader fell behind).
+    pub(crate) async fn next(&mut self) -> Option<serde_json::Value> {
+        loop {
+            let entry = tokio::select! {
+                biased;
+                () = self.closing.cancelled() => return None,
+                entry = self.subscriber.next() => entry?,
+            };
+            if entry.run != self.run {
+                continue;
+            }
+            match &entry.item {
+                Item::Event(json) => match serde_json::from_str(json) {
+                    Ok(event) => return Some(event),
+                    Err(_) => continue,
+                },
+                Item::RunEnded => return None,
+            }
+        }
+    }
 }
 
 #[cfg(test)]

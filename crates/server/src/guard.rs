@@ -158,6 +158,8 @@ pub(crate) fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
             .expose_headers([
                 HeaderName::from_static("x-request-id"),
                 HeaderName::from_static("x-keel-session"),
+                HeaderName::from_static("x-keel-run-id"),
+                HeaderName::from_static("x-keel-last-event-id"),
             ])
             .max_age(std::time::Duration::from_secs(600)),
     )

@@ -16,6 +16,7 @@
 //! # }
 //! ```
 
+mod ai_sdk;
 mod auth;
 mod channels;
 mod connections;
@@ -28,6 +29,8 @@ mod mcp;
 mod metrics;
 mod observe;
 mod openai;
+#[cfg(test)]
+mod openapi_tests;
 mod routes;
 
 use std::net::SocketAddr;
@@ -189,6 +192,8 @@ impl Server {
             .route("/v1/models/{model}", get(openai::model))
             .route("/v1/chat/completions", post(openai::chat_completions))
             .route("/v1/responses", post(openai::responses))
+            // The Vercel AI SDK's UI message stream, for `useChat`.
+            .route("/ai-sdk/chat", post(ai_sdk::chat))
             .route_service("/mcp", mcp::service(state));
         // Outermost first: observe, CORS preflights (listed origins only), the browser guard
         // (Host, Origin), auth, then the routes.

@@ -15,7 +15,6 @@
 //! `metadata`, ...): each refusal is a `400` in OpenAI's error shape naming the parameter.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::{Extension, Path, State};
@@ -30,8 +29,8 @@ use serde_json::{Map, Value, json};
 use crate::AppState;
 use crate::auth::Identity;
 use crate::error::{ApiError, status_of};
-use crate::feed::{Item, Subscriber};
-use crate::routes::{JsonBody, json_type, sse, start_run};
+use crate::feed::RunEvents;
+use crate::routes::{JsonBody, Sender, async_stream, json_type, sse, start_run};
 
 /// The header that names the session of a request, and tells the client the session of its
 /// answer.
@@ -445,10 +444,9 @@ async fn start(
 ) -> Result<Started, OpenAiError> {
     let (subscriber, run) = start_run(state, headers, &session, input, RunOptions::default()).await?;
     let reader = RunReader {
-        subscriber,
+        events: RunEvents::new(subscriber, run.clone(), state.closing.clone()),
         run: run.clone(),
         session: session.clone(),
-        closing: state.closing.clone(),
         text: Assembler::new(streaming),
         structured,
         queue: VecDeque::new(),
@@ -880,10 +878,9 @@ impl Outcome {
 
 /// Reads one run's events from the session's feed and turns them into pieces of an answer.
 struct RunReader {
-    subscriber: Subscriber,
+    events: RunEvents,
     run: RunId,
     session: SessionId,
-    closing: tokio_util::sync::CancellationToken,
     text: Assembler,
     /// The answer is the structured output, not the text.
     structured: bool,
@@ -920,23 +917,14 @@ impl RunReader {
             if self.done {
                 return None;
             }
-            let entry = tokio::select! {
-                biased;
-                () = self.closing.cancelled() => return None,
-                entry = self.subscriber.next() => entry?,
-            };
-            if entry.run != self.run {
-                continue;
-            }
-            let Item::Event(json) = &entry.item else {
-                // The run's stream ended. Without a closing event it was interrupted (its process
-                // stopped it): it resumes later.
+            let Some(event) = self.events.next().await else {
+                // The run's stream ended, or the feed was cut. Without a closing event the run was
+                // interrupted (its process stopped it): it resumes later.
                 let outcome = self.outcome.take()?;
                 self.queue.push_back(Piece::Done(outcome));
                 self.done = true;
                 continue;
             };
-            let Ok(event) = serde_json::from_str::<Value>(json) else { continue };
             self.on_event(&event);
         }
     }
@@ -1111,30 +1099,6 @@ impl Assembler {
         let out = if self.sent.is_empty() { line.to_owned() } else { format!("\n\n{line}") };
         self.sent.push_str(&out);
         out
-    }
-}
-
-/// A stream fed by `produce`, which runs as its own task and sends events while the client
-/// listens (`send` returns false once it has gone).
-fn async_stream<F, Fut>(
-    produce: F,
-) -> impl futures::Stream<Item = Result<SseEvent, Infallible>> + Send + 'static
-where
-    F: FnOnce(Sender) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    tokio::spawn(produce(Sender(tx)));
-    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|event| (Ok(event), rx)) })
-}
-
-/// The sending side of an answer's stream.
-struct Sender(tokio::sync::mpsc::Sender<SseEvent>);
-
-impl Sender {
-    /// Sends, waiting while the client is slow; false once it has gone.
-    async fn send(&self, event: SseEvent) -> bool {
-        self.0.send(event).await.is_ok()
     }
 }
 

@@ -243,7 +243,7 @@ pub(crate) async fn chat(
         None => LimitOverrides::default(),
     };
     let (subscriber, run) = start_run(&state, &headers, &session, input, RunOptions { limits }).await?;
-    Ok(sse(subscription(&state, subscriber, Some(run))))
+    Ok(run_stream(&state, subscriber, run))
 }
 
 /// Starts a run of `session` whose events the returned subscriber reads from the first. The run's
@@ -557,29 +557,63 @@ pub(crate) async fn decide(
             ));
         }
     };
-    // Another session's (another user's) approval is "not pending" here, like an unknown one.
-    let pending = state.engine.store().pending_input(&id).await?.filter(|p| p.session_id == session);
-    let Some(pending) = pending else {
-        return Err(keel_core::StoreError::not_pending(&id).into());
-    };
-    check_decision(&pending, &decision)?;
-    let (kind, outcome) = match &decision {
-        Decision::Approve { .. } => ("approval", "approved"),
-        Decision::Reject { .. } => ("approval", "rejected"),
-        Decision::Answer(_) => ("question", "answered"),
-        Decision::TimedOut => ("approval", "timed_out"),
-    };
-    let subscriber = state.feeds.subscribe(&session, None).await?;
-    let by = identity.describe();
-    if state.engine.is_running(&session) {
-        // The run is still busy with its other calls here: it applies the decision itself.
-        keel_runtime::record_decision(state.engine.store().as_ref(), &id, decision, &by).await?;
-    } else {
-        let handle = state.engine.decide(&id, decision, &by).await?;
-        drop(state.feeds.forward(&session, handle));
+    let (subscriber, run) = decide_input(&state, &identity, &session, &[(id, decision)]).await?;
+    Ok(run_stream(&state, subscriber, run))
+}
+
+/// Decides inputs `session` waits for, in order, and continues its run once they are taken: the
+/// returned subscriber reads the continued run's events (its id is returned) from the first.
+/// Every decision is checked before any is taken; a pending input of another session (another
+/// user's) is "not pending" here, like an unknown one.
+pub(crate) async fn decide_input(
+    state: &AppState,
+    identity: &Identity,
+    session: &SessionId,
+    decisions: &[(String, Decision)],
+) -> Result<(Subscriber, RunId), ApiError> {
+    let mut run = None;
+    for (id, decision) in decisions {
+        let pending = state.engine.store().pending_input(id).await?.filter(|p| &p.session_id == session);
+        let Some(pending) = pending else {
+            return Err(keel_core::StoreError::not_pending(id).into());
+        };
+        check_decision(&pending, decision)?;
+        run = Some(pending.run_id);
     }
-    state.metrics.human_input(kind, outcome);
-    Ok(sse(subscription(&state, subscriber, Some(pending.run_id))))
+    let Some(run) = run else {
+        return Err(ApiError::invalid("there is no decision to take"));
+    };
+    let subscriber = state.feeds.subscribe(session, None).await?;
+    let by = identity.describe();
+    let store = state.engine.store();
+    let (last, first) = decisions.split_last().expect("not empty: a run was found");
+    for (id, decision) in first {
+        keel_runtime::record_decision(store.as_ref(), id, decision.clone(), &by).await?;
+        state.metrics.human_input(decision_kind(decision), decision_outcome(decision));
+    }
+    let (id, decision) = last;
+    if state.engine.is_running(session) {
+        // The run is still busy with its other calls here: it applies the decision itself.
+        keel_runtime::record_decision(store.as_ref(), id, decision.clone(), &by).await?;
+    } else {
+        let handle = state.engine.decide(id, decision.clone(), &by).await?;
+        drop(state.feeds.forward(session, handle));
+    }
+    state.metrics.human_input(decision_kind(decision), decision_outcome(decision));
+    Ok((subscriber, run))
+}
+
+fn decision_kind(decision: &Decision) -> &'static str {
+    if matches!(decision, Decision::Answer(_)) { "question" } else { "approval" }
+}
+
+fn decision_outcome(decision: &Decision) -> &'static str {
+    match decision {
+        Decision::Approve { .. } => "approved",
+        Decision::Reject { .. } => "rejected",
+        Decision::Answer(_) => "answered",
+        Decision::TimedOut => "timed_out",
+    }
 }
 
 /// `DELETE /chat/:sessionId/run`: cancels the session's run in flight (or paused).
@@ -722,15 +756,57 @@ fn subscription(
                     let event = SseEvent::default().id(entry.id.to_string()).data(&**json);
                     return Some((Ok(event), sub));
                 }
-                Item::RunEnded if sub.run.is_some() => {
-                    sub.done = true;
+                Item::RunEnded => {
+                    // The end of a run's stream: from then on it holds its session no longer.
+                    // A session's feed tells each run's; a run's own stream ends with it. It has
+                    // its id, as every message: a reconnect after it does not repeat it.
                     let data = json!({ "runId": entry.run.as_str() }).to_string();
-                    return Some((Ok(SseEvent::default().event("done").data(data)), sub));
+                    let done = SseEvent::default().id(entry.id.to_string()).event("done").data(data);
+                    sub.done = sub.run.is_some();
+                    return Some((Ok(done), sub));
                 }
-                Item::RunEnded => {}
             }
         }
     })
+}
+
+/// A stream fed by `produce`, which runs as its own task and sends events while the client
+/// listens (`send` returns false once it has gone).
+pub(crate) fn async_stream<F, Fut>(
+    produce: F,
+) -> impl futures::Stream<Item = Result<SseEvent, Infallible>> + Send + 'static
+where
+    F: FnOnce(Sender) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(produce(Sender(tx)));
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|event| (Ok(event), rx)) })
+}
+
+/// The sending side of an answer's stream.
+pub(crate) struct Sender(tokio::sync::mpsc::Sender<SseEvent>);
+
+impl Sender {
+    /// Sends, waiting while the client is slow; false once it has gone.
+    pub(crate) async fn send(&self, event: SseEvent) -> bool {
+        self.0.send(event).await.is_ok()
+    }
+}
+
+/// The SSE answer of one run's events (`POST /chat`, a decision). Its headers name the run
+/// (`X-Keel-Run-Id`) and the session feed's position before its first event
+/// (`X-Keel-Last-Event-ID`): a client whose stream is cut before it read any event id reads the
+/// run from its start with that as `Last-Event-ID` on `GET /chat/:id/events`.
+fn run_stream(state: &AppState, subscriber: Subscriber, run: RunId) -> Response {
+    let position = subscriber.position();
+    let mut response = sse(subscription(state, subscriber, Some(run.clone())));
+    let headers = response.headers_mut();
+    if let Ok(value) = HeaderValue::from_str(run.as_str()) {
+        headers.insert("x-keel-run-id", value);
+    }
+    headers.insert("x-keel-last-event-id", HeaderValue::from(position));
+    response
 }
 
 pub(crate) fn sse(stream: impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static) -> Response {

@@ -1,5 +1,6 @@
 //! End-to-end tests: the `keel` binary (`cli`) and the Rust API (`api`).
 
+mod ai_sdk;
 mod api;
 mod approvals;
 mod build;
