@@ -1,4 +1,6 @@
-# Sourced by the test scripts: `start_keel_serve AGENT TOKEN [NAME=VALUE...]` builds keel,
+# Sourced by the test scripts. `ensure_chromium` sets `chromium` to Debian's chromium (CHROMIUM
+# names another), installing it when missing and when root. `start_keel_serve AGENT TOKEN
+# [NAME=VALUE...]` builds keel,
 # starts `keel serve` on AGENT with bearer TOKEN (none when empty) and the given environment, a
 # fresh SQLite store and a free port, and sets `address` to its URL. Every server started so is
 # stopped (and its files removed) when the calling script exits.
@@ -28,4 +30,17 @@ start_keel_serve() {
     sleep 0.1
   done
   [ -n "$address" ] || { cat "$work/serve.log"; exit 1; }
+}
+
+ensure_chromium() {
+  chromium="${CHROMIUM:-/usr/bin/chromium}"
+  if [ ! -x "$chromium" ]; then
+    if [ "$(id -u)" -ne 0 ]; then
+      echo "the browser tests need Debian's chromium: apt-get install chromium (as root)" >&2
+      exit 1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq chromium > /dev/null
+  fi
 }
