@@ -159,7 +159,7 @@ env_vars! {
         "the PostgreSQL server tests create (and drop) their own databases on";
     /// The keel binary the `keel serve` end-to-end tests run.
     TEST_BINARY = "KEEL_TEST_BINARY", Testing, "the debug build",
-        "the `keel` binary the `keel serve` end-to-end tests run (CI sets the release build: the binary that ships)";
+        "the `keel` binary the `keel serve` end-to-end tests run (the release build, say, to test the binary that ships)";
     /// Model test iterations.
     MODEL_ITERATIONS = "KEEL_MODEL_ITERATIONS", Testing, "3",
         "iterations of the model-based concurrency test (`tests/it/model.rs`)";

@@ -26,8 +26,8 @@ pub fn keel_binary() -> std::path::PathBuf {
     assert_cmd::cargo::cargo_bin("keel")
 }
 
-/// The `keel` binary the `keel serve` tests run: `KEEL_TEST_BINARY` (CI sets the release build,
-/// the binary that ships) or the debug build.
+/// The `keel` binary the `keel serve` tests run: `KEEL_TEST_BINARY` (the release build, say: the
+/// binary that ships) or the debug build.
 pub fn served_keel_binary() -> std::path::PathBuf {
     match std::env::var_os(keel_core::env::TEST_BINARY.name).filter(|path| !path.is_empty()) {
         Some(path) => {
