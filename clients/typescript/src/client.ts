@@ -284,6 +284,8 @@ export class RunStream implements AsyncIterable<KeelEvent> {
   readonly #signal: AbortSignal | undefined;
   #started = false;
   #outcome: RunOutcome | undefined;
+  /** The run the events read now are of (a session's feed has every run's). */
+  #current: string | undefined;
 
   constructor(client: KeelClient, sessionId: string, open: () => Promise<Response>, signal?: AbortSignal) {
     this.#client = client;
@@ -335,16 +337,14 @@ export class RunStream implements AsyncIterable<KeelEvent> {
       }
       const event = item.event;
       // The feed has every run of the session; this stream is one run's. Events carry no run id
-      // but `run.start`, so the run's are those since its own `run.start`, until another starts.
+      // but `run.start`, so the run's are those since its own `run.start` (`#current`), until
+      // another starts.
       if (event.type === "run.start") this.#current = event.runId;
       if (this.#current !== runId) continue;
       this.#see(event);
       yield event;
     }
   }
-
-  /** The run the feed's events are of (see the iterator above). */
-  #current: string | undefined;
 
   #see(event: KeelEvent): void {
     if (event.type === "run.start") {

@@ -617,6 +617,73 @@ pub fn describe_transcript(transcript: &[Message]) -> String {
     out
 }
 
+/// The model's replies of run `run`, read back from its journal, as a mock script that plays
+/// them again: each model call of the conversation (`llm:turn:N`, in order) one entry with its
+/// text and tool calls (a call that failed for good, its failure), each brief of a compaction
+/// (`llm:compact:N`) one of `compact`. What `keel test --record` writes into a case, so that a
+/// run against a real model is replayed offline from then on. The memory model's calls are not
+/// in it (their outcomes are journaled, not their replies): played back, the mock writes its own.
+pub async fn recorded_script(
+    store: &dyn keel_core::Store,
+    run: &RunId,
+) -> Result<keel_core::MockScript, keel_core::StoreError> {
+    use keel_core::journal::JournalRecord;
+    use keel_core::{MockEntry, MockFailure, MockToolCall};
+
+    fn entry(record: &JournalRecord) -> Option<MockEntry> {
+        match record {
+            JournalRecord::ModelReply(reply) => {
+                let text: String = reply
+                    .parts
+                    .iter()
+                    .filter_map(|part| if let Part::Text(text) = part { Some(text.as_str()) } else { None })
+                    .collect();
+                let tool_calls = reply
+                    .parts
+                    .iter()
+                    .filter_map(|part| match part {
+                        Part::ToolCall(call) => {
+                            Some(MockToolCall { name: call.name.clone(), input: call.input.clone() })
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                Some(MockEntry {
+                    text: Some(text).filter(|t| !t.is_empty()),
+                    tool_calls,
+                    ..MockEntry::default()
+                })
+            }
+            JournalRecord::ModelFailed(error) => Some(MockEntry {
+                error: Some(MockFailure {
+                    status: error.status.unwrap_or(500),
+                    message: error.message.clone(),
+                    times: None,
+                    partial: None,
+                }),
+                ..MockEntry::default()
+            }),
+            _ => None,
+        }
+    }
+
+    let mut turns = Vec::new();
+    let mut briefs = Vec::new();
+    for journaled in store.load_journal(run).await? {
+        match journaled.step {
+            StepName::ModelTurn(n) => turns.extend(entry(&journaled.record).map(|e| (n, e))),
+            StepName::Compact(n) => briefs.extend(entry(&journaled.record).map(|e| (n, e))),
+            _ => {}
+        }
+    }
+    turns.sort_by_key(|(n, _)| *n);
+    briefs.sort_by_key(|(n, _)| *n);
+    Ok(keel_core::MockScript {
+        entries: turns.into_iter().map(|(_, e)| e).collect(),
+        compact: briefs.into_iter().map(|(_, e)| e).collect(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

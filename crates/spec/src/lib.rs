@@ -34,7 +34,7 @@ pub use diagnostic::{Diagnostic, Pos, Severity};
 pub use spec_file::NOT_YET as UNSUPPORTED_KEYS;
 pub use test_case::{
     Expectations, ExpectedCall, ExpectedStop, LoadedTests, TestCase, TextMatch, Verdict, load_tests,
-    test_files,
+    mock_yaml, test_files,
 };
 
 /// An agent as its files describe it.

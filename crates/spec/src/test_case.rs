@@ -200,6 +200,52 @@ fn rename_tools(case: &mut TestCase, tool_name: fn(&str) -> &str, diagnostics: &
     }
 }
 
+/// `script` as a case's `mock` key, in YAML: a block to append to a case file (what `keel test
+/// --record` writes). Each reply is one line, a JSON object (YAML's flow style, so the text keeps
+/// every character as the model wrote it); with briefs of compactions, `{script, compact}`.
+pub fn mock_yaml(script: &MockScript) -> String {
+    fn line(entry: &keel_core::MockEntry) -> String {
+        let mut reply = serde_json::Map::new();
+        if let Some(text) = &entry.text {
+            reply.insert("text".into(), Value::String(text.clone()));
+        }
+        if !entry.tool_calls.is_empty() {
+            let calls = entry
+                .tool_calls
+                .iter()
+                .map(|call| serde_json::json!({ "name": call.name, "input": call.input }))
+                .collect();
+            reply.insert("tool_calls".into(), Value::Array(calls));
+        }
+        if let Some(error) = &entry.error {
+            reply.insert(
+                "error".into(),
+                serde_json::json!({ "status": error.status, "message": error.message }),
+            );
+        }
+        if reply.is_empty() {
+            // A reply with nothing in it is still a reply.
+            reply.insert("text".into(), Value::String(String::new()));
+        }
+        Value::Object(reply).to_string()
+    }
+    let mut yaml = String::from("mock:\n");
+    let indent = if script.compact.is_empty() { "  " } else { "    " };
+    if !script.compact.is_empty() {
+        yaml.push_str("  script:\n");
+    }
+    for entry in &script.entries {
+        yaml.push_str(&format!("{indent}- {}\n", line(entry)));
+    }
+    if !script.compact.is_empty() {
+        yaml.push_str("  compact:\n");
+        for entry in &script.compact {
+            yaml.push_str(&format!("{indent}- {}\n", line(entry)));
+        }
+    }
+    yaml
+}
+
 fn load_case(
     file: &Path,
     tools: Option<&[String]>,

@@ -1072,3 +1072,45 @@ fn built_ins_by_their_former_names_still_load_with_a_warning_each() {
     let script = loaded.mock.unwrap();
     assert_eq!(script.entries[0].tool_calls[0].name, "day_name");
 }
+
+#[test]
+fn a_recorded_script_is_read_back_as_it_was_written() {
+    use keel_core::{MockEntry, MockFailure, MockScript, MockToolCall};
+    let text = |t: &str| MockEntry { text: Some(t.into()), ..MockEntry::default() };
+    let script = MockScript {
+        entries: vec![
+            MockEntry {
+                text: Some(
+                    "Let me look: \"quotes\", a # hash, `ticks`, émoji 🦀,\nand a second line.".into(),
+                ),
+                tool_calls: vec![MockToolCall {
+                    name: "word_count".into(),
+                    input: serde_json::json!({"text": "a: b", "deep": [1, {"x": null}]}),
+                }],
+                ..MockEntry::default()
+            },
+            MockEntry::default(),
+            MockEntry {
+                error: Some(MockFailure {
+                    status: 400,
+                    message: "bad request".into(),
+                    times: None,
+                    partial: None,
+                }),
+                ..MockEntry::default()
+            },
+        ],
+        compact: vec![text("The brief.")],
+    };
+    let case = format!("# A case, with its comments.\ninput: hi\n\n{}", crate::mock_yaml(&script));
+    let dir = tree(&[("tests/recorded.yaml", case.as_str())]);
+    let loaded = crate::load_tests(&[dir.path().join("tests/recorded.yaml")], None, |name| name);
+    assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
+    let mut expected = script;
+    // A reply with nothing in it is written as an empty text.
+    expected.entries[1].text = Some(String::new());
+    assert_eq!(loaded.cases[0].mock.as_ref(), Some(&expected));
+    // Without briefs, the script is the plain list.
+    let plain = MockScript::new(vec![text("only")]);
+    assert_eq!(crate::mock_yaml(&plain), "mock:\n  - {\"text\":\"only\"}\n");
+}

@@ -37,8 +37,12 @@ pub(crate) struct TestArgs {
     /// ends as the clean run did with no completed step or tool call run again.
     #[arg(long)]
     pub(crate) chaos: bool,
+    /// Run the cases that have no `mock` against the agent's own model, and write its replies
+    /// into each case file as the case's `mock`: from then on the case plays them back, offline.
+    #[arg(long, conflicts_with = "chaos")]
+    pub(crate) record: bool,
     /// Print one JSON document on stdout: `{ok, agent, passed, failed, cases: [{name, file,
-    /// passed, duration_ms, mismatches: [{what, expected, actual}], chaos}]}`.
+    /// passed, duration_ms, mismatches: [{what, expected, actual}], chaos, recorded}]}`.
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -68,6 +72,17 @@ struct CaseReport {
     duration: Duration,
     mismatches: Vec<Mismatch>,
     chaos: Option<ChaosReport>,
+    /// With `--record`: what was recorded into the case file.
+    recorded: Option<Recorded>,
+}
+
+/// What `--record` did with a case.
+enum Recorded {
+    /// This many model replies were written into the case file as its `mock`; the subagents on
+    /// a real model whose calls are not in it.
+    Replies(usize, Vec<String>),
+    /// Nothing, and why (the case is scripted already, or the agent's model is the mock).
+    Skipped(String),
 }
 
 impl CaseReport {
@@ -117,7 +132,13 @@ async fn test_async(args: &TestArgs) -> std::io::Result<u8> {
     let Some(cases) = load_cases(&spec, &files).await? else { return Ok(exit::INVALID_AGENT) };
 
     if !args.json {
-        let what = if args.chaos { " (with a kill at every step boundary)" } else { "" };
+        let what = if args.chaos {
+            " (with a kill at every step boundary)"
+        } else if args.record {
+            " (recording the model's replies of those without a `mock`)"
+        } else {
+            ""
+        };
         println!("running {} of agent {}{what}", count(cases.len(), "case"), spec.name);
     }
     let mut reports = Vec::with_capacity(cases.len());
@@ -206,14 +227,28 @@ fn spec_for(spec: &AgentSpec, case: &TestCase) -> AgentSpec {
 
 async fn run_case(spec: &AgentSpec, case: &TestCase, args: &TestArgs) -> CaseReport {
     let started = Instant::now();
-    let mismatches = match run_in_memory(spec, case).await {
-        Ok(observed) => keel::testing::check(&case.expect, &observed),
+    let store = Arc::new(keel::MemoryStore::new());
+    let mut recorded = None;
+    let mut mismatches = match run_in_memory(spec, case, store.clone()).await {
+        Ok(observed) => {
+            if args.record {
+                recorded = Some(record(spec, case, store.as_ref(), &observed).await);
+            }
+            keel::testing::check(&case.expect, &observed)
+        }
         Err(failure) => vec![Mismatch {
             what: "setup".into(),
             expected: "the agent to start".into(),
             actual: format!("{}: {}", failure.code, failure.message),
         }],
     };
+    if let Some(Err(problem)) = &recorded {
+        mismatches.push(Mismatch {
+            what: "record".into(),
+            expected: "the model's replies written into the case".into(),
+            actual: problem.clone(),
+        });
+    }
     let chaos =
         if args.chaos && mismatches.is_empty() { Some(chaos(&args.agent, spec, case).await) } else { None };
     CaseReport {
@@ -222,15 +257,69 @@ async fn run_case(spec: &AgentSpec, case: &TestCase, args: &TestArgs) -> CaseRep
         duration: started.elapsed(),
         mismatches,
         chaos,
+        recorded: recorded.and_then(Result::ok),
     }
 }
 
-async fn run_in_memory(spec: &AgentSpec, case: &TestCase) -> Result<Observed, keel::RunFailure> {
+async fn run_in_memory(
+    spec: &AgentSpec,
+    case: &TestCase,
+    store: Arc<keel::MemoryStore>,
+) -> Result<Observed, keel::RunFailure> {
     let setup = keel::testing::Setup { probe: None, now: case.now.clone() };
-    let agent = Agent::from_spec_with(spec_for(spec, case), Arc::new(keel::MemoryStore::new()), &setup)
+    let agent = Agent::from_spec_with(spec_for(spec, case), store, &setup)
         .await
         .map_err(|error| keel::RunFailure::new(error.code(), error.to_string()))?;
     keel::testing::drive_case(&agent, case, SESSION, None).await
+}
+
+/// `--record`: the model's replies of the case's run, written into its file as its `mock`.
+async fn record(
+    spec: &AgentSpec,
+    case: &TestCase,
+    store: &keel::MemoryStore,
+    observed: &Observed,
+) -> Result<Recorded, String> {
+    if case.mock.is_some() {
+        return Ok(Recorded::Skipped("scripted already (its `mock`)".into()));
+    }
+    if spec.model == "mock" {
+        return Ok(Recorded::Skipped("the agent's model is `mock`: there is no real model to record".into()));
+    }
+    let Some(run) = &observed.run_id else {
+        return Err("the run failed before any reply could be recorded".into());
+    };
+    let script = keel::testing::recorded_script(store, run).await.map_err(|error| error.to_string())?;
+    if script.entries.is_empty() {
+        return Err("the run made no model call".into());
+    }
+    let replies = script.entries.len() + script.compact.len();
+    append_recording(&case.file, &script, &spec.model)
+        .map_err(|error| format!("cannot write {}: {error}", case.file.display()))?;
+    let unrecorded =
+        spec.subagents.iter().filter(|sub| sub.model != "mock").map(|sub| sub.name.clone()).collect();
+    Ok(Recorded::Replies(replies, unrecorded))
+}
+
+/// Appends `script` to the case file as its `mock`, with a comment saying where it came from;
+/// the file is replaced at once (never left half written), its own lines kept as they were.
+fn append_recording(file: &Path, script: &keel_core::MockScript, model: &str) -> std::io::Result<()> {
+    let mut text = std::fs::read_to_string(file)?;
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    let today = jiff::ZonedDateTime::now().date();
+    text.push_str(&format!(
+        "\n# The model's replies, recorded from {model} by `keel test --record` on {today}: this case plays\n\
+         # them back from now on, offline. Delete `mock` to record them again.\n"
+    ));
+    text.push_str(&keel_spec::mock_yaml(script));
+    let dir = file.parent().filter(|dir| !dir.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let mut replacement = tempfile::NamedTempFile::new_in(dir)?;
+    replacement.write_all(text.as_bytes())?;
+    replacement.as_file().sync_all()?;
+    replacement.persist(file).map_err(|error| error.error)?;
+    Ok(())
 }
 
 /// `1 case`, `3 cases`, `2 step boundaries`.
@@ -244,6 +333,19 @@ fn count(n: usize, noun: &str) -> String {
 
 fn print_report(report: &CaseReport) {
     let ms = report.duration.as_millis();
+    match &report.recorded {
+        Some(Recorded::Replies(n, unrecorded)) => {
+            println!("  ● {}: recorded {} into {}", report.name, count(*n, "reply"), report.file.display());
+            if !unrecorded.is_empty() {
+                println!(
+                    "      not recorded: the model calls of subagents {} (give them a `mock` script)",
+                    unrecorded.join(", ")
+                );
+            }
+        }
+        Some(Recorded::Skipped(why)) => println!("  · {}: not recorded: {why}", report.name),
+        None => {}
+    }
     if report.passed() {
         match &report.chaos {
             Some(chaos) => println!(
@@ -286,6 +388,10 @@ fn report_json(report: &CaseReport) -> Value {
             "boundaries": chaos.boundaries,
             "problems": chaos.problems,
         })),
+        "recorded": report.recorded.as_ref().map(|recorded| match recorded {
+            Recorded::Replies(n, unrecorded) => json!({ "replies": n, "unrecorded_subagents": unrecorded }),
+            Recorded::Skipped(why) => json!({ "skipped": why }),
+        }),
     })
 }
 

@@ -160,3 +160,98 @@ fn chaos_catches_a_run_that_does_not_resume_the_same() {
     // Killed after the roll was saved, the resumed run reads it from the journal: no reroll.
     assert!(!said.contains("ran again"), "{said}");
 }
+
+/// A model on OpenAI's wire that calls `count` on the text after "count", then answers with
+/// what the tool said; how many times it was asked, in `asked`.
+async fn counting_model(asked: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> keel_testkit::WireServer {
+    use serde_json::{Value, json};
+    keel_testkit::WireServer::responding(move |request: &keel_testkit::Recorded| {
+        asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let body = request.json();
+        let last = body["messages"].as_array().and_then(|m| m.last().cloned()).unwrap_or(Value::Null);
+        let delta = if last["role"] == "tool" {
+            json!({ "role": "assistant", "content": format!("It has \"{}\" words: # done.", last["content"].as_str().unwrap_or("?")) })
+        } else {
+            let said = last["content"].as_str().unwrap_or_default();
+            let text = said.trim_start_matches("count").trim();
+            json!({ "role": "assistant", "content": "Counting.", "tool_calls": [{
+                "index": 0, "id": "call_real", "type": "function",
+                "function": { "name": "count", "arguments": json!({ "text": text }).to_string() },
+            }] })
+        };
+        let finish = if delta.get("tool_calls").is_some() { "tool_calls" } else { "stop" };
+        let chunk = json!({ "id": "c", "object": "chat.completion.chunk", "model": "gpt-4o-mini",
+            "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }] });
+        keel_testkit::Reply::sse(format!("data: {chunk}\n\ndata: [DONE]\n\n"))
+    })
+    .await
+}
+
+// Multi-threaded: the fake model answers while this test waits for `keel` synchronously.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_writes_a_real_models_replies_into_the_case_and_it_plays_them_back_offline() {
+    let dir = tempfile::tempdir().unwrap();
+    agent(dir.path());
+    write(dir.path(), "agent.yaml", "name: counter\nmodel: openai/gpt-4o-mini\n");
+    let case = "# Counts three words.\ninput: count a b c\nexpect:\n  tool_calls: [{ name: count, input: { text: a b c }, output: 3 }]\n  text_contains: '\"3\" words'\n";
+    write(dir.path(), "tests/counts.yaml", case);
+    let scripted = "input: count\nmock:\n  - text: scripted\nexpect: { text: scripted }\n";
+    write(dir.path(), "tests/scripted.yaml", scripted);
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let model = counting_model(asked.clone()).await;
+    let test = |args: &[&str], base_url: &str| {
+        let mut command = keel();
+        command
+            .arg("test")
+            .arg(dir.path())
+            .args(args)
+            .env("OPENAI_BASE_URL", base_url)
+            .env("OPENAI_API_KEY", "sk-test");
+        command.output().unwrap()
+    };
+
+    let base_url = format!("{}/v1", model.url());
+    let out = test(&["--record"], &base_url);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(said.contains("● counts: recorded 2 replies into"), "{said}");
+    assert!(said.contains("· scripted: not recorded: scripted already"), "{said}");
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2, "the real model answered the run");
+    let written = std::fs::read_to_string(dir.path().join("tests/counts.yaml")).unwrap();
+    assert!(written.starts_with(case), "the case's own lines are kept: {written}");
+    assert!(written.contains("recorded from openai/gpt-4o-mini by `keel test --record`"), "{written}");
+    assert!(
+        written
+            .contains(r#"- {"text":"Counting.","tool_calls":[{"input":{"text":"a b c"},"name":"count"}]}"#),
+        "{written}"
+    );
+    assert_eq!(std::fs::read_to_string(dir.path().join("tests/scripted.yaml")).unwrap(), scripted);
+
+    // From now on the case plays the recording: no model is reachable, and it passes, killed at
+    // every step boundary too.
+    let offline = test(&["--chaos"], "http://127.0.0.1:9");
+    let said = String::from_utf8_lossy(&offline.stdout);
+    assert!(offline.status.success(), "{said}");
+    assert!(
+        said.contains("✓ counts") && said.contains("resumed the same after a kill at each of its"),
+        "{said}"
+    );
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2, "the recording, not the model");
+    // Recording again leaves a recorded case alone.
+    let again = test(&["--record", "--json"], &base_url);
+    let report: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(report["cases"][0]["recorded"]["skipped"], "scripted already (its `mock`)", "{report}");
+    assert_eq!(std::fs::read_to_string(dir.path().join("tests/counts.yaml")).unwrap(), written);
+
+    // An agent on the mock model has nothing to record; `--record --chaos` is refused.
+    write(dir.path(), "agent.yaml", "name: counter\nmodel: mock\n");
+    std::fs::remove_file(dir.path().join("tests/scripted.yaml")).unwrap();
+    std::fs::write(dir.path().join("tests/counts.yaml"), case).unwrap();
+    let mocked = test(&["--record"], &base_url);
+    assert!(
+        String::from_utf8_lossy(&mocked.stdout).contains("not recorded: the agent's model is `mock`"),
+        "{mocked:?}"
+    );
+    let both = test(&["--record", "--chaos"], &base_url);
+    assert_eq!(both.status.code(), Some(2), "{both:?}");
+}
