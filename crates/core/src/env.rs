@@ -95,6 +95,12 @@ env_vars! {
     /// Where document indexes live.
     INDEX_DIR = "KEEL_INDEX_DIR", Runtime, "`.keel/index`",
         "where the indexes of semantic memory and skills' knowledge are kept (one folder per documents folder, a version per content); instances that share it share them";
+    /// The browser tool's Chromium.
+    BROWSER = "KEEL_BROWSER", Runtime, "the first of `chromium`, `chromium-browser`, `google-chrome-stable`, `google-chrome` on `PATH`",
+        "the Chromium (or Chrome) executable the `browser` tool starts, once per process";
+    /// The browser tool's pages at once.
+    BROWSER_PAGES = "KEEL_BROWSER_PAGES", Runtime, "4",
+        "how many pages the `browser` tool has open at once in this process (1-64); further calls wait for one to close";
     /// The run lease.
     RUN_LEASE = "KEEL_RUN_LEASE", Runtime, "`30s`",
         "how long a run's lease lasts without a heartbeat: how soon a process on another machine may take \

@@ -4,12 +4,15 @@
 //!   sees it, the former names still accepted: [`RENAMED_BUILTINS`]): `current_date`,
 //!   `day_name`, `ask_question` ([`AskQuestion`]), which pauses the run for a human's answer,
 //!   `http_request` ([`HttpTool`]) and `web_fetch`, behind the SSRF guard of [`net`], `shell`,
-//!   `js` (sandboxed JavaScript), `compose`, and the workspace file tools
+//!   `js` (sandboxed JavaScript), `compose`, `browser` (a headless Chromium behind the same
+//!   guard), and the workspace file tools
 //!   ([`workspace_tools`]);
 //! - tools from plain async Rust functions, with the input schema derived by schemars
 //!   ([`function_tool`]);
 //! - command tools ([`CommandTool`]): a program run with the input JSON on stdin.
 
+#[cfg(target_os = "linux")]
+pub mod browser;
 mod clock;
 mod command;
 pub mod compose;
@@ -44,7 +47,11 @@ pub const BUILTIN_NAMES: &[&str] = &[
     shell::ShellTool::NAME,
     js::JsTool::NAME,
     compose::ComposeTool::NAME,
+    BROWSER_NAME,
 ];
+
+/// The name of the `browser` tool (a headless Chromium; Linux only).
+pub const BROWSER_NAME: &str = "browser";
 
 /// Built-ins' former names, `(old, new)`: still accepted (a spec using one gets a warning), so
 /// that agents written before every built-in was named in snake_case keep working.
@@ -122,6 +129,16 @@ pub fn builtin(name: &str, config: &BuiltinConfig) -> Option<Arc<dyn Tool>> {
             Some(Arc::new(web_fetch::WebFetch::new(GuardedClient::new(net::NetPolicy::from(&config.http)))))
         }
         js::JsTool::NAME => Some(Arc::new(js::JsTool::new())),
+        #[cfg(target_os = "linux")]
+        BROWSER_NAME => {
+            // Screenshots and PDFs go into a writable workspace, when the agent has one.
+            let artifacts = config
+                .workspace
+                .as_ref()
+                .filter(|w| w.mode == keel_core::WorkspaceMode::Writable)
+                .and_then(|w| workspace::Workspace::open(&w.path).ok());
+            Some(Arc::new(browser::BrowserTool::new(net::NetPolicy::from(&config.http), artifacts)))
+        }
         shell::ShellTool::NAME => {
             let workspace = config.workspace.as_ref()?;
             Some(Arc::new(shell::ShellTool::new(workspace.path.clone(), config.shell.inherit_env)))

@@ -53,6 +53,15 @@ pub(crate) fn without_secrets(command: &mut Command) {
     }
 }
 
+/// Gives the program `read` and `write` as its file descriptors 3 and 4 (how Chromium's
+/// `--remote-debugging-pipe` takes its DevTools pipes); keel's own descriptors stay closed on
+/// exec, as std makes them. Call it after [`own_group_dying_with_keel`], so that the program,
+/// not its supervisor, holds them.
+#[cfg(target_os = "linux")]
+pub(crate) fn pass_pipes(command: &mut Command, read: std::os::fd::RawFd, write: std::os::fd::RawFd) {
+    supervisor::pass_pipes(command.as_std_mut(), read, write);
+}
+
 /// Runs `command` in its own process group that dies with keel (see the module docs).
 pub(crate) fn own_group_dying_with_keel(command: &mut Command) {
     command.process_group(0).kill_on_drop(true);
@@ -77,6 +86,28 @@ mod supervisor {
         // only async-signal-safe system calls (no allocation, no locks), as that requires.
         unsafe {
             command.pre_exec(fork_supervisor);
+        }
+    }
+
+    /// See [`super::pass_pipes`].
+    pub(super) fn pass_pipes(command: &mut std::process::Command, read: libc::c_int, write: libc::c_int) {
+        // SAFETY: the closure runs in the program's process between fork and exec, and makes
+        // only async-signal-safe system calls on two integers it owns.
+        unsafe {
+            command.pre_exec(move || {
+                // Each to a high number first (closed on exec), so that placing one at 3 or 4
+                // never overwrites the other; `dup2` then gives copies that stay open.
+                let high_read = libc::fcntl(read, libc::F_DUPFD_CLOEXEC, 100);
+                let high_write = libc::fcntl(write, libc::F_DUPFD_CLOEXEC, 100);
+                if high_read < 0
+                    || high_write < 0
+                    || libc::dup2(high_read, 3) < 0
+                    || libc::dup2(high_write, 4) < 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
         }
     }
 

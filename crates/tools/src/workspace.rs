@@ -98,6 +98,13 @@ impl Workspace {
         Ok(clean)
     }
 
+    /// Writes `content` at `path` (relative, made by keel, not the model), creating its
+    /// directory, replacing a file there atomically: where tools keep what they make (the
+    /// browser's screenshots).
+    pub async fn store(&self, path: PathBuf, content: Vec<u8>) -> Result<(), ToolError> {
+        self.blocking(move |dir| write_atomically(dir, &path, &content)).await
+    }
+
     async fn blocking<T: Send + 'static>(
         &self,
         work: impl FnOnce(&Dir) -> Result<T, ToolError> + Send + 'static,

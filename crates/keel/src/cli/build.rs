@@ -217,6 +217,13 @@ fn image_problems(
             spec.name
         ));
     }
+    let browser = keel_tools::BROWSER_NAME;
+    if spec.builtin_tools.iter().any(|tool| tool == browser) {
+        problems.push(format!(
+            "agent `{}`: the `{browser}` tool runs Chromium, and the image has no browser",
+            spec.name
+        ));
+    }
     for tool in &spec.command_tools {
         let what = format!("the command tool `{}` ({})", tool.def.name, relative(&tool.file, root));
         program_problem(&tool.def.command, root, &what, problems, programs);

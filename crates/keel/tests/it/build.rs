@@ -378,7 +378,7 @@ fn a_docker_build_refuses_what_the_image_cannot_run_and_names_the_target_that_ca
     let agent = agent_dir(&[
         (
             "agent.yaml",
-            "name: needs\nmodel: mock\ntools: [shell]\nworkspace: { path: ./files }\nmcp:\n  - { name: files, command: [npx, -y, some-server] }\n",
+            "name: needs\nmodel: mock\ntools: [shell, browser]\nworkspace: { path: ./files }\nmcp:\n  - { name: files, command: [npx, -y, some-server] }\n",
         ),
         ("tools/convert.toml", "description = \"Converts\"\ncommand = [\"python3\", \"convert.py\"]\n"),
         ("tools/convert.py", "print('hi')\n"),
@@ -397,6 +397,7 @@ fn a_docker_build_refuses_what_the_image_cannot_run_and_names_the_target_that_ca
     for expected in [
         "error[KEEL_SPEC_INVALID]: the docker image",
         "the `shell` tool runs /bin/sh, and the image has no shell",
+        "the `browser` tool runs Chromium, and the image has no browser",
         "the command tool `convert` (tools/convert.toml) runs `python3` (",
         "on this machine), which the image does not have",
         "the command tool `report` (tools/report.toml) is a script for `/usr/bin/env bash`",

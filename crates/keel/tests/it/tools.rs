@@ -450,3 +450,61 @@ mock:
     let runs: Vec<&str> = children[0].split_whitespace().collect();
     assert_eq!(runs[2], "1", "the child session has one run: {listed}");
 }
+
+/// A page that only its script fills in: what `web_fetch` cannot read, and `browser` can.
+const SCRIPTED_PAGE: &str = "<html><head><title>Loading</title></head><body><div id='app'>Loading…</div><script>\
+    document.getElementById('app').innerHTML = '<article><h1>Status</h1><p>All systems are running, and every run so far resumed after its crash.</p></article>';\
+    document.title = 'Status page';</script></body></html>";
+
+fn browser_agent(url: &str) -> String {
+    format!(
+        "model: mock
+tools: [browser]
+http: {{ allow_loopback: true }}
+workspace: {{ path: ./files, mode: writable }}
+mock:
+  script:
+    - tool_calls:
+        - {{ name: browser, input: {{ op: content, url: '{url}/status' }} }}
+        - {{ name: browser, input: {{ op: screenshot, url: '{url}/status' }} }}
+    - text: 'Read it.'
+"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn browser_reads_a_scripted_page_and_saves_a_screenshot_in_a_run_and_over_http() {
+    let server = WireServer::responding(|_| Reply::new(200, "text/html; charset=utf-8", SCRIPTED_PAGE)).await;
+    let dir = agent_dir(&[("agent.yaml", &browser_agent(&server.url())), ("files/.keep", "")]);
+    let (events, code) = run_json(dir.path(), "how is it going?").await;
+    assert_eq!(code, Some(0), "{events:?}");
+    let done = of_type(&events, "tool.done");
+    let page = done.iter().find(|e| e["output"]["markdown"].is_string()).expect("the content call");
+    assert_eq!(page["output"]["title"], "Status page");
+    assert!(page["output"]["markdown"].as_str().unwrap().contains("every run so far resumed"), "{page}");
+    let shot = done.iter().find(|e| e["output"]["key"].is_string()).expect("the screenshot call");
+    let png = std::fs::read(dir.path().join("files").join(shot["output"]["key"].as_str().unwrap())).unwrap();
+    assert_eq!(&png[..4], b"\x89PNG");
+
+    // The same agent served: the call's outcome in the turn's stream.
+    let server_dir = agent_dir(&[("agent.yaml", &browser_agent(&server.url())), ("files/.keep", "")]);
+    let served = crate::serve::Served::start(server_dir.path(), "memory", &[]);
+    let response = crate::serve::client()
+        .post(served.url("/chat"))
+        .json(&serde_json::json!({"sessionId": "b", "input": "how is it going?"}))
+        .send()
+        .await
+        .unwrap();
+    let messages = crate::serve::read_sse(response).await;
+    let outputs: Vec<Value> = messages
+        .iter()
+        .filter(|m| m.event.is_none() && m.kind() == "tool.done")
+        .map(|m| m.json()["output"].clone())
+        .collect();
+    assert!(
+        outputs.iter().any(|o| o["markdown"].as_str().is_some_and(|m| m.contains("All systems are running"))),
+        "{outputs:?}"
+    );
+    assert!(outputs.iter().any(|o| o["mediaType"] == "image/png"), "{outputs:?}");
+    assert!(messages.iter().any(|m| m.event.is_none() && m.kind() == "run.done"));
+}
