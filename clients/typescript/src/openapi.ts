@@ -480,6 +480,8 @@ export interface components {
              */
             type: "tool.error";
             callId: string;
+            /** @description The error's stable code (`KEEL_TOOL_FAILED`, `KEEL_TOOL_REFUSED`...) */
+            code: string;
             error: string;
             durationMs?: number;
         };

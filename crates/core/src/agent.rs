@@ -52,6 +52,9 @@ pub struct AgentDef {
 impl AgentDef {
     /// How long approvals wait when the agent does not say: three days.
     pub const DEFAULT_APPROVAL_TIMEOUT: Duration = Duration::from_secs(3 * 24 * 3600);
+    /// The longest an approval or a question may wait: one week. A pause longer than that is
+    /// a forgotten one, and it holds its session (and its inputs waiting) all the while.
+    pub const MAX_APPROVAL_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 }
 
 /// What a second input to a busy session does (spec key `concurrency`).
@@ -60,7 +63,8 @@ pub enum Concurrency {
     /// Refused with `KEEL_SESSION_BUSY`.
     #[default]
     Reject,
-    /// The run in flight is cancelled, then the new one starts.
+    /// The run in flight is cancelled, and the new input waits behind the inputs already
+    /// waiting (they are not superseded: each was accepted, and runs in turn).
     Replace,
     /// Waits its turn, first in first out; at most [`Concurrency::MAX_QUEUED`] wait, more are
     /// refused with `KEEL_SESSION_BUSY`.
@@ -68,8 +72,11 @@ pub enum Concurrency {
 }
 
 impl Concurrency {
-    /// How many inputs may wait for a busy session in `queue` mode.
+    /// How many inputs may wait for a busy session (`queue` and `replace`).
     pub const MAX_QUEUED: usize = 5;
+    /// How long an input waits for its session before it gives up (`KEEL_SESSION_BUSY`): a run
+    /// ahead of it that is paused for days does not hold it forever.
+    pub const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
 }
 
 impl std::fmt::Debug for AgentDef {
@@ -257,13 +264,77 @@ pub struct ProviderSettings {
     pub headers: Vec<(String, String)>,
 }
 
-/// What the network tools (`http_request`, `web_fetch`) may reach (spec key `http`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What the network tools (`http_request`, `web_fetch`, `browser`) may reach, and which requests
+/// wait for a human (spec key `http`).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HttpSettings {
     /// Host names they may reach (`api.github.com`, `*.example.com`); empty: any public host.
     pub allow: Vec<String>,
     /// Whether loopback addresses are reachable (local development and tests only).
     pub allow_loopback: bool,
+    /// The `http_request` methods whose calls wait for a human's approval (upper case; default
+    /// the ones that change things: POST, PUT, PATCH, DELETE).
+    pub approve_methods: Vec<String>,
+}
+
+impl HttpSettings {
+    /// The methods that ask for approval by default: those that change something.
+    pub const DEFAULT_APPROVE_METHODS: &'static [&'static str] = &["POST", "PUT", "PATCH", "DELETE"];
+}
+
+impl Default for HttpSettings {
+    fn default() -> HttpSettings {
+        HttpSettings {
+            allow: Vec::new(),
+            allow_loopback: false,
+            approve_methods: HttpSettings::DEFAULT_APPROVE_METHODS.iter().map(|m| (*m).to_owned()).collect(),
+        }
+    }
+}
+
+/// Where the `web_search` tool sends its queries (spec key `web_search`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SearchSettings {
+    /// Which search API.
+    pub backend: SearchBackendKind,
+    /// The API's root (`http://127.0.0.1:8888` for a SearXNG instance); each backend has its
+    /// public default, SearXNG has none.
+    pub url: Option<String>,
+    /// The environment variable holding the API key (default `BRAVE_API_KEY`,
+    /// `TAVILY_API_KEY`; SearXNG sends one only when this is set).
+    pub api_key_env: Option<String>,
+    /// How long one request may take.
+    pub timeout: std::time::Duration,
+}
+
+impl SearchSettings {
+    /// The timeout when the spec gives none.
+    pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+}
+
+/// The search APIs `web_search` speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SearchBackendKind {
+    /// A SearXNG instance's JSON API (`GET /search?format=json`).
+    Searxng,
+    /// The Brave Search API (`GET /res/v1/web/search`).
+    Brave,
+    /// Tavily's search API (`POST /search`).
+    Tavily,
+}
+
+impl SearchBackendKind {
+    /// Every backend, by its spec name.
+    pub const ALL: &'static [(&'static str, SearchBackendKind)] = &[
+        ("searxng", SearchBackendKind::Searxng),
+        ("brave", SearchBackendKind::Brave),
+        ("tavily", SearchBackendKind::Tavily),
+    ];
+
+    /// The spec name.
+    pub fn name(self) -> &'static str {
+        SearchBackendKind::ALL.iter().find(|(_, kind)| *kind == self).map_or("", |(name, _)| name)
+    }
 }
 
 /// The directory the workspace tools work in (spec key `workspace`).

@@ -97,6 +97,17 @@ error_codes! {
     /// A built-in tool refused what the call asked for: a private address, a host outside
     /// `http.allow`, a path outside the workspace...
     ToolRefused = "KEEL_TOOL_REFUSED",
+    /// The search backend of `web_search` rejected its API key, or the key's variable is not
+    /// set.
+    SearchAuth = "KEEL_SEARCH_AUTH",
+    /// The search backend kept answering "too many requests" after the retries, or its plan's
+    /// quota is spent.
+    SearchThrottled = "KEEL_SEARCH_THROTTLED",
+    /// The search backend answered something that is not its API (an HTML page, JSON of another
+    /// shape).
+    SearchBadResponse = "KEEL_SEARCH_BAD_RESPONSE",
+    /// The search backend could not be reached, timed out, or failed (HTTP 5xx, another error).
+    SearchUnavailable = "KEEL_SEARCH_UNAVAILABLE",
     /// An MCP server did not start, did not finish `initialize` in time, or its tool list could
     /// not be read.
     McpStartFailed = "KEEL_MCP_START_FAILED",

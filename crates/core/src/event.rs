@@ -139,6 +139,8 @@ pub enum Event {
     ToolError {
         /// The call id.
         call_id: String,
+        /// The error's stable code (`KEEL_TOOL_FAILED`, `KEEL_TOOL_REFUSED`...).
+        code: crate::error::ErrorCode,
         /// What went wrong.
         error: String,
         /// How long the call ran, when it ran now (as for `ToolDone`).

@@ -39,8 +39,8 @@ pub mod wire;
 
 pub use agent::{
     AgentDef, CommandToolDef, Concurrency, HttpSettings, LimitOverrides, Limits, McpServerDef, McpTransport,
-    MockEntry, MockFailure, MockScript, MockToolCall, ProviderSettings, RetryPolicy, ShellSettings,
-    ToolChoice, WorkspaceMode, WorkspaceSettings,
+    MockEntry, MockFailure, MockScript, MockToolCall, ProviderSettings, RetryPolicy, SearchBackendKind,
+    SearchSettings, ShellSettings, ToolChoice, WorkspaceMode, WorkspaceSettings,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{ErrorCode, RunFailure};

@@ -996,6 +996,19 @@ impl Machine {
                 false,
             )));
         }
+        // A tool that asks for approval only for some inputs (`http_request` sending a POST)
+        // may be composed; a step whose input needs the approval is not run: a script cannot
+        // wait for a human between two steps.
+        if self.agent.tools.needs_approval(&step.tool, &input) {
+            return Some(Err(ToolError::with_code(
+                ErrorCode::ToolRefused,
+                format!(
+                    "step `{}`: this call of `{}` needs a human's approval, which a compose script cannot wait for: call it on its own",
+                    step.id, step.tool
+                ),
+                false,
+            )));
+        }
         self.tool_calls += 1;
         let call_id = compose_call_id(parent, &step.id);
         actions.push(Action::Emit(Event::ToolStart {
@@ -1310,9 +1323,12 @@ fn short_duration(duration: std::time::Duration) -> String {
 fn outcome_event(call_id: &str, outcome: &ToolOutcome, duration: Option<Duration>) -> Event {
     match outcome {
         Ok(output) => Event::ToolDone { call_id: call_id.to_owned(), output: output.clone(), duration },
-        Err(error) => {
-            Event::ToolError { call_id: call_id.to_owned(), error: error.message.clone(), duration }
-        }
+        Err(error) => Event::ToolError {
+            call_id: call_id.to_owned(),
+            code: error.code,
+            error: error.message.clone(),
+            duration,
+        },
     }
 }
 

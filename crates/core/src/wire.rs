@@ -8,7 +8,7 @@
 //! {"type":"turn.start","turn":0}
 //! {"type":"tool.start","callId":"call_0_0","name":"add","input":{"a":2,"b":3}}
 //! {"type":"tool.done","callId":"call_0_0","output":5}
-//! {"type":"tool.error","callId":"call_0_1","error":"..."}
+//! {"type":"tool.error","callId":"call_0_1","code":"KEEL_TOOL_FAILED","error":"..."}
 //! {"type":"approval.requested","approvalId":"ap_...","callId":"call_0_2","tool":"shell","input":{}}
 //! {"type":"question.asked","questionId":"qu_...","question":"Which city?"}
 //! {"type":"output.repair","attempt":1,"problem":"..."}
@@ -68,6 +68,7 @@ enum EventJson<'a> {
     #[serde(rename = "tool.error", rename_all = "camelCase")]
     ToolError {
         call_id: &'a str,
+        code: &'static str,
         error: &'a str,
         #[serde(skip_serializing_if = "Option::is_none")]
         duration_ms: Option<u64>,
@@ -142,8 +143,8 @@ pub fn event_to_json(event: &Event) -> String {
         Event::ToolDone { call_id, output, duration } => {
             EventJson::ToolDone { call_id, output, duration_ms: duration.map(millis) }
         }
-        Event::ToolError { call_id, error, duration } => {
-            EventJson::ToolError { call_id, error, duration_ms: duration.map(millis) }
+        Event::ToolError { call_id, code, error, duration } => {
+            EventJson::ToolError { call_id, code: code.as_str(), error, duration_ms: duration.map(millis) }
         }
         Event::ApprovalRequested { approval_id, call_id, tool, input } => {
             EventJson::ApprovalRequested { approval_id, call_id, tool, input }
@@ -302,7 +303,12 @@ mod tests {
             },
             Event::ToolStart { call_id: "c".into(), name: "add".into(), input: json!({"a": 2}) },
             Event::ToolDone { call_id: "c".into(), output: json!(5), duration: None },
-            Event::ToolError { call_id: "c".into(), error: "boom".into(), duration: None },
+            Event::ToolError {
+                call_id: "c".into(),
+                code: crate::error::ErrorCode::ToolFailed,
+                error: "boom".into(),
+                duration: None,
+            },
             Event::ToolDone {
                 call_id: "c".into(),
                 output: json!(5),
@@ -357,7 +363,7 @@ mod tests {
             {"type":"turn.retry","turn":1,"attempt":2,"code":"KEEL_PROVIDER_OVERLOADED","message":"anthropic answered HTTP 529","waitMs":1500}
             {"type":"tool.start","callId":"c","name":"add","input":{"a":2}}
             {"type":"tool.done","callId":"c","output":5}
-            {"type":"tool.error","callId":"c","error":"boom"}
+            {"type":"tool.error","callId":"c","code":"KEEL_TOOL_FAILED","error":"boom"}
             {"type":"tool.done","callId":"c","output":5,"durationMs":12}
             {"type":"approval.requested","approvalId":"ap_1","callId":"c","tool":"shell","input":{"command":"ls"}}
             {"type":"question.asked","questionId":"qu_1","question":"Which city?"}

@@ -121,6 +121,7 @@ impl Agent {
             http: spec.http.clone(),
             workspace: spec.workspace.clone(),
             shell: spec.shell,
+            search: spec.search.clone(),
             now: setup.now.clone(),
         };
         let compose = spec.builtin_tools.iter().any(|name| name == keel_tools::compose::ComposeTool::NAME);
@@ -140,7 +141,10 @@ impl Agent {
             let name = sub.name.clone();
             let description = sub.description.clone();
             let child = Box::pin(Agent::from_spec_inner(sub, store.clone(), setup)).await?;
-            tools.push(Arc::new(SubagentTool::new(&name, description.as_deref(), child.engine)));
+            // The child's time budget is what the parent gives a tool call.
+            let tool = SubagentTool::new(&name, description.as_deref(), child.engine)
+                .with_budget(spec.limits.tool_timeout);
+            tools.push(Arc::new(tool));
         }
         let mut write_approvals = Vec::new();
         if spec.shell.approve
@@ -178,6 +182,19 @@ impl Agent {
             if !approvals.contains(&name) {
                 approvals.push(name);
             }
+        }
+        // `http_request` asks before the methods that change things (`http.approve_methods`),
+        // unless `approvals.tools` has it ask before every call.
+        let http_name = keel_tools::HttpTool::NAME;
+        if spec.builtin_tools.iter().any(|name| name == http_name)
+            && !approvals.iter().any(|name| name == http_name)
+            && !spec.http.approve_methods.is_empty()
+        {
+            let methods = spec.http.approve_methods.clone();
+            builder = builder.require_approval_when(http_name, move |input| {
+                let method = input["method"].as_str().unwrap_or("GET").to_ascii_uppercase();
+                methods.contains(&method)
+            });
         }
         for name in approvals {
             builder = builder.require_approval(name);
@@ -558,9 +575,13 @@ impl AgentBuilder {
     }
 
     /// How long approvals and questions wait for a human (default: 3 days); past that an
-    /// approval counts as rejected and a question as unanswered, and the run goes on.
+    /// approval counts as rejected and a question as unanswered, and the run goes on. At most
+    /// a week ([`AgentDef::MAX_APPROVAL_TIMEOUT`]): a longer one is cut to a week, with a warning.
     pub fn approval_timeout(mut self, timeout: std::time::Duration) -> Self {
-        self.approval_timeout = Some(timeout);
+        if timeout > AgentDef::MAX_APPROVAL_TIMEOUT {
+            tracing::warn!(?timeout, "an approval timeout is at most a week; one week it is");
+        }
+        self.approval_timeout = Some(timeout.min(AgentDef::MAX_APPROVAL_TIMEOUT));
         self
     }
 
@@ -817,7 +838,14 @@ impl ToolRecipe {
             all_tools = all_tools.into_iter().map(|tool| probe.wrap(tool)).collect();
         }
         if self.compose {
-            let excluded: Vec<&str> = self.approvals.iter().map(|(name, _)| name.as_str()).collect();
+            // Tools that always ask a human are left out; those that ask for some inputs only
+            // are in, and a step with such an input is refused when it comes (see the machine).
+            let excluded: Vec<&str> = self
+                .approvals
+                .iter()
+                .filter(|(_, rule)| matches!(rule, ApprovalRule::Always))
+                .map(|(name, _)| name.as_str())
+                .collect();
             let composable: Vec<&str> = all_tools
                 .iter()
                 .filter(|tool| !tool.asks_human() && !tool.composes())

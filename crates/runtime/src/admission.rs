@@ -4,9 +4,10 @@
 //! refused while another is unfinished); within a process, [`Sessions`] decides what a second
 //! input does before it ever reaches the store, following the agent's `concurrency`: `reject`
 //! refuses it, `queue` lines it up (at most [`Concurrency::MAX_QUEUED`]), `replace` cancels the
-//! run in flight and every input still waiting, then lines it up. A waiting input is never
-//! dropped: a replaced one still runs, cancelled from its start, so that its input is stored.
-//! The session passes from one run to the next as its [`SessionClaim`] drops.
+//! run in flight and lines it up behind the inputs already waiting, which it does not supersede:
+//! each was accepted and runs in turn. A waiting input waits at most [`Concurrency::MAX_WAIT`]
+//! (the driver gives up on it then). The session passes from one run to the next as its
+//! [`SessionClaim`] drops.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -92,21 +93,16 @@ impl Sessions {
                     session.external()
                 )));
             }
-            Concurrency::Queue if slot.waiting.len() >= Concurrency::MAX_QUEUED => {
+            Concurrency::Queue | Concurrency::Replace if slot.waiting.len() >= Concurrency::MAX_QUEUED => {
                 return Err(busy_error(&format!(
-                    " and {} inputs waiting, the most `concurrency: queue` allows",
+                    " and {} inputs waiting, the most a session holds",
                     Concurrency::MAX_QUEUED
                 )));
             }
             Concurrency::Queue => {}
             Concurrency::Replace => {
-                // The newest input wins: the run in flight and every input still waiting give
-                // way. The waiting ones keep their place: each runs, cancelled from its start,
-                // so that its input is in the transcript.
+                // The run in flight gives way; the inputs waiting keep their place and run.
                 slot.cancel.cancel();
-                for waiting in &slot.waiting {
-                    waiting.cancel.cancel();
-                }
             }
         }
         slot.waiting.push_back(waiting);
@@ -194,5 +190,63 @@ impl Drop for SessionClaim {
             let claim = SessionClaim { sessions: Arc::clone(&self.sessions), session: self.session.clone() };
             drop(handover.send(claim));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(n: u8) -> (RunId, CancellationToken) {
+        (RunId::from_suffix(&format!("r{n}")), CancellationToken::new())
+    }
+
+    #[test]
+    fn replace_cancels_the_run_in_flight_and_keeps_the_inputs_already_waiting() {
+        let sessions = Arc::new(Sessions::default());
+        let session = SessionId::new("s").unwrap();
+        let ((a, a_cancel), (b, b_cancel), (c, c_cancel)) = (run(1), run(2), run(3));
+        let Ok(Admission::Now(a_claim)) = sessions.admit(&session, &a, &a_cancel, Concurrency::Replace)
+        else {
+            panic!("the first input runs at once");
+        };
+        let Ok(Admission::Wait(mut b_wait)) = sessions.admit(&session, &b, &b_cancel, Concurrency::Replace)
+        else {
+            panic!("the second waits");
+        };
+        assert!(a_cancel.is_cancelled(), "the run in flight gives way");
+        let Ok(Admission::Wait(mut c_wait)) = sessions.admit(&session, &c, &c_cancel, Concurrency::Replace)
+        else {
+            panic!("the third waits");
+        };
+        assert!(!b_cancel.is_cancelled(), "an input already waiting is not superseded");
+        drop(a_claim);
+        let b_claim = b_wait.try_recv().expect("the session goes to the second input");
+        assert!(c_wait.try_recv().is_err(), "the third waits for the second");
+        // Now the second is in flight: a fourth cancels it.
+        let (d, d_cancel) = run(4);
+        assert!(matches!(
+            sessions.admit(&session, &d, &d_cancel, Concurrency::Replace),
+            Ok(Admission::Wait(_))
+        ));
+        assert!(b_cancel.is_cancelled() && !c_cancel.is_cancelled());
+        drop(b_claim);
+        assert!(c_wait.try_recv().is_ok());
+    }
+
+    #[test]
+    fn a_session_holds_a_bounded_line_in_every_mode() {
+        let sessions = Arc::new(Sessions::default());
+        let session = SessionId::new("s").unwrap();
+        let (first, cancel) = run(0);
+        let _claim = sessions.admit(&session, &first, &cancel, Concurrency::Queue).unwrap();
+        let mut waits = Vec::new();
+        for n in 1..=Concurrency::MAX_QUEUED as u8 {
+            let (id, cancel) = run(n);
+            waits.push(sessions.admit(&session, &id, &cancel, Concurrency::Replace).unwrap());
+        }
+        let (extra, cancel) = run(99);
+        let refused = sessions.admit(&session, &extra, &cancel, Concurrency::Replace).err().unwrap();
+        assert_eq!(refused.code, ErrorCode::SessionBusy);
     }
 }

@@ -306,6 +306,7 @@ async fn settle_session(
     mode: Concurrency,
 ) -> Result<SessionSnapshot, RunFailure> {
     let mut asked_to_cancel = false;
+    let waiting_since = tokio::time::Instant::now();
     loop {
         let snapshot = shared.store.load_session(session).await.map_err(store_failure)?;
         let Some(run) = &snapshot.open_run else { return Ok(snapshot) };
@@ -329,6 +330,11 @@ async fn settle_session(
                 let by = "a newer input (`concurrency: replace`)";
                 shared.store.request_cancel(session, by).await.map_err(store_failure)?;
                 asked_to_cancel = true;
+            }
+            (RunState::Running, Concurrency::Replace | Concurrency::Queue)
+                if waiting_since.elapsed() >= Concurrency::MAX_WAIT =>
+            {
+                return Err(waited_too_long(session));
             }
             (RunState::Running, Concurrency::Replace | Concurrency::Queue) => {
                 // Driven elsewhere: wait for it to end (it was asked to, under `replace`), unless
@@ -355,6 +361,19 @@ async fn settle_session(
     }
 }
 
+/// An input that waited [`Concurrency::MAX_WAIT`] for its session and gave up.
+fn waited_too_long(session: &SessionId) -> RunFailure {
+    RunFailure::new(
+        ErrorCode::SessionBusy,
+        format!(
+            "the input to session {} waited {} h for the runs ahead of it and was given up; send it again, or cancel what holds the session (`keel cancel {}`)",
+            session.external(),
+            Concurrency::MAX_WAIT.as_secs() / 3600,
+            session.external()
+        ),
+    )
+}
+
 fn shutting_down(run: &RunId) -> RunFailure {
     RunFailure::new(
         ErrorCode::ShuttingDown,
@@ -376,17 +395,22 @@ async fn prepare(
         Plan::Fresh { run_id, session, input, admission, mode, limits } => {
             let claim = match admission {
                 Admission::Now(claim) => claim,
-                // Queued (or replacing the run in flight): accepted, and waits for the session.
-                // A cancelled (replaced) input still waits: it runs cancelled from its start,
-                // so that it is stored.
+                // Queued (or replacing the run in flight): accepted, and waits for the session,
+                // at most `MAX_WAIT`. An input cancelled while it waits still waits: it runs
+                // cancelled from its start, so that it is stored.
                 Admission::Wait(handover) => {
                     tell_admitted(admitted, Ok(()));
-                    handover.await.map_err(|_| {
-                        RunFailure::new(
-                            ErrorCode::Internal,
-                            "the session was never handed over; please report this bug",
-                        )
-                    })?
+                    match tokio::time::timeout(Concurrency::MAX_WAIT, handover).await {
+                        Ok(Ok(claim)) => claim,
+                        Ok(Err(_)) => {
+                            return Err(RunFailure::new(
+                                ErrorCode::Internal,
+                                "the session was never handed over; please report this bug",
+                            ));
+                        }
+                        // Dropping the receiver gives its place up: the session goes past it.
+                        Err(_) => return Err(waited_too_long(&session)),
+                    }
                 }
             };
             let SessionSnapshot { messages: history, state, .. } =

@@ -604,6 +604,37 @@ async fn replace_cancels_the_run_in_flight_and_runs_the_new_input() {
     assert_eq!(texts, ["first", "second", "answer 0"]);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_queued_input_gives_up_after_twelve_hours_behind_a_run_that_does_not_end() {
+    let store = Arc::new(MemoryStore::new());
+    let (started, runs) = (Arc::new(tokio::sync::Notify::new()), Arc::new(AtomicUsize::new(0)));
+    let engine = Engine::new(
+        agent(vec![hang_once(started.clone(), runs)], |a| {
+            a.concurrency = keel_core::Concurrency::Queue;
+            a.limits.tool_timeout = Duration::from_secs(48 * 3600);
+        }),
+        counting(vec![calls(&[("slow", json!({}))]), text("first"), text("third")]),
+        store.clone(),
+    );
+    let first = engine.start(session("w"), Message::user("one")).unwrap();
+    started.notified().await;
+    let queued_at = tokio::time::Instant::now();
+    let second = engine.start(session("w"), Message::user("two")).unwrap();
+    let failure = second.result().await.unwrap_err();
+    assert_eq!(failure.code, keel_core::ErrorCode::SessionBusy, "{failure}");
+    assert!(failure.message.contains("waited 12 h"), "{failure}");
+    let waited = queued_at.elapsed();
+    assert!(
+        (Duration::from_secs(12 * 3600)..Duration::from_secs(12 * 3600 + 60)).contains(&waited),
+        "{waited:?}"
+    );
+    // The run ahead is untouched, and the session serves the next input once it ends.
+    first.cancel();
+    assert_eq!(first.result().await.unwrap().stopped, StopReason::Cancelled);
+    let third = engine.start(session("w"), Message::user("three")).unwrap();
+    assert_eq!(third.result().await.unwrap().stopped, StopReason::Final);
+}
+
 #[tokio::test]
 async fn a_finished_run_whose_journal_was_compacted_is_never_executed_again() {
     let store = Arc::new(MemoryStore::new());

@@ -42,6 +42,7 @@ fn every_event() -> Vec<Event> {
         },
         Event::ToolError {
             call_id: "c".into(),
+            code: keel_core::ErrorCode::ToolRefused,
             error: "boom".into(),
             duration: Some(std::time::Duration::ZERO),
         },

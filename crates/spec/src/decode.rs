@@ -190,12 +190,33 @@ impl<'n> MapReader<'n> {
 
     /// Reports every key not taken as unknown, with a "did you mean" among `known`.
     pub(crate) fn finish(self, decoder: &mut Decoder<'_>, section: &str, known: &[&str]) {
+        self.report_unknown(decoder, section, known, false);
+    }
+
+    /// [`MapReader::finish`] for a section whose format others extend (a skill's front matter):
+    /// unknown keys are warnings, and loading goes on.
+    pub(crate) fn finish_leniently(self, decoder: &mut Decoder<'_>, section: &str, known: &[&str]) {
+        self.report_unknown(decoder, section, known, true);
+    }
+
+    fn report_unknown(self, decoder: &mut Decoder<'_>, section: &str, known: &[&str], lenient: bool) {
         for ((key, pos, _), used) in self.entries.iter().zip(self.used) {
             if used {
                 continue;
             }
             let place = if section.is_empty() { String::new() } else { format!(" in `{section}`") };
-            let diagnostic = decoder.error(*pos, format!("unknown key `{key}`{place}"));
+            let message = format!("unknown key `{key}`{place}");
+            let diagnostic = if lenient {
+                let file = decoder.file.clone();
+                decoder.push(Diagnostic::warning(
+                    ErrorCode::SpecInvalid,
+                    &file,
+                    *pos,
+                    format!("{message}: ignored"),
+                ))
+            } else {
+                decoder.error(*pos, message)
+            };
             diagnostic.hint = Some(match did_you_mean(key, known) {
                 Some(close) => format!("did you mean `{close}`?"),
                 None => format!("known keys: {}", known.join(", ")),

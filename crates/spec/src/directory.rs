@@ -411,7 +411,8 @@ fn read_skill_file(
     for key in &SKILL_KEYS[2..] {
         map.take(key);
     }
-    map.finish(&mut d, "front matter", SKILL_KEYS);
+    // Skills are shared between tools that add their own keys: an unknown one is a warning.
+    map.finish_leniently(&mut d, "front matter", SKILL_KEYS);
     match &name {
         Some((name, pos)) if name != dir_name => {
             d.error(*pos, format!("the skill is named `{name}` but lives in skills/{dir_name}/")).hint =
@@ -579,10 +580,33 @@ pub(crate) fn finish(
             .with_hint("add `workspace: { path: ./work, mode: writable }`"),
         );
     }
+    match (spec.tools.iter().find(|(name, _)| name == "web_search"), &spec.search) {
+        (Some((_, pos)), None) => diagnostics.push(
+            Diagnostic::error(
+                ErrorCode::SpecInvalid,
+                file,
+                *pos,
+                "`web_search` needs a search backend, and the spec names none",
+            )
+            .with_hint("add `web_search: { backend: brave }` (or searxng with its `url`, or tavily)"),
+        ),
+        (None, Some((Some(_), pos))) => diagnostics.push(
+            Diagnostic::warning(
+                ErrorCode::SpecInvalid,
+                file,
+                *pos,
+                "`web_search` is configured, and not in `tools`",
+            )
+            .with_hint("add `web_search` to `tools`, or remove the `web_search` key"),
+        ),
+        _ => {}
+    }
     // The workspace tools come with `workspace`, without being listed.
     let workspace_names: &[&str] = match spec.workspace.as_ref().map(|w| w.mode) {
-        Some(keel_core::WorkspaceMode::ReadOnly) => &["read_file", "list_files"],
-        Some(keel_core::WorkspaceMode::Writable) => &["read_file", "list_files", "write_file", "edit_file"],
+        Some(keel_core::WorkspaceMode::ReadOnly) => &["read_file", "list_files", "stat"],
+        Some(keel_core::WorkspaceMode::Writable) => {
+            &["read_file", "list_files", "stat", "write_file", "edit_file", "delete_file"]
+        }
         _ => &[],
     };
     let forced_tool = match (&spec.provider.tool_choice, spec.tool_choice_pos) {
@@ -676,6 +700,7 @@ pub(crate) fn finish(
         http: spec.http,
         workspace: spec.workspace,
         shell: spec.shell,
+        search: spec.search.and_then(|(search, _)| search),
         subagents,
         concurrency: spec.concurrency,
         approval_tools: spec

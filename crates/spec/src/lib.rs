@@ -64,6 +64,8 @@ pub struct AgentSpec {
     pub workspace: Option<keel_core::WorkspaceSettings>,
     /// How the `shell` tool runs (`shell`).
     pub shell: keel_core::ShellSettings,
+    /// Where `web_search` sends its queries (`web_search`).
+    pub search: Option<keel_core::SearchSettings>,
     /// The agents of `subagents/<name>/`, each exposed to this one as the tool `<name>`.
     pub subagents: Vec<AgentSpec>,
     /// What a second input to a busy session does.

@@ -32,6 +32,7 @@ pub(crate) const KEYS: &[&str] = &[
     "concurrency",
     "workspace",
     "shell",
+    "web_search",
     "output",
     "compaction",
     "mcp",
@@ -96,6 +97,8 @@ pub(crate) struct FileSpec {
     pub(crate) http: HttpSettings,
     pub(crate) workspace: Option<WorkspaceSettings>,
     pub(crate) shell: ShellSettings,
+    /// `web_search` (`None` inside when it has errors), with the position of its key.
+    pub(crate) search: Option<(Option<keel_core::SearchSettings>, Pos)>,
     /// Where `provider.tool_choice` names a tool (checked once the agent's tools are known).
     pub(crate) tool_choice_pos: Option<Pos>,
     pub(crate) concurrency: Concurrency,
@@ -162,6 +165,7 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         http: HttpSettings::default(),
         workspace: None,
         shell: ShellSettings::default(),
+        search: None,
         tool_choice_pos: None,
         concurrency: Concurrency::Reject,
         approval_tools: Vec::new(),
@@ -231,6 +235,11 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         }
         shell.finish(d, "shell", &["inherit_env", "approve"]);
     }
+    if let Some(pos) = map.key_pos("web_search")
+        && let Some(node) = map.take("web_search")
+    {
+        spec.search = Some((web_search(node, d), pos));
+    }
     if let Some(node) = map.take("provider") {
         provider(node, d, &mut spec.provider);
         if matches!(spec.provider.tool_choice, ToolChoice::Tool(_)) {
@@ -272,8 +281,17 @@ fn decode(root: &Node, d: &mut Decoder<'_>, options: &LoadOptions<'_>) -> Option
         if let Some(tools) = approvals.take("tools") {
             spec.approval_tools = d.string_list(tools, "approvals.tools").unwrap_or_default();
         }
-        if let Some(timeout) = approvals.take("timeout") {
-            spec.approval_timeout = d.duration(timeout, "approvals.timeout");
+        if let Some(node) = approvals.take("timeout") {
+            spec.approval_timeout = d.duration(node, "approvals.timeout").filter(|timeout| {
+                let max = keel_core::AgentDef::MAX_APPROVAL_TIMEOUT;
+                if *timeout > max {
+                    d.error(node.pos, "`approvals.timeout` is at most a week (`7d`)").hint = Some(
+                        "a human who has not decided in a week is not coming: end the wait sooner, and ask again"
+                            .into(),
+                    );
+                }
+                *timeout <= max
+            });
         }
         approvals.finish(d, "approvals", APPROVAL_KEYS);
     }
@@ -636,7 +654,96 @@ fn http(node: &Node, d: &mut Decoder<'_>, settings: &mut HttpSettings) {
     if let Some(allow) = map.take("allow_loopback").and_then(|v| d.boolean(v, "http.allow_loopback")) {
         settings.allow_loopback = allow;
     }
-    map.finish(d, "http", &["allow", "allow_loopback"]);
+    if let Some(node) = map.take("approve_methods")
+        && let Some(methods) = d.string_list(node, "http.approve_methods")
+    {
+        const METHODS: &[&str] = &["GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"];
+        settings.approve_methods.clear();
+        for (method, pos) in methods {
+            let upper = method.to_ascii_uppercase();
+            if METHODS.contains(&upper.as_str()) {
+                settings.approve_methods.push(upper);
+            } else {
+                d.error(
+                    pos,
+                    format!("`http.approve_methods`: {method:?} is not a method `http_request` sends"),
+                )
+                .hint = Some(format!("use {}", METHODS.join(", ")));
+            }
+        }
+    }
+    map.finish(d, "http", &["allow", "allow_loopback", "approve_methods"]);
+}
+
+/// `web_search: { backend, url?, api_key_env?, timeout? }`; `None` once its errors are reported.
+fn web_search(node: &Node, d: &mut Decoder<'_>) -> Option<keel_core::SearchSettings> {
+    use keel_core::SearchBackendKind;
+    let mut map = d.map(node, "web_search")?;
+    let backend_node = map.take("backend");
+    let url_node = map.take("url");
+    let key_node = map.take("api_key_env");
+    let timeout_node = map.take("timeout");
+    map.finish(d, "web_search", &["backend", "url", "api_key_env", "timeout"]);
+    let names: Vec<&str> = SearchBackendKind::ALL.iter().map(|(name, _)| *name).collect();
+    // Each field is checked, so that every mistake is reported at once.
+    let backend = match backend_node {
+        None => {
+            d.error(node.pos, "`web_search` needs `backend`").hint =
+                Some(format!("write `web_search: {{ backend: brave }}` (one of {})", names.join(", ")));
+            None
+        }
+        Some(backend_node) => d.string(backend_node, "web_search.backend").and_then(|name| {
+            let found =
+                SearchBackendKind::ALL.iter().find(|(known, _)| *known == name).map(|(_, kind)| *kind);
+            if found.is_none() {
+                let hint = did_you_mean(&name, &names)
+                    .map_or(format!("use {}", names.join(", ")), |c| format!("did you mean `{c}`?"));
+                d.error(backend_node.pos, format!("unknown search backend {name:?}")).hint = Some(hint);
+            }
+            found.map(|kind| (kind, backend_node.pos))
+        }),
+    };
+    let url = url_node.map(|node| {
+        let url = d.text(node, "web_search.url")?.trim().trim_end_matches('/').to_owned();
+        let parsed = url::Url::parse(&url).ok();
+        if !parsed.is_some_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some()) {
+            d.error(node.pos, format!("`web_search.url` must be an http:// or https:// URL, not {url:?}"))
+                .hint = Some("write the API's root, for example `http://127.0.0.1:8888`".into());
+            return None;
+        }
+        Some(url)
+    });
+    let api_key_env = key_node.map(|node| {
+        let name = d.text(node, "web_search.api_key_env")?;
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+            d.error(
+                node.pos,
+                format!("`web_search.api_key_env` must name an environment variable, not {name:?}"),
+            )
+            .hint = Some("write the variable's name, for example `BRAVE_API_KEY`, never the key".into());
+            return None;
+        }
+        Some(name)
+    });
+    let timeout = match timeout_node {
+        None => Some(keel_core::SearchSettings::DEFAULT_TIMEOUT),
+        Some(node) => d.duration(node, "web_search.timeout"),
+    };
+    let (backend, backend_pos) = backend?;
+    // An optional field is `None` (absent), `Some(None)` (given, wrong, reported) or valid.
+    let valid = |field: Option<Option<String>>| match field {
+        None => Some(None),
+        Some(value) => value.map(Some),
+    };
+    let (Some(url), Some(api_key_env), Some(timeout)) = (valid(url), valid(api_key_env), timeout) else {
+        return None;
+    };
+    if backend == SearchBackendKind::Searxng && url.is_none() {
+        d.error(backend_pos, "the `searxng` backend needs `url`, the instance's address").hint =
+            Some("write `web_search: { backend: searxng, url: http://127.0.0.1:8888 }`".into());
+        return None;
+    }
+    Some(keel_core::SearchSettings { backend, url, api_key_env, timeout })
 }
 
 fn provider(node: &Node, d: &mut Decoder<'_>, settings: &mut ProviderSettings) {

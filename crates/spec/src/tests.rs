@@ -8,7 +8,7 @@ use serde_json::json;
 use super::*;
 
 const OPTIONS: LoadOptions<'static> = LoadOptions {
-    builtin_tools: &["current_date", "day_name", "ask_question", "http_request", "shell"],
+    builtin_tools: &["current_date", "day_name", "ask_question", "http_request", "shell", "web_search"],
     providers: &["mock", "openai", "anthropic", "ollama", "openrouter"],
     tool_name: |name| match name {
         "current-date" => "current_date",
@@ -196,7 +196,7 @@ fn unknown_tools_and_providers_get_suggestions() {
               hint: did you mean `day_name`?
             error[KEEL_SPEC_INVALID]: unknown tool `weather`
               --> agent.toml:2:21
-              hint: available tools: current_date, day_name, ask_question, http_request, shell
+              hint: available tools: current_date, day_name, ask_question, http_request, shell, web_search
         "#]],
     );
     check(
@@ -208,7 +208,7 @@ fn unknown_tools_and_providers_get_suggestions() {
               hint: did you mean `day_name`?
             error[KEEL_SPEC_INVALID]: unknown tool `weather`
               --> agent.toml:2:21
-              hint: available tools: current_date, day_name, ask_question, http_request, shell
+              hint: available tools: current_date, day_name, ask_question, http_request, shell, web_search
         "#]],
     );
 }
@@ -356,6 +356,23 @@ fn skills_problems() {
               hint: tool names must be unique across the agent and its skills; rename one
         "#]],
     );
+    // Keys other tools add to a skill's front matter are warned about, and the skill loads.
+    let dir = tree(&[
+        ("a/agent.yaml", "model: mock\n"),
+        (
+            "a/skills/triage/SKILL.md",
+            "---\nname: triage\ndescription: Sorts tickets.\nx-team: support\n---\nSort them.\n",
+        ),
+    ]);
+    let loaded = load(&dir.path().join("a"), &OPTIONS);
+    let spec = loaded.spec.expect("a skill with an unknown key loads");
+    assert!(spec.instructions.contains("Sort them."), "{}", spec.instructions);
+    let warnings: Vec<String> = loaded.diagnostics.iter().map(|d| d.to_string()).collect();
+    assert!(
+        warnings.len() == 1
+            && warnings[0].starts_with("warning: unknown key `x-team` in `front matter`: ignored"),
+        "{warnings:?}"
+    );
     check(
         &[
             ("a/agent.yaml", "model: mock\n"),
@@ -370,7 +387,7 @@ fn skills_problems() {
             error[KEEL_SPEC_INVALID]: the front matter has no `description`
               --> a/skills/shipping/SKILL.md:2:1
               hint: say in one line what the skill is for
-            error[KEEL_SPEC_INVALID]: unknown key `descriptoin` in `front matter`
+            warning: unknown key `descriptoin` in `front matter`: ignored
               --> a/skills/shipping/SKILL.md:3:1
               hint: did you mean `description`?
         "#]],
@@ -656,6 +673,15 @@ fn approvals_name_the_agents_tools_and_take_a_duration() {
               hint: did you mean `timeout`?
         "#]],
     );
+    check(
+        &[("a.yaml", "model: mock\ntools: [ask_question]\napprovals: { timeout: 30d }\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `approvals.timeout` is at most a week (`7d`)
+              --> a.yaml:3:23
+              hint: a human who has not decided in a week is not coming: end the wait sooner, and ask again
+        "#]],
+    );
 }
 
 #[test]
@@ -776,7 +802,8 @@ fn http_settings_load_and_bad_hosts_are_pointed_at() {
         spec.http,
         keel_core::HttpSettings {
             allow: vec!["api.github.com".into(), "*.example.com".into()],
-            allow_loopback: true
+            allow_loopback: true,
+            approve_methods: vec!["POST".into(), "PUT".into(), "PATCH".into(), "DELETE".into()],
         }
     );
     check(
@@ -799,7 +826,61 @@ fn http_settings_load_and_bad_hosts_are_pointed_at() {
               --> a.yaml:4:19
             error[KEEL_SPEC_INVALID]: unknown key `deny` in `http`
               --> a.yaml:5:3
-              hint: known keys: allow, allow_loopback
+              hint: known keys: allow, allow_loopback, approve_methods
+        "#]],
+    );
+}
+
+#[test]
+fn web_search_settings_load_and_a_tool_without_a_backend_is_pointed_at() {
+    let dir = tree(&[(
+        "a.yaml",
+        "model: mock\ntools: [web_search]\nweb_search: { backend: searxng, url: 'http://127.0.0.1:8888/', timeout: 5s }\n",
+    )]);
+    let spec = load(&dir.path().join("a.yaml"), &OPTIONS).spec.unwrap();
+    assert_eq!(
+        spec.search,
+        Some(keel_core::SearchSettings {
+            backend: keel_core::SearchBackendKind::Searxng,
+            url: Some("http://127.0.0.1:8888".into()),
+            api_key_env: None,
+            timeout: std::time::Duration::from_secs(5),
+        })
+    );
+    check(
+        &[(
+            "a.yaml",
+            "model: mock\ntools: [web_search]\nweb_search: { backend: bravo, api_key_env: 'sk-live-123', urls: x }\n",
+        )],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: unknown search backend "bravo"
+              --> a.yaml:3:24
+              hint: did you mean `brave`?
+            error[KEEL_SPEC_INVALID]: `web_search.api_key_env` must name an environment variable, not "sk-live-123"
+              --> a.yaml:3:44
+              hint: write the variable's name, for example `BRAVE_API_KEY`, never the key
+            error[KEEL_SPEC_INVALID]: unknown key `urls` in `web_search`
+              --> a.yaml:3:59
+              hint: did you mean `url`?
+        "#]],
+    );
+    check(
+        &[("a.yaml", "model: mock\ntools: [http_request, web_search]\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: `web_search` needs a search backend, and the spec names none
+              --> a.yaml:2:23
+              hint: add `web_search: { backend: brave }` (or searxng with its `url`, or tavily)
+        "#]],
+    );
+    check(
+        &[("a.yaml", "model: mock\nweb_search: { backend: searxng }\n")],
+        "a.yaml",
+        expect![[r#"
+            error[KEEL_SPEC_INVALID]: the `searxng` backend needs `url`, the instance's address
+              --> a.yaml:2:24
+              hint: write `web_search: { backend: searxng, url: http://127.0.0.1:8888 }`
         "#]],
     );
 }

@@ -17,18 +17,23 @@ use rquickjs::{Context, Ctx, Exception, Function, Runtime, Value as JsValue};
 use serde_json::{Value, json};
 
 /// CPU time a script may use when the call sets none.
-pub const DEFAULT_CPU_TIME: Duration = Duration::from_secs(5);
+pub const DEFAULT_CPU_TIME: Duration = Duration::from_secs(1);
 /// The most CPU time a call may ask for.
 pub const MAX_CPU_TIME: Duration = Duration::from_secs(30);
+/// The most wall-clock time a script runs, whatever its CPU time (a thread starved by a busy
+/// machine still ends).
+pub const WALL_TIME: Duration = Duration::from_secs(30);
+/// The largest result, as JSON text.
+pub const MAX_RESULT_BYTES: usize = 256 * 1024;
 /// The engine's heap limit.
 pub const MEMORY_LIMIT: usize = 64 * 1024 * 1024;
 /// The engine's stack limit (the thread has more, so QuickJS stops first).
 pub const STACK_LIMIT: usize = 1024 * 1024;
 const THREAD_STACK: usize = 8 * 1024 * 1024;
-/// The most console output kept, in bytes and in lines.
-pub const LOG_BYTES: usize = 64 * 1024;
-/// See [`LOG_BYTES`].
-pub const LOG_LINES: usize = 1000;
+/// The most console lines kept.
+pub const LOG_LINES: usize = 100;
+/// The longest console line kept, in characters; a longer one is cut.
+pub const LOG_LINE_CHARS: usize = 2000;
 
 /// Sets up `console` on top of one host function, `__keel_log(level, text)`, which the prelude
 /// hides again.
@@ -47,28 +52,28 @@ const PRELUDE: &str = r#"(() => {
 #[derive(Default)]
 struct Logs {
     lines: Vec<String>,
-    bytes: usize,
     dropped: usize,
 }
 
 impl Logs {
     fn push(&mut self, level: &str, text: &str) {
-        let line = if level == "log" { text.to_owned() } else { format!("[{level}] {text}") };
-        if self.lines.len() >= LOG_LINES || self.bytes + line.len() > LOG_BYTES {
+        if self.lines.len() >= LOG_LINES {
             self.dropped += 1;
             return;
         }
-        self.bytes += line.len();
+        let mut line = if level == "log" { text.to_owned() } else { format!("[{level}] {text}") };
+        if let Some((cut, _)) = line.char_indices().nth(LOG_LINE_CHARS) {
+            let total = line.chars().count();
+            line.truncate(cut);
+            line.push_str(&format!("… [cut: {total} characters]"));
+        }
         self.lines.push(line);
     }
 
     fn into_json(self) -> Value {
         let mut lines = self.lines;
         if self.dropped > 0 {
-            lines.push(format!(
-                "[{} more lines dropped: the console keeps {LOG_LINES} lines, {LOG_BYTES} bytes]",
-                self.dropped
-            ));
+            lines.push(format!("[{} more lines dropped: the console keeps {LOG_LINES} lines]", self.dropped));
         }
         json!(lines)
     }
@@ -105,7 +110,7 @@ impl JsTool {
                 "properties": {
                     "code": { "type": "string", "minLength": 1, "description": "The body of an async function, e.g. `const xs = [3, 1, 2]; return xs.sort();`" },
                     "data": { "description": "Any JSON value, available to the code as `data` (in `compose`, the output of an earlier step)" },
-                    "cpu_ms": { "type": "integer", "minimum": 1, "maximum": MAX_CPU_TIME.as_millis() as u64, "description": "CPU time limit; default 5000" }
+                    "cpu_ms": { "type": "integer", "minimum": 1, "maximum": MAX_CPU_TIME.as_millis() as u64, "description": "CPU time limit; default 1000" }
                 },
                 "required": ["code"],
                 "additionalProperties": false
@@ -152,18 +157,24 @@ fn run(
     runtime.set_memory_limit(MEMORY_LIMIT);
     runtime.set_max_stack_size(STACK_LIMIT);
     let start = thread_cpu_time();
+    let wall_start = std::time::Instant::now();
     let timed_out = Arc::new(AtomicBool::new(false));
+    let wall_out = Arc::new(AtomicBool::new(false));
     {
-        let (timed_out, cancelled) = (timed_out.clone(), cancelled.clone());
+        let (timed_out, wall_out, cancelled) = (timed_out.clone(), wall_out.clone(), cancelled.clone());
         runtime.set_interrupt_handler(Some(Box::new(move || {
             if cancelled.load(Ordering::Relaxed) {
                 return true;
             }
-            let over = thread_cpu_time().saturating_sub(start) > cpu_limit;
-            if over {
+            if thread_cpu_time().saturating_sub(start) > cpu_limit {
                 timed_out.store(true, Ordering::Relaxed);
+                return true;
             }
-            over
+            if wall_start.elapsed() > WALL_TIME {
+                wall_out.store(true, Ordering::Relaxed);
+                return true;
+            }
+            false
         })));
     }
     let context = match Context::full(&runtime) {
@@ -200,6 +211,13 @@ fn run(
                 match ctx.json_stringify(value) {
                     Ok(Some(text)) => {
                         let text = text.to_string().unwrap_or_default();
+                        if text.len() > MAX_RESULT_BYTES {
+                            return Outcome::Error(format!(
+                                "the result is {} KiB of JSON, more than the {} KiB a script may return: return less (a summary, a slice, a count)",
+                                text.len().div_ceil(1024),
+                                MAX_RESULT_BYTES / 1024
+                            ));
+                        }
                         match serde_json::from_str(&text) {
                             Ok(json) => Outcome::Value(json),
                             Err(error) => Outcome::Error(format!("the result is not JSON: {error}")),
@@ -221,8 +239,14 @@ fn run(
     });
     if timed_out.load(Ordering::Relaxed) {
         return Outcome::Error(format!(
-            "the script used more than {} ms of CPU time and was stopped",
+            "the script used more than {} ms of CPU time (`cpu_ms`) and was stopped",
             cpu_limit.as_millis()
+        ));
+    }
+    if wall_out.load(Ordering::Relaxed) {
+        return Outcome::Error(format!(
+            "the script ran longer than {} s and was stopped",
+            WALL_TIME.as_secs()
         ));
     }
     match outcome {

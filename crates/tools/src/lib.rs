@@ -5,7 +5,7 @@
 //!   `day_name`, `ask_question` ([`AskQuestion`]), which pauses the run for a human's answer,
 //!   `http_request` ([`HttpTool`]) and `web_fetch`, behind the SSRF guard of [`net`], `shell`,
 //!   `js` (sandboxed JavaScript), `compose`, `browser` (a headless Chromium behind the same
-//!   guard), and the workspace file tools
+//!   guard), `web_search` (SearXNG, Brave, Tavily), and the workspace file tools
 //!   ([`workspace_tools`]);
 //! - tools from plain async Rust functions, with the input schema derived by schemars
 //!   ([`function_tool`]);
@@ -24,6 +24,7 @@ mod process;
 mod question;
 pub mod shell;
 pub mod web_fetch;
+pub mod web_search;
 pub mod workspace;
 
 use std::sync::Arc;
@@ -48,6 +49,7 @@ pub const BUILTIN_NAMES: &[&str] = &[
     js::JsTool::NAME,
     compose::ComposeTool::NAME,
     BROWSER_NAME,
+    web_search::WebSearch::NAME,
 ];
 
 /// The name of the `browser` tool (a headless Chromium; Linux only).
@@ -71,35 +73,41 @@ pub struct BuiltinConfig {
     pub workspace: Option<keel_core::WorkspaceSettings>,
     /// How `shell` runs.
     pub shell: keel_core::ShellSettings,
+    /// Where `web_search` searches (the spec's `web_search`; the tool needs it).
+    pub search: Option<keel_core::SearchSettings>,
     /// The time the clock tools read instead of the clock (`keel test`: a case's `now`).
     pub now: Option<jiff::ZonedDateTime>,
 }
 
-/// The workspace tools for `settings`: none when disabled, `read_file` and `list_files` when
-/// read-only, and `write_file` and `edit_file` too when writable. Fails when the directory
+/// The workspace tools for `settings`: none when disabled, `read_file`, `list_files` and `stat`
+/// when read-only, and `write_file`, `edit_file` and `delete_file` too when writable. Fails when the directory
 /// cannot be opened.
 pub fn workspace_tools(settings: &keel_core::WorkspaceSettings) -> std::io::Result<Vec<Arc<dyn Tool>>> {
     use keel_core::WorkspaceMode;
-    use workspace::{EditFile, ListFiles, ReadFile, Workspace, WriteFile};
+    use workspace::{DeleteFile, EditFile, ListFiles, ReadFile, Stat, Workspace, WriteFile};
     if settings.mode == WorkspaceMode::Disabled {
         return Ok(Vec::new());
     }
     let workspace = Workspace::open(&settings.path)?;
-    let mut tools: Vec<Arc<dyn Tool>> =
-        vec![Arc::new(ReadFile::new(workspace.clone())), Arc::new(ListFiles::new(workspace.clone()))];
+    let mut tools: Vec<Arc<dyn Tool>> = vec![
+        Arc::new(ReadFile::new(workspace.clone())),
+        Arc::new(ListFiles::new(workspace.clone())),
+        Arc::new(Stat::new(workspace.clone())),
+    ];
     if settings.mode == WorkspaceMode::Writable {
         tools.push(Arc::new(WriteFile::new(workspace.clone())));
-        tools.push(Arc::new(EditFile::new(workspace)));
+        tools.push(Arc::new(EditFile::new(workspace.clone())));
+        tools.push(Arc::new(DeleteFile::new(workspace)));
     }
     Ok(tools)
 }
 
 /// The workspace tools that change files, which wait for approval unless
 /// `workspace.approve_writes` is false.
-pub const WORKSPACE_WRITE_TOOLS: &[&str] = &["write_file", "edit_file"];
+pub const WORKSPACE_WRITE_TOOLS: &[&str] = &["write_file", "edit_file", "delete_file"];
 
 /// The workspace tools every enabled workspace has.
-pub const WORKSPACE_READ_TOOLS: &[&str] = &["read_file", "list_files"];
+pub const WORKSPACE_READ_TOOLS: &[&str] = &["read_file", "list_files", "stat"];
 
 /// A built-in's name for a name a spec may use: its own, or the one a former name now has
 /// (`current-date` → `current_date`). Any other name is returned as it is.
@@ -129,6 +137,9 @@ pub fn builtin(name: &str, config: &BuiltinConfig) -> Option<Arc<dyn Tool>> {
             Some(Arc::new(web_fetch::WebFetch::new(GuardedClient::new(net::NetPolicy::from(&config.http)))))
         }
         js::JsTool::NAME => Some(Arc::new(js::JsTool::new())),
+        web_search::WebSearch::NAME => {
+            Some(Arc::new(web_search::WebSearch::from_settings(config.search.as_ref()?)))
+        }
         #[cfg(target_os = "linux")]
         BROWSER_NAME => {
             // Screenshots and PDFs go into a writable workspace, when the agent has one.

@@ -1,5 +1,5 @@
-//! The workspace tools: `read_file`, `list_files`, `write_file`, `edit_file`, jailed in one
-//! directory (spec key `workspace`).
+//! The workspace tools: `read_file`, `list_files`, `stat`, `write_file`, `edit_file`,
+//! `delete_file`, jailed in one directory (spec key `workspace`).
 //!
 //! The jail is a capability, not a string check: the workspace is opened once as a directory
 //! handle (`cap_std::fs::Dir`) and every path is resolved beneath it by the kernel's `openat`
@@ -486,6 +486,163 @@ impl Tool for EditFile {
                     }
                     write_atomically(dir, &path, edited.as_bytes())?;
                     Ok(json!({ "path": path.display().to_string(), "replacements": if all { count } else { 1 } }))
+                })
+                .await
+        })
+    }
+}
+
+/// `stat`: what is at a path of the workspace, without reading it.
+pub struct Stat {
+    spec: ToolSpec,
+    workspace: Workspace,
+}
+
+impl Stat {
+    /// The tool, looking in `workspace`.
+    pub fn new(workspace: Workspace) -> Stat {
+        let spec = spec(
+            "stat",
+            "Says whether a path of the workspace exists and what it is: a file (its size), a directory (its number of entries) or a symlink (where it points), and when it last changed.",
+            json!({
+                "type": "object",
+                "properties": {
+                    "path": { "type": "string", "description": "A file or directory relative to the workspace" }
+                },
+                "required": ["path"],
+                "additionalProperties": false
+            }),
+        );
+        Stat { spec, workspace }
+    }
+}
+
+/// `meta`'s modification time in RFC 3339, UTC.
+fn modified(meta: &cap_std::fs::Metadata) -> Option<String> {
+    let time = meta.modified().ok()?.into_std();
+    let since = time.duration_since(std::time::UNIX_EPOCH).ok()?;
+    let at = jiff::Timestamp::from_second(i64::try_from(since.as_secs()).ok()?).ok()?;
+    Some(at.to_string())
+}
+
+impl Tool for Stat {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    fn call<'a>(&'a self, input: Value, _ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
+        Box::pin(async move {
+            let path = self.workspace.relative(input["path"].as_str().unwrap_or_default())?;
+            self.workspace
+                .blocking(move |dir| {
+                    let shown = path.display().to_string();
+                    // The path itself, a symlink not followed: what it points to may be outside.
+                    let meta = match dir.symlink_metadata(&path) {
+                        Ok(meta) => meta,
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                            return Ok(json!({ "path": shown, "exists": false }));
+                        }
+                        Err(e) => return Err(io_error(&path, &e)),
+                    };
+                    let kind = meta.file_type();
+                    let mut output = json!({ "path": shown, "exists": true });
+                    if kind.is_symlink() {
+                        output["type"] = json!("symlink");
+                        if let Ok(target) = dir.read_link(&path) {
+                            output["target"] = json!(target.display().to_string());
+                        }
+                    } else if kind.is_dir() {
+                        output["type"] = json!("dir");
+                        let entries = dir.read_dir(&path).map_err(|e| io_error(&path, &e))?;
+                        output["entries"] = json!(entries.take(100_000).count());
+                    } else if kind.is_file() {
+                        output["type"] = json!("file");
+                        output["size"] = json!(meta.len());
+                    } else {
+                        output["type"] = json!("other");
+                    }
+                    if let Some(at) = modified(&meta) {
+                        output["modified"] = json!(at);
+                    }
+                    Ok(output)
+                })
+                .await
+        })
+    }
+}
+
+/// `delete_file`: removes a file, a symlink or a directory of the workspace.
+pub struct DeleteFile {
+    spec: ToolSpec,
+    workspace: Workspace,
+}
+
+impl DeleteFile {
+    /// The tool, deleting in `workspace`.
+    pub fn new(workspace: Workspace) -> DeleteFile {
+        let spec = spec(
+            "delete_file",
+            "Deletes a file or a symlink of the workspace, or a directory: an empty one, or with everything in it when `recursive` is true.",
+            json!({
+                "type": "object",
+                "properties": {
+                    "path": { "type": "string", "description": "The file or directory, relative to the workspace" },
+                    "recursive": { "type": "boolean", "description": "Delete a directory that is not empty, with its content; default false" }
+                },
+                "required": ["path"],
+                "additionalProperties": false
+            }),
+        );
+        DeleteFile { spec, workspace }
+    }
+}
+
+impl Tool for DeleteFile {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    fn call<'a>(&'a self, input: Value, _ctx: &'a ToolContext) -> BoxFuture<'a, ToolOutcome> {
+        Box::pin(async move {
+            let path = self.workspace.relative(input["path"].as_str().unwrap_or_default())?;
+            if path == Path::new(".") {
+                return Err(refused("the workspace itself cannot be deleted; name what is in it"));
+            }
+            let recursive = input["recursive"].as_bool().unwrap_or(false);
+            self.workspace
+                .blocking(move |dir| {
+                    let shown = path.display().to_string();
+                    let meta = match dir.symlink_metadata(&path) {
+                        Ok(meta) => meta,
+                        // Nothing there is no error: a delete replayed after a crash (it ran,
+                        // and keel died before it was journaled) finds what it left.
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                            return Ok(json!({ "path": shown, "deleted": false, "note": "nothing was there" }));
+                        }
+                        Err(e) => return Err(io_error(&path, &e)),
+                    };
+                    // A symlink is removed itself, never what it points to.
+                    let kind = meta.file_type();
+                    let kind_name = if kind.is_dir() {
+                        if recursive {
+                            dir.remove_dir_all(&path).map_err(|e| io_error(&path, &e))?;
+                        } else {
+                            dir.remove_dir(&path).map_err(|e| {
+                                if e.kind() == io::ErrorKind::DirectoryNotEmpty {
+                                    ToolError::failed(format!(
+                                        "{shown} is a directory that is not empty: pass `recursive: true` to delete it with its content"
+                                    ))
+                                } else {
+                                    io_error(&path, &e)
+                                }
+                            })?;
+                        }
+                        "dir"
+                    } else {
+                        dir.remove_file(&path).map_err(|e| io_error(&path, &e))?;
+                        if kind.is_symlink() { "symlink" } else { "file" }
+                    };
+                    Ok(json!({ "path": shown, "deleted": true, "type": kind_name }))
                 })
                 .await
         })

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use keel_core::{SessionState, Tool, ToolContext};
-use keel_tools::js::{JsTool, LOG_LINES};
+use keel_tools::js::{JsTool, LOG_LINE_CHARS, LOG_LINES};
 use serde_json::{Value, json};
 
 fn ctx() -> ToolContext {
@@ -128,7 +128,30 @@ async fn a_console_flood_is_capped() {
     let out = ok("for (let i = 0; i < 100000; i++) console.log('line', i); return 'done'").await;
     let logs = out["logs"].as_array().unwrap();
     assert_eq!(logs.len(), LOG_LINES + 1);
-    assert!(logs.last().unwrap().as_str().unwrap().contains("more lines dropped"));
+    assert_eq!(LOG_LINES, 100);
+    assert!(logs.last().unwrap().as_str().unwrap().contains("99900 more lines dropped"), "{logs:?}");
+    // A long line is cut at 2,000 characters, saying so.
+    let out = ok("console.log('x'.repeat(5000)); return 1").await;
+    let line = out["logs"][0].as_str().unwrap();
+    assert!(
+        line.starts_with(&"x".repeat(LOG_LINE_CHARS)) && line.ends_with("… [cut: 5000 characters]"),
+        "{line}"
+    );
+    assert_eq!(line.chars().filter(|c| *c == 'x').count(), LOG_LINE_CHARS);
+}
+
+#[tokio::test]
+async fn the_default_limits_are_a_second_of_cpu_and_a_quarter_mebibyte_of_result() {
+    // One second of CPU when the call sets none.
+    let started = Instant::now();
+    let spin = failure(json!({"code": "while (true) {}"})).await;
+    assert!(spin["error"].as_str().unwrap().contains("more than 1000 ms of CPU time"), "{spin}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // A result of 256 KiB passes; one past it is refused, with the size.
+    let fits = ok("return 'y'.repeat(256 * 1024 - 2)").await;
+    assert_eq!(fits["value"].as_str().unwrap().len(), 256 * 1024 - 2);
+    let big = failure(json!({"code": "return 'y'.repeat(300 * 1024)"})).await;
+    assert!(big["error"].as_str().unwrap().contains("more than the 256 KiB a script may return"), "{big}");
 }
 
 #[tokio::test]

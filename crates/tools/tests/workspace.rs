@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use keel_core::error::ErrorCode;
 use keel_core::{SessionState, Tool, ToolContext, ToolError};
-use keel_tools::workspace::{EditFile, ListFiles, ReadFile, Workspace, WriteFile};
+use keel_tools::workspace::{DeleteFile, EditFile, ListFiles, ReadFile, Stat, Workspace, WriteFile};
 use serde_json::{Value, json};
 
 const SECRET: &str = "TOP SECRET: the launch codes";
@@ -340,4 +340,65 @@ async fn a_hard_link_is_read_as_the_file_it_is_but_never_written_through() {
         SECRET,
         "written through the link"
     );
+}
+
+#[tokio::test]
+async fn stat_and_delete_stay_inside_and_never_follow_a_link_out() {
+    let f = fixture();
+    let stat = Stat::new(f.workspace.clone());
+    let delete = DeleteFile::new(f.workspace.clone());
+
+    let notes = call(&stat, json!({ "path": "notes.md" })).await.unwrap();
+    assert_eq!((notes["type"].as_str(), notes["size"].as_u64()), (Some("file"), Some(24)), "{notes}");
+    assert!(notes["modified"].as_str().unwrap().ends_with('Z'), "{notes}");
+    let sub = call(&stat, json!({ "path": "sub" })).await.unwrap();
+    assert_eq!((sub["type"].as_str(), sub["entries"].as_u64()), (Some("dir"), Some(1)), "{sub}");
+    // A link out is described, not followed: no size, nothing of the file behind it.
+    let link = call(&stat, json!({ "path": "link-secret" })).await.unwrap();
+    assert_eq!(link["type"], "symlink", "{link}");
+    assert!(link.get("size").is_none(), "{link}");
+    assert_eq!(
+        call(&stat, json!({ "path": "gone.txt" })).await.unwrap(),
+        json!({ "path": "gone.txt", "exists": false })
+    );
+    for path in ["../outside/secret.txt", "link-out/secret.txt", "/etc/passwd", "sub/../../outside"] {
+        let result = call(&stat, json!({ "path": path })).await;
+        assert!(result.is_err(), "stat {path:?}: {result:?}");
+    }
+
+    // Deleting: never outside, never through a link, never the workspace itself.
+    for path in ["../outside/secret.txt", "link-out/secret.txt", "/", ".", "", "sub/../.."] {
+        let result = call(&delete, json!({ "path": path, "recursive": true })).await;
+        assert!(result.is_err(), "delete_file {path:?}: {result:?}");
+    }
+    let root = call(&delete, json!({ "path": "." })).await.unwrap_err();
+    assert_eq!(root.code, ErrorCode::ToolRefused);
+    assert!(f.outside.join("secret.txt").exists() && f.ws.exists());
+    // A link is removed itself; what it points to stays.
+    let removed = call(&delete, json!({ "path": "link-out" })).await.unwrap();
+    assert_eq!(removed, json!({ "path": "link-out", "deleted": true, "type": "symlink" }));
+    assert!(f.outside.join("secret.txt").exists());
+    assert!(std::fs::symlink_metadata(f.ws.join("link-out")).is_err());
+
+    // A directory with content needs `recursive`.
+    let full = call(&delete, json!({ "path": "sub" })).await.unwrap_err();
+    assert!(full.message.contains("recursive: true"), "{}", full.message);
+    assert!(f.ws.join("sub/deep.txt").exists());
+    let gone = call(&delete, json!({ "path": "sub", "recursive": true })).await.unwrap();
+    assert_eq!(gone["type"], "dir");
+    assert!(!f.ws.join("sub").exists());
+    // A file, then the same delete again (a replay after a crash): no error, nothing there.
+    assert_eq!(call(&delete, json!({ "path": "notes.md" })).await.unwrap()["deleted"], true);
+    let again = call(&delete, json!({ "path": "notes.md" })).await.unwrap();
+    assert_eq!(again["deleted"], false, "{again}");
+}
+
+#[tokio::test]
+async fn a_recursive_delete_does_not_follow_a_link_inside_the_tree() {
+    let f = fixture();
+    // sub/escape -> ../outside: deleting sub with its content removes the link, not outside.
+    symlink("../../outside", f.ws.join("sub/escape")).unwrap();
+    let delete = DeleteFile::new(f.workspace.clone());
+    call(&delete, json!({ "path": "sub", "recursive": true })).await.unwrap();
+    assert_eq!(std::fs::read_to_string(f.outside.join("secret.txt")).unwrap(), SECRET);
 }

@@ -68,7 +68,9 @@ impl Plan {
             if !tools.contains(&tool) {
                 return Err(refused(format!("step `{id}`: there is no tool `{tool}`")));
             }
-            if tools.composes(&tool) || tools.asks_human(&tool) || tools.has_approval_rule(&tool) {
+            let always_approved =
+                matches!(tools.approval_rule(&tool), Some(crate::tool::ApprovalRule::Always));
+            if tools.composes(&tool) || tools.asks_human(&tool) || always_approved {
                 return Err(refused(format!(
                     "step `{id}`: `{tool}` cannot be composed (it composes, asks a human, or needs approval): call it on its own"
                 )));

@@ -218,15 +218,15 @@ fn parallel_calls_keep_call_order_and_bad_calls_become_error_results() {
               emit {"type":"tool.start","callId":"call_1_0","name":"add","input":{"a":1,"b":1}}
               call tool tool:add:call_1_0 {"a":1,"b":1}
               emit {"type":"tool.start","callId":"call_1_1","name":"add","input":{"a":"x"}}
-              emit {"type":"tool.error","callId":"call_1_1","error":"invalid input for `add`: \"b\" is a required property; /a: \"x\" is not of type \"number\""}
+              emit {"type":"tool.error","callId":"call_1_1","code":"KEEL_TOOL_INPUT_INVALID","error":"invalid input for `add`: \"b\" is a required property; /a: \"x\" is not of type \"number\""}
               emit {"type":"tool.start","callId":"dup","name":"nope","input":{}}
-              emit {"type":"tool.error","callId":"dup","error":"unknown tool `nope`; available tools: add, echo"}
+              emit {"type":"tool.error","callId":"dup","code":"KEEL_TOOL_NOT_FOUND","error":"unknown tool `nope`; available tools: add, echo"}
               emit {"type":"tool.start","callId":"call_1_3","name":"echo","input":{"n":4}}
               call tool tool:echo:call_1_3 {"n":4}
             > tool done call_1_3
               emit {"type":"tool.done","callId":"call_1_3","output":{"n":4}}
             > tool done call_1_0
-              emit {"type":"tool.error","callId":"call_1_0","error":"disk full"}
+              emit {"type":"tool.error","callId":"call_1_0","code":"KEEL_TOOL_FAILED","error":"disk full"}
               persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"call_1_0","name":"add","output":"disk full","is_error":true},{"type":"tool_result","call_id":"call_1_1","name":"add","output":"invalid input for `add`: \"b\" is a required property; /a: \"x\" is not of type \"number\"","is_error":true},{"type":"tool_result","call_id":"dup","name":"nope","output":"unknown tool `nope`; available tools: add, echo","is_error":true},{"type":"tool_result","call_id":"call_1_3","name":"echo","output":{"n":4},"is_error":false}]}
               emit {"type":"turn.start","turn":1}
               call model llm:turn:1 (call_index 2, 5 messages)
@@ -305,7 +305,7 @@ fn tool_call_budget_refuses_calls_over_the_limit() {
               emit {"type":"tool.start","callId":"c1","name":"echo","input":{}}
               call tool tool:echo:c1 {}
               emit {"type":"tool.start","callId":"c2","name":"echo","input":{}}
-              emit {"type":"tool.error","callId":"c2","error":"not run: this run already made 1 tool calls, its limit (`limits.max_tool_calls`)"}
+              emit {"type":"tool.error","callId":"c2","code":"KEEL_TOOL_BUDGET_EXHAUSTED","error":"not run: this run already made 1 tool calls, its limit (`limits.max_tool_calls`)"}
             > tool done c1
               emit {"type":"tool.done","callId":"c1","output":1}
               persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":1,"is_error":false},{"type":"tool_result","call_id":"c2","name":"echo","output":"not run: this run already made 1 tool calls, its limit (`limits.max_tool_calls`)","is_error":true}]}
@@ -389,7 +389,7 @@ fn cancel_during_tools_answers_every_call() {
             > tool done c2
               emit {"type":"tool.done","callId":"c2","output":"fast"}
             > cancel
-              emit {"type":"tool.error","callId":"c1","error":"cancelled: the run was cancelled before this call finished"}
+              emit {"type":"tool.error","callId":"c1","code":"KEEL_TOOL_CANCELLED","error":"cancelled: the run was cancelled before this call finished"}
               persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":"cancelled: the run was cancelled before this call finished","is_error":true},{"type":"tool_result","call_id":"c2","name":"echo","output":"fast","is_error":false}]}
               emit {"type":"run.done","text":"","stopped":"cancelled","usage":{"inputTokens":10,"outputTokens":5}}
               finish Done { text: "", output: None, stopped: Cancelled, usage: Usage { input_tokens: 10, output_tokens: 5 } }
@@ -621,7 +621,7 @@ fn parallel_approvals_are_routed_by_call_and_a_rejection_is_a_result() {
               emit {"type":"tool.start","callId":"c3","name":"add","input":{"a":500,"b":1}}
               await human approval:c3 ap_d835c43eb5415e7c c3 Approval { tool: "add", input: Object {"a": Number(500), "b": Number(1)} }
             > decision c3 Reject { note: Some("too big") }
-              emit {"type":"tool.error","callId":"c3","error":"not run: the user rejected this call: too big"}
+              emit {"type":"tool.error","callId":"c3","code":"KEEL_TOOL_REJECTED","error":"not run: the user rejected this call: too big"}
             > tool done c1
               emit {"type":"tool.done","callId":"c1","output":2}
             > decision c2 Approve { note: None }
@@ -674,7 +674,7 @@ fn a_question_is_answered_by_the_human_and_timeouts_are_results() {
             > decision q1 Answer("Paris")
               emit {"type":"tool.done","callId":"q1","output":"Paris"}
             > decision c2 TimedOut
-              emit {"type":"tool.error","callId":"c2","error":"not run: approval timed out (nobody approved this call within 1h)"}
+              emit {"type":"tool.error","callId":"c2","code":"KEEL_TOOL_REJECTED","error":"not run: approval timed out (nobody approved this call within 1h)"}
               persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"q1","name":"ask_question","output":"Paris","is_error":false},{"type":"tool_result","call_id":"c2","name":"add","output":"not run: approval timed out (nobody approved this call within 1h)","is_error":true}]}
               emit {"type":"turn.start","turn":1}
               call model llm:turn:1 (call_index 2, 5 messages)
@@ -700,7 +700,7 @@ fn cancelling_a_paused_run_gives_the_waiting_calls_results() {
               emit {"type":"tool.start","callId":"c1","name":"echo","input":{}}
               await human approval:c1 ap_6c77cc5bb60284f0 c1 Approval { tool: "echo", input: Object {} }
             > cancel
-              emit {"type":"tool.error","callId":"c1","error":"cancelled: the run was cancelled before this call finished"}
+              emit {"type":"tool.error","callId":"c1","code":"KEEL_TOOL_CANCELLED","error":"cancelled: the run was cancelled before this call finished"}
               persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":"cancelled: the run was cancelled before this call finished","is_error":true}]}
               emit {"type":"run.done","text":"","stopped":"cancelled","usage":{"inputTokens":10,"outputTokens":5}}
               finish Done { text: "", output: None, stopped: Cancelled, usage: Usage { input_tokens: 10, output_tokens: 5 } }
@@ -726,7 +726,7 @@ fn aborting_a_run_answers_its_open_calls_and_fails_it() {
               emit {"type":"tool.start","callId":"c1","name":"echo","input":{}}
               call tool tool:echo:c1 {}
             > abort: KEEL_RUN_POISONED: the run kept dying at step tool:echo:c1
-              emit {"type":"tool.error","callId":"c1","error":"not run: the run kept dying at step tool:echo:c1 (KEEL_RUN_POISONED)"}
+              emit {"type":"tool.error","callId":"c1","code":"KEEL_RUN_POISONED","error":"not run: the run kept dying at step tool:echo:c1 (KEEL_RUN_POISONED)"}
               persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"echo","output":"not run: the run kept dying at step tool:echo:c1 (KEEL_RUN_POISONED)","is_error":true}]}
               emit {"type":"run.error","code":"KEEL_RUN_POISONED","message":"the run kept dying at step tool:echo:c1"}
               finish Failed(RunFailure { code: RunPoisoned, message: "the run kept dying at step tool:echo:c1" })
@@ -822,7 +822,7 @@ fn compose_runs_its_steps_one_by_one_as_tool_steps() {
               emit {"type":"tool.start","callId":"c.sum","name":"add","input":{"a":2,"b":3}}
               call tool tool:add:c.sum {"a":2,"b":3}
               emit {"type":"tool.start","callId":"d","name":"compose","input":{"steps":[{"id":"x","input":{"v":{"$from":"later"}},"tool":"echo"},{"id":"later","input":{},"tool":"echo"}]}}
-              emit {"type":"tool.error","callId":"d","error":"step `x` takes `$from: later`, which is not an earlier step (earlier: none)"}
+              emit {"type":"tool.error","callId":"d","code":"KEEL_TOOL_INPUT_INVALID","error":"step `x` takes `$from: later`, which is not an earlier step (earlier: none)"}
             > tool done c.sum
               emit {"type":"tool.done","callId":"c.sum","output":5}
               emit {"type":"tool.start","callId":"c.show","name":"echo","input":{"again":[5],"total":5}}
@@ -1082,14 +1082,14 @@ fn prepare_turn_narrows_the_tools_and_a_call_of_another_is_refused() {
         &mut m,
         calls(&[("c1", "add", json!({"a": 1, "b": 2}))]),
         expect![[r#"
-        emit {"type":"usage","inputTokens":10,"outputTokens":5}
-        persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"add","input":{"a":1,"b":2}}]}
-        emit {"type":"tool.start","callId":"c1","name":"add","input":{"a":1,"b":2}}
-        emit {"type":"tool.error","callId":"c1","error":"unknown tool `add` this turn; available tools: echo"}
-        persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"add","output":"unknown tool `add` this turn; available tools: echo","is_error":true}]}
-        emit {"type":"turn.start","turn":1}
-        call model llm:turn:1
-    "#]],
+            emit {"type":"usage","inputTokens":10,"outputTokens":5}
+            persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"add","input":{"a":1,"b":2}}]}
+            emit {"type":"tool.start","callId":"c1","name":"add","input":{"a":1,"b":2}}
+            emit {"type":"tool.error","callId":"c1","code":"KEEL_TOOL_NOT_FOUND","error":"unknown tool `add` this turn; available tools: echo"}
+            persist #4 {"v":1,"role":"tool","parts":[{"type":"tool_result","call_id":"c1","name":"add","output":"unknown tool `add` this turn; available tools: echo","is_error":true}]}
+            emit {"type":"turn.start","turn":1}
+            call model llm:turn:1
+        "#]],
     );
 }
 
@@ -1111,7 +1111,7 @@ fn repair_tool_call_fixes_a_call_before_it_is_refused_and_the_transcript_shows_t
             emit {"type":"tool.start","callId":"c1","name":"add","input":{"a":1,"b":2}}
             call tool tool:add:c1
             emit {"type":"tool.start","callId":"c2","name":"nope","input":{}}
-            emit {"type":"tool.error","callId":"c2","error":"unknown tool `nope`; available tools: add, echo"}
+            emit {"type":"tool.error","callId":"c2","code":"KEEL_TOOL_NOT_FOUND","error":"unknown tool `nope`; available tools: add, echo"}
         "#]],
     );
 }

@@ -422,6 +422,17 @@ async fn tools_keep_a_session_state_object_that_survives_the_process() {
     assert_eq!(second.session_state("other").await.unwrap(), serde_json::Value::Null, "state is per session");
 }
 
+/// The context of call `call` of a parent run, as the engine gives it to a subagent tool.
+fn parent_call(call: &str) -> ToolContext {
+    ToolContext {
+        run_id: keel::RunId::from_suffix("parent"),
+        session_id: keel::SessionId::new("s").unwrap(),
+        call_id: call.into(),
+        idempotency_key: "k".into(),
+        state: keel::SessionState::new(serde_json::Value::Null),
+    }
+}
+
 #[tokio::test]
 async fn a_replayed_subagent_call_finds_its_child_run_instead_of_running_it_again() {
     #[derive(Deserialize, JsonSchema)]
@@ -442,13 +453,7 @@ async fn a_replayed_subagent_call_finds_its_child_run_instead_of_running_it_agai
         .build()
         .unwrap();
     let tool = keel::SubagentTool::new("helper", Some("Counts things."), child.engine().clone());
-    let ctx = |call: &str| ToolContext {
-        run_id: keel::RunId::from_suffix("parent"),
-        session_id: keel::SessionId::new("s").unwrap(),
-        call_id: call.into(),
-        idempotency_key: "k".into(),
-        state: keel::SessionState::new(serde_json::Value::Null),
-    };
+    let ctx = parent_call;
     use keel::Tool as _;
     assert_eq!(tool.call(json!({"input": "count"}), &ctx("c1")).await.unwrap(), json!("counted"));
     // The same call again, as a replay would make it: the child's run is found, not repeated.
@@ -459,6 +464,99 @@ async fn a_replayed_subagent_call_finds_its_child_run_instead_of_running_it_agai
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     let sessions = store.list_sessions(keel_core::SessionFilter::default()).await.unwrap();
     assert_eq!(sessions.iter().filter(|s| s.id.as_str().starts_with("sub-helper-")).count(), 2);
+}
+
+#[tokio::test]
+async fn a_subagent_reports_a_turn_cap_is_stopped_by_its_budget_and_replays_its_structured_output() {
+    #[derive(Deserialize, JsonSchema)]
+    struct Empty {}
+    let store: Arc<dyn keel::Store> = Arc::new(keel::MemoryStore::new());
+    let ctx = parent_call;
+    use keel::Tool as _;
+
+    // Structured output, the first time and when the call is replayed.
+    let counter = Agent::builder()
+        .name("counter")
+        .model("mock")
+        .output_schema(
+            json!({"type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"]}),
+        )
+        .mock_script(script(vec![say(r#"{"count": 3}"#)]))
+        .store(Arc::clone(&store))
+        .build()
+        .unwrap();
+    let tool = keel::SubagentTool::new("counter", None, counter.engine().clone());
+    assert_eq!(tool.call(json!({"input": "count"}), &ctx("c1")).await.unwrap(), json!({"count": 3}));
+    assert_eq!(tool.call(json!({"input": "count"}), &ctx("c1")).await.unwrap(), json!({"count": 3}));
+
+    // Stopped at its turn cap: the parent hears it, with what the child had.
+    let noop = keel::function_tool("noop", "Does nothing", |_: Empty| async { Ok::<_, String>("ok") });
+    let capped = Agent::builder()
+        .name("looper")
+        .model("mock")
+        .limits(keel::Limits { max_turns: 1, ..keel::Limits::default() })
+        .mock_script(script(vec![call("noop", json!({})), say("never reached")]))
+        .tool(noop)
+        .store(Arc::clone(&store))
+        .build()
+        .unwrap();
+    let tool = keel::SubagentTool::new("looper", None, capped.engine().clone());
+    let error = tool.call(json!({"input": "loop"}), &ctx("c2")).await.unwrap_err();
+    assert!(
+        error.message.contains("subagent `looper` stopped at its turn cap (1 model calls"),
+        "{}",
+        error.message
+    );
+
+    // Past its budget the child is cancelled, and the parent is told so.
+    let hang = keel::function_tool("hang", "Takes forever", |_: Empty| async {
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+        Ok::<_, String>("late")
+    });
+    let slow = Agent::builder()
+        .name("slow")
+        .model("mock")
+        .mock_script(script(vec![call("hang", json!({})), say("done")]))
+        .tool(hang)
+        .store(Arc::clone(&store))
+        .build()
+        .unwrap();
+    let tool = keel::SubagentTool::new("slow", None, slow.engine().clone())
+        .with_budget(std::time::Duration::from_millis(800));
+    let started = std::time::Instant::now();
+    let error = tool.call(json!({"input": "wait"}), &ctx("c3")).await.unwrap_err();
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
+    assert_eq!(error.code, ErrorCode::ToolTimeout, "{error:?}");
+    assert!(
+        error.message.contains("used its time budget") && error.message.contains("its run was cancelled"),
+        "{}",
+        error.message
+    );
+    let child = keel::RunId::child_run(&keel::RunId::from_suffix("parent"), "c3", "slow");
+    let record = store.load_run(&child).await.unwrap().expect("the child's run");
+    assert_eq!(record.state, keel::RunState::Cancelled);
+
+    // A call dropped midway (the parent's own timeout) cancels its child as well.
+    let tool = keel::SubagentTool::new("slow", None, slow.engine().clone());
+    let context = ctx("c4");
+    assert!(
+        tokio::time::timeout(
+            std::time::Duration::from_millis(300),
+            tool.call(json!({"input": "wait"}), &context)
+        )
+        .await
+        .is_err()
+    );
+    let child = keel::RunId::child_run(&keel::RunId::from_suffix("parent"), "c4", "slow");
+    let mut state = None;
+    for _ in 0..50 {
+        state = store.load_run(&child).await.unwrap().map(|r| r.state);
+        if state == Some(keel::RunState::Cancelled) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(state, Some(keel::RunState::Cancelled), "the child ran on after its call was dropped");
 }
 
 #[tokio::test]

@@ -508,3 +508,174 @@ async fn browser_reads_a_scripted_page_and_saves_a_screenshot_in_a_run_and_over_
     assert!(outputs.iter().any(|o| o["mediaType"] == "image/png"), "{outputs:?}");
     assert!(messages.iter().any(|m| m.event.is_none() && m.kind() == "run.done"));
 }
+
+fn search_agent(url: &str) -> String {
+    format!(
+        "model: mock
+tools: [web_search]
+web_search: {{ backend: brave, url: '{url}', api_key_env: SEARCH_KEY }}
+mock:
+  script:
+    - tool_calls:
+        - {{ name: web_search, input: {{ query: durable agents, limit: 2 }} }}
+    - text: 'Found them.'
+"
+    )
+}
+
+/// A local Brave Search API: the key `k-123`, two results per query.
+async fn brave_server() -> WireServer {
+    WireServer::responding(|request| {
+        if request.header("x-subscription-token") != Some("k-123") {
+            return Reply::new(401, "application/json", r#"{"type":"ErrorResponse","error":{"code":"UNAUTHORIZED"}}"#);
+        }
+        Reply::new(
+            200,
+            "application/json",
+            r#"{"type":"search","web":{"type":"search","results":[
+                {"title":"Durable <strong>agents</strong>","url":"https://a.example/1","description":"Runs that resume."},
+                {"title":"Steps","url":"https://a.example/2","description":"Nothing twice."},
+                {"title":"Third","url":"https://a.example/3"}]}}"#,
+        )
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn web_search_answers_from_the_configured_backend_in_a_run_and_over_http() {
+    let server = brave_server().await;
+    let dir = agent_dir(&[("agent.yaml", &search_agent(&server.url()))]);
+    let (events, code) = run_json_with(dir.path(), "find it", &[("SEARCH_KEY", "k-123")]).await;
+    assert_eq!(code, Some(0), "{events:?}");
+    let done = of_type(&events, "tool.done");
+    assert_eq!(
+        done[0]["output"],
+        serde_json::json!([
+            {"url": "https://a.example/1", "title": "Durable agents", "description": "Runs that resume."},
+            {"url": "https://a.example/2", "title": "Steps", "description": "Nothing twice."}
+        ])
+    );
+    // Without its key the call is an error result coded for it, and the run goes on.
+    let (events, code) = run_json_with(dir.path(), "find it", &[("SEARCH_KEY", "")]).await;
+    assert_eq!(code, Some(0), "{events:?}");
+    let error = of_type(&events, "tool.error")[0];
+    assert_eq!(error["code"], "KEEL_SEARCH_AUTH", "{error}");
+    assert!(error["error"].as_str().unwrap().contains("SEARCH_KEY is not set"), "{error}");
+
+    let served = crate::serve::Served::start(dir.path(), "memory", &[("SEARCH_KEY", "k-123")]);
+    let response = crate::serve::client()
+        .post(served.url("/chat"))
+        .json(&serde_json::json!({"sessionId": "s", "input": "find it"}))
+        .send()
+        .await
+        .unwrap();
+    let messages = crate::serve::read_sse(response).await;
+    let output = messages
+        .iter()
+        .find(|m| m.event.is_none() && m.kind() == "tool.done")
+        .map(|m| m.json()["output"].clone())
+        .expect("the search's outcome");
+    assert_eq!(output[1]["url"], "https://a.example/2", "{output}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_request_asks_before_a_method_that_changes_things_and_compose_cannot_skip_the_question() {
+    let server = WireServer::responding(|_| Reply::new(200, "text/plain", "ok")).await;
+    let url = server.url();
+    let spec = |http_extra: &str| {
+        format!(
+            "model: mock
+tools: [http_request]
+http: {{ allow_loopback: true{http_extra} }}
+mock:
+  script:
+    - tool_calls:
+        - {{ name: http_request, input: {{ url: '{url}/read' }} }}
+        - {{ name: http_request, input: {{ url: '{url}/orders', method: POST, body: {{ item: tea }} }} }}
+    - text: 'Done.'
+"
+        )
+    };
+    // By default the GET runs and the POST waits for a human.
+    let dir = agent_dir(&[("agent.yaml", &spec(""))]);
+    let (events, code) = run_json(dir.path(), "order tea").await;
+    assert_eq!(code, Some(5), "the run waits for a human: {events:?}");
+    let asked = of_type(&events, "approval.requested");
+    assert_eq!((asked.len(), asked[0]["input"]["method"].as_str()), (1, Some("POST")), "{asked:?}");
+    let paths: Vec<String> = server.requests().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(paths, ["/read"], "nothing is posted before the approval");
+
+    // `http.approve_methods: []`: nothing asks.
+    let dir = agent_dir(&[("agent.yaml", &spec(", approve_methods: []"))]);
+    let (events, code) = run_json(dir.path(), "order tea").await;
+    assert_eq!(code, Some(0), "{events:?}");
+    assert!(of_type(&events, "approval.requested").is_empty());
+    assert_eq!(server.requests().iter().filter(|r| r.method == "POST").count(), 1);
+
+    // In a compose script the GET step runs; the POST step is refused, never run.
+    let compose = format!(
+        "model: mock
+tools: [http_request, compose]
+http: {{ allow_loopback: true }}
+mock:
+  script:
+    - tool_calls:
+        - name: compose
+          input:
+            steps:
+              - {{ id: look, tool: http_request, input: {{ url: '{url}/composed-read' }} }}
+              - {{ id: buy, tool: http_request, input: {{ url: '{url}/composed-order', method: POST }} }}
+    - text: 'Could not.'
+"
+    );
+    let dir = agent_dir(&[("agent.yaml", &compose)]);
+    let (events, code) = run_json(dir.path(), "order tea").await;
+    assert_eq!(code, Some(0), "{events:?}");
+    let error = of_type(&events, "tool.error").into_iter().find(|e| e["callId"] == "call_0_0").cloned();
+    let error = error.expect("the script's error");
+    assert_eq!(error["code"], "KEEL_TOOL_REFUSED", "{error}");
+    assert!(
+        error["error"]
+            .as_str()
+            .unwrap()
+            .contains("step `buy`: this call of `http_request` needs a human's approval"),
+        "{error}"
+    );
+    let paths: Vec<String> = server.requests().iter().map(|r| r.path.clone()).collect();
+    assert!(
+        paths.contains(&"/composed-read".to_owned()) && !paths.contains(&"/composed-order".to_owned()),
+        "{paths:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_file_and_stat_work_in_the_workspace_and_a_delete_waits_for_approval() {
+    let spec = |approve: bool| {
+        format!(
+            "model: mock
+workspace: {{ path: ./data, mode: writable, approve_writes: {approve} }}
+mock:
+  script:
+    - tool_calls: [{{ name: stat, input: {{ path: old.md }} }}]
+    - tool_calls: [{{ name: delete_file, input: {{ path: old.md }} }}]
+    - tool_calls: [{{ name: stat, input: {{ path: old.md }} }}]
+    - text: 'Gone.'
+"
+        )
+    };
+    let dir = agent_dir(&[("agent.yaml", &spec(true)), ("data/old.md", "old notes\n")]);
+    let (events, code) = run_json(dir.path(), "clean up").await;
+    assert_eq!(code, Some(5), "the delete waits for a human: {events:?}");
+    assert_eq!(of_type(&events, "approval.requested")[0]["tool"], "delete_file");
+    let stat = &of_type(&events, "tool.done")[0]["output"];
+    assert_eq!((stat["type"].as_str(), stat["size"].as_u64()), (Some("file"), Some(10)), "{stat}");
+    assert!(dir.path().join("data/old.md").exists(), "nothing is deleted before the approval");
+
+    let dir = agent_dir(&[("agent.yaml", &spec(false)), ("data/old.md", "old notes\n")]);
+    let (events, code) = run_json(dir.path(), "clean up").await;
+    assert_eq!(code, Some(0), "{events:?}");
+    let outputs: Vec<&Value> = of_type(&events, "tool.done").iter().map(|e| &e["output"]).collect();
+    assert_eq!(outputs[1]["deleted"], true, "{outputs:?}");
+    assert_eq!(outputs[2]["exists"], false, "{outputs:?}");
+    assert!(!dir.path().join("data/old.md").exists());
+}
