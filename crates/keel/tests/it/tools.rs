@@ -678,4 +678,38 @@ mock:
     assert_eq!(outputs[1]["deleted"], true, "{outputs:?}");
     assert_eq!(outputs[2]["exists"], false, "{outputs:?}");
     assert!(!dir.path().join("data/old.md").exists());
+
+    // Served: the delete waits for a decision, and runs once it is approved.
+    let dir = agent_dir(&[("agent.yaml", &spec(true)), ("data/old.md", "old notes\n")]);
+    let served = crate::serve::Served::start(dir.path(), "memory", &[]);
+    let http = crate::serve::client();
+    let response = http
+        .post(served.url("/chat"))
+        .json(&serde_json::json!({"sessionId": "w", "input": "clean up"}))
+        .send()
+        .await
+        .unwrap();
+    let messages = crate::serve::read_sse(response).await;
+    let asked = messages
+        .iter()
+        .find(|m| m.event.is_none() && m.kind() == "approval.requested")
+        .map(|m| m.json())
+        .expect("the delete asks");
+    assert_eq!(asked["tool"], "delete_file");
+    assert!(dir.path().join("data/old.md").exists());
+    let decided = http
+        .post(served.url(&format!("/chat/w/approvals/{}", asked["approvalId"].as_str().unwrap())))
+        .json(&serde_json::json!({"approved": true}))
+        .send()
+        .await
+        .unwrap();
+    assert!(decided.status().is_success(), "{}", decided.text().await.unwrap());
+    let messages = crate::serve::read_sse(decided).await;
+    let outputs: Vec<Value> = messages
+        .iter()
+        .filter(|m| m.event.is_none() && m.kind() == "tool.done")
+        .map(|m| m.json()["output"].clone())
+        .collect();
+    assert!(outputs.iter().any(|o| o["deleted"] == true), "{outputs:?}");
+    assert!(!dir.path().join("data/old.md").exists());
 }
