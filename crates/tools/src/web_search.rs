@@ -157,7 +157,6 @@ impl WebSearch {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|t| t.to_ascii_lowercase().contains("html"));
         let body = read_capped(response, name).await?;
-        let excerpt = || excerpt(&body, html);
         let code = match status {
             200..=299 => None,
             401 | 403 => Some((ErrorCode::SearchAuth, false)),
@@ -179,7 +178,7 @@ impl WebSearch {
             };
             return Err(ToolError::with_code(
                 code,
-                format!("the {name} search API answered HTTP {status}{why}: {}", excerpt()),
+                format!("the {name} search API answered HTTP {status}{why}: {}", excerpt(&body)),
                 transient,
             ));
         }
@@ -187,7 +186,7 @@ impl WebSearch {
             let what = if html || looks_like_html(&body) { "an HTML page" } else { "something that is not JSON" };
             ToolError::with_code(
                 ErrorCode::SearchBadResponse,
-                format!("the {name} search API answered {what}, not its JSON (is `web_search.url` the API's root?): {}", excerpt()),
+                format!("the {name} search API answered {what}, not its JSON (is `web_search.url` the API's root?): {}", excerpt(&body)),
                 false,
             )
         })?;
@@ -456,15 +455,14 @@ async fn read_capped(mut response: reqwest::Response, name: &str) -> Result<Vec<
     Ok(body)
 }
 
+/// Whether a body is markup: JSON never starts with `<`.
 fn looks_like_html(body: &[u8]) -> bool {
-    let start = String::from_utf8_lossy(&body[..body.len().min(512)]).trim_start().to_ascii_lowercase();
-    start.starts_with("<!doctype") || start.starts_with("<html") || start.starts_with('<')
+    body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'<')
 }
 
-/// The start of an answer, for a message: an HTML page's text without its markup.
-fn excerpt(body: &[u8], html: bool) -> String {
-    let text = String::from_utf8_lossy(&body[..body.len().min(4096)]);
-    let text = if html || looks_like_html(body) { plain(&text, 200) } else { plain(&text, 300) };
+/// The start of an answer, for a message, as plain text (an HTML page without its markup).
+fn excerpt(body: &[u8]) -> String {
+    let text = plain(&String::from_utf8_lossy(&body[..body.len().min(4096)]), 300);
     if text.is_empty() { "(an empty body)".into() } else { text }
 }
 
