@@ -83,6 +83,12 @@ env_vars! {
     /// The PostgreSQL pool size.
     STORE_POOL = "KEEL_STORE_POOL", Runtime, "4",
         "connections (and worker threads) a `postgres://` store opens";
+    /// How many sessions a memory store keeps.
+    MEMORY_MAX_SESSIONS = "KEEL_MEMORY_MAX_SESSIONS", Runtime, "10000",
+        "sessions a `memory` store keeps: past it, the least recently written sessions without an unfinished run are forgotten";
+    /// How long a memory store keeps an idle session.
+    MEMORY_MAX_IDLE = "KEEL_MEMORY_MAX_IDLE", Runtime, "`24h`",
+        "how long a `memory` store keeps a session without an unfinished run after its last write";
     /// The PostgreSQL statement timeout.
     STORE_STATEMENT_TIMEOUT = "KEEL_STORE_STATEMENT_TIMEOUT", Runtime, "`30s`",
         "how long one statement of a `postgres://` store may run before PostgreSQL cancels it";

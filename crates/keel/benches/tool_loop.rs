@@ -15,10 +15,20 @@
 //!   then three on one database (with `KEEL_STORE_POOL` connections each, then half as many), with
 //!   the statements and bytes per run (`-- --postgres` for these alone).
 //!
+//! - 1,000,000 runs one at a time on the default (bounded) memory store, with the process's RSS
+//!   every 100,000;
+//! - instructions per run for the memory, SQLite and PostgreSQL stores, counted by callgrind
+//!   (when valgrind is installed): the bench runs itself twice under callgrind (`--count BACKEND
+//!   N`, with two N) and divides the difference of the totals by the difference of the runs, so
+//!   that start-up and warm-up cancel out. Every thread of the process counts; the PostgreSQL
+//!   server's work does not.
+//!
 //! The allocator is mimalloc, as in the `keel` binary, wrapped to count heap bytes.
 //!
-//! Run with `cargo bench -p keel --bench tool_loop` (`-- --quick` for a smoke run; `-- --profile`
-//! runs only the current-thread loop, `KEEL_BENCH_RUNS` times, for callgrind or perf).
+//! Run with `cargo bench -p keel --bench tool_loop` (`-- --quick` for a smoke run; `--
+//! --instructions` for the instruction counts alone, which `scripts/bench-instructions.sh` runs;
+//! `-- --profile` runs only the current-thread loop, `KEEL_BENCH_RUNS` times, for callgrind or
+//! perf).
 #![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
 #![allow(missing_docs)]
 
@@ -130,6 +140,8 @@ struct Durable {
     concurrent_per_second: f64,
     bytes_per_run: f64,
     compacted_bytes_per_run: f64,
+    /// The peak heap of a round of 1000 runs in flight, per run (the median round's).
+    peak_heap_per_run: f64,
 }
 
 /// Runs against a fresh SQLite file (WAL, synchronous=NORMAL: every step committed before the
@@ -150,7 +162,10 @@ fn durable(runtime: &tokio::runtime::Runtime, runs: usize) -> Durable {
         let sequential_per_second = runs as f64 / start.elapsed().as_secs_f64();
         let start = Instant::now();
         let mut done = 0;
+        let mut heaps = Vec::new();
         for round in 0..runs.div_ceil(1000) {
+            let base = LIVE.load(Ordering::Relaxed);
+            PEAK.store(base, Ordering::Relaxed);
             let handles: Vec<_> = (0..1000)
                 .map(|i| agent.run(&format!("c{round}-{i}"), "What is 2 + 3?").expect("starts"))
                 .collect();
@@ -158,15 +173,23 @@ fn durable(runtime: &tokio::runtime::Runtime, runs: usize) -> Durable {
                 assert_eq!(handle.result().await.expect("runs").text, "5");
                 done += 1;
             }
+            heaps.push(PEAK.load(Ordering::Relaxed).saturating_sub(base) as f64 / 1000.0);
         }
         let concurrent_per_second = done as f64 / start.elapsed().as_secs_f64();
+        let peak_heap_per_run = median(heaps);
         let total_runs = 200 + runs + done;
         let bytes_per_run = store.size_bytes().expect("the size") as f64 / total_runs as f64;
         keel::Store::compact_journals(&*store).await.expect("compaction");
         // Freed pages are reused, not returned: VACUUM shows the smaller file.
         store.vacuum().expect("vacuum");
         let compacted_bytes_per_run = store.size_bytes().expect("the size") as f64 / total_runs as f64;
-        Durable { sequential_per_second, concurrent_per_second, bytes_per_run, compacted_bytes_per_run }
+        Durable {
+            sequential_per_second,
+            concurrent_per_second,
+            bytes_per_run,
+            compacted_bytes_per_run,
+            peak_heap_per_run,
+        }
     });
     runtime.block_on(task).expect("the benchmark task panicked")
 }
@@ -277,22 +300,164 @@ fn concurrent(runtime: &tokio::runtime::Runtime, runs: usize, round: usize) -> B
     runtime.block_on(task).expect("the benchmark task panicked")
 }
 
+/// The store a counted run uses.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Memory,
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Backend> {
+        [Backend::Memory, Backend::Sqlite, Backend::Postgres].into_iter().find(|b| b.name() == name)
+    }
+}
+
+/// `--count BACKEND N`: 200 runs to warm up, then `N` runs one at a time on a current-thread
+/// runtime, and nothing else: what [`instructions_per_run`] runs under callgrind, twice.
+fn count_runs(backend: Backend, runs: usize) {
+    let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let database =
+        (backend == Backend::Postgres).then(|| keel_testkit::postgres::ScratchDatabase::create("count"));
+    let store: Arc<dyn keel::Store> = match backend {
+        Backend::Memory => Arc::new(keel::MemoryStore::new()),
+        Backend::Sqlite => Arc::new(keel::SqliteStore::open(&dir.path().join("count.db")).expect("opens")),
+        Backend::Postgres => {
+            let url = &database.as_ref().expect("a database").url;
+            let options = keel_store::postgres_options().expect("the pool settings");
+            Arc::new(keel::PostgresStore::connect(url, options).expect("connects"))
+        }
+    };
+    current.block_on(async move {
+        let agent = agent_with(store);
+        for i in 0..200 {
+            one_run(&agent, &format!("w{i}")).await;
+        }
+        for i in 0..runs {
+            one_run(&agent, &format!("s{i}")).await;
+        }
+    });
+}
+
+/// Instructions per run under callgrind: the difference between a process doing `small` runs
+/// and one doing `large` (everything else, start-up and warm-up included, is the same in both
+/// and cancels out), divided by `large - small`. Counts every thread of the process (SQLite's
+/// writer too), not the PostgreSQL server's. `None` without valgrind.
+fn instructions_per_run(backend: Backend, small: usize, large: usize) -> Option<f64> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = tempfile::tempdir().ok()?;
+    let mut totals = Vec::new();
+    for runs in [small, large] {
+        let out = dir.path().join(format!("callgrind.{runs}"));
+        let status = std::process::Command::new("valgrind")
+            .arg("--tool=callgrind")
+            .arg(format!("--callgrind-out-file={}", out.display()))
+            .arg(&exe)
+            .args(["--count", backend.name(), &runs.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .ok()?;
+        if !status.success() {
+            return None;
+        }
+        let text = std::fs::read_to_string(&out).ok()?;
+        // "totals:" (or "summary:" in older valgrinds) is the whole process's count.
+        let total = text
+            .lines()
+            .find_map(|l| l.strip_prefix("totals:").or_else(|| l.strip_prefix("summary:")))?
+            .trim()
+            .parse::<f64>()
+            .ok()?;
+        totals.push(total);
+    }
+    Some((totals[1] - totals[0]) / (large - small) as f64)
+}
+
+/// `instructions_per_run` for each backend, printed.
+fn print_instructions(backends: &[Backend], quick: bool) {
+    for &backend in backends {
+        let (small, large) = match (backend, quick) {
+            (Backend::Memory, false) => (2_000, 12_000),
+            (_, false) => (1_000, 3_000),
+            (_, true) => (200, 600),
+        };
+        match instructions_per_run(backend, small, large) {
+            Some(count) => println!(
+                "instructions per run, {} store (callgrind, {large} runs less {small}, one at a time, current-thread runtime): {count:.0}",
+                backend.name()
+            ),
+            None => {
+                println!(
+                    "instructions per run: valgrind is not installed (or failed); `apt install valgrind`"
+                );
+                return;
+            }
+        }
+    }
+}
+
+/// Runs 1,000,000 runs (100,000 with `--quick`) one at a time on the default memory store and
+/// prints the process's RSS as they go: a bounded store holds it flat.
+fn soak(runtime: &tokio::runtime::Runtime, runs: usize) {
+    let task = runtime.spawn(async move {
+        let agent = agent();
+        let mut marks = Vec::new();
+        for i in 0..runs {
+            one_run(&agent, &format!("soak{i}")).await;
+            if (i + 1) % (runs / 10) == 0 {
+                marks.push(((i + 1) / 1000, rss_kib().unwrap_or(0) / 1024));
+            }
+        }
+        marks
+    });
+    let marks = runtime.block_on(task).expect("the benchmark task panicked");
+    let text: Vec<String> = marks.iter().map(|(k, mib)| format!("{k}k: {mib}")).collect();
+    println!(
+        "memory store (default bounds: {} sessions), {runs} runs one at a time, process RSS in MiB after: {}",
+        keel_store::MemoryLimits::DEFAULT.max_sessions,
+        text.join(", ")
+    );
+}
+
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
-    if std::env::args().any(|a| a == "--profile-sqlite") {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    if let Some(at) = args.iter().position(|a| a == "--count") {
+        let backend =
+            args.get(at + 1).and_then(|b| Backend::parse(b)).expect("--count memory|sqlite|postgres N");
+        let runs = args.get(at + 2).and_then(|n| n.parse().ok()).expect("--count BACKEND N");
+        count_runs(backend, runs);
+        return;
+    }
+    if args.iter().any(|a| a == "--instructions") {
+        print_instructions(&[Backend::Memory, Backend::Sqlite, Backend::Postgres], quick);
+        return;
+    }
+    if args.iter().any(|a| a == "--profile-sqlite") {
         let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let durable = durable(&current, 3_000);
         println!("{:.0} runs/s", durable.sequential_per_second);
         return;
     }
-    if std::env::args().any(|a| a == "--postgres") {
+    if args.iter().any(|a| a == "--postgres") {
         // Only the PostgreSQL figures: one store, then three on the same database.
         let multi = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
         let runs = if quick { 2_000 } else { 10_000 };
         postgres_figures(&multi, runs);
         return;
     }
-    if std::env::args().any(|a| a == "--profile") {
+    if args.iter().any(|a| a == "--profile") {
         // Just the sequential current-thread loop, for a profiler (callgrind, perf).
         let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let runs =
@@ -317,7 +482,7 @@ fn main() {
     }
     let hwm = rss_hwm_kib().unwrap_or(0);
     println!(
-        "1000 concurrent runs, multi-thread runtime: {:.2} ms wall (median of {rounds}), peak heap {:.2} MiB ({:.1} KiB/run), process peak RSS {:.1} MiB (RSS before the bursts {:.1} MiB)",
+        "1000 concurrent runs, multi-thread runtime: {:.2} ms wall (median of {rounds}), peak heap {:.2} MiB ({:.1} KiB per run in flight), process peak RSS {:.1} MiB (RSS before the bursts {:.1} MiB)",
         median(walls),
         median(heaps.clone()) / (1024.0 * 1024.0),
         median(heaps) / 1024.0 / 1000.0,
@@ -330,8 +495,10 @@ fn main() {
     );
     let seq_multi = sequential(&multi, warmup, batches, per_batch);
     println!(
-        "sequential, multi-thread runtime:   {seq_multi:.2} µs/run (median of {batches} batches of {per_batch})"
+        "sequential, multi-thread runtime:   {seq_multi:.2} µs/run (median of {batches} batches of {per_batch}; {:+.0}% against current-thread)",
+        (seq_multi / seq_current - 1.0) * 100.0
     );
+    soak(&multi, if quick { 100_000 } else { 1_000_000 });
     let durable_runs = if quick { 1_000 } else { 10_000 };
     let memory_per_second = 1e6 / seq_current;
     let sqlite = durable(&current, durable_runs);
@@ -344,10 +511,13 @@ fn main() {
         sqlite_multi.concurrent_per_second,
     );
     println!(
-        "sqlite bytes stored per run: {:.0}; {:.0} once finished runs' journals are compacted (database size / runs)",
-        sqlite.bytes_per_run, sqlite.compacted_bytes_per_run
+        "sqlite bytes stored per run: {:.0}; {:.0} once finished runs' journals are compacted (database size / runs); peak Rust heap {:.1} KiB per run in flight (1000 at a time; SQLite's own page cache not counted)",
+        sqlite.bytes_per_run,
+        sqlite.compacted_bytes_per_run,
+        sqlite_multi.peak_heap_per_run / 1024.0,
     );
     postgres_figures(&multi, durable_runs);
+    print_instructions(&[Backend::Memory, Backend::Sqlite, Backend::Postgres], quick);
 }
 
 /// One instance with the pool of `KEEL_STORE_POOL` (4 by default), three with it each, and three

@@ -5,8 +5,8 @@
 //! implements storage operations only ([`Tx`], run in transactions by a [`Backend`]), and
 //! [`Ruled`] puts the two together:
 //!
-//! - [`MemoryStore`]: everything in process memory; nothing survives the process. The default
-//!   for `keel run`.
+//! - [`MemoryStore`]: everything in process memory, bounded ([`MemoryLimits`]); nothing survives
+//!   the process. The default for `keel run`.
 //! - [`SqliteStore`]: an embedded SQLite file (WAL); survives restarts.
 //! - [`PostgresStore`]: a PostgreSQL database, shared by any number of instances.
 //!
@@ -21,7 +21,7 @@ mod rules;
 mod sqlite;
 
 pub use backend::{Backend, CommitSubject, Ruled, RunControl, SessionRows, Tx, Work};
-pub use memory::{Memory, MemoryStore};
+pub use memory::{Memory, MemoryLimits, MemoryStore};
 pub use postgres::{Postgres, PostgresOptions, PostgresStore};
 pub use sqlite::{Sqlite, SqliteStore};
 
@@ -29,15 +29,16 @@ use std::sync::Arc;
 
 use keel_core::{Store, StoreError};
 
-/// Opens the store a `--store` / `KEEL_STORE` value names: `memory`, `sqlite:<path>`, or
-/// `postgres://...` (pool size and statement timeout from `KEEL_STORE_POOL` and
-/// `KEEL_STORE_STATEMENT_TIMEOUT`).
+/// Opens the store a `--store` / `KEEL_STORE` value names: `memory` (bounded by
+/// `KEEL_MEMORY_MAX_SESSIONS` and `KEEL_MEMORY_MAX_IDLE`), `sqlite:<path>`, or `postgres://...`
+/// (pool size and statement timeout from `KEEL_STORE_POOL` and `KEEL_STORE_STATEMENT_TIMEOUT`).
 pub fn open(spec: &str) -> Result<Arc<dyn Store>, StoreError> {
     if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
         return Ok(Arc::new(PostgresStore::connect(spec, postgres_options()?)?));
     }
     if spec == "memory" {
-        return Ok(Arc::new(MemoryStore::new()));
+        let limits = MemoryLimits::from_env()?;
+        return Ok(Arc::new(MemoryStore::with_limits(limits, keel_core::clock::system())));
     }
     if let Some(path) = spec.strip_prefix("sqlite:") {
         if path.is_empty() {

@@ -5,9 +5,19 @@
 //! baseline the runtime's overhead is measured on. The maps use foldhash: keys come from users,
 //! so the hasher is seeded per process (minimally DoS-resistant) yet much cheaper than SipHash.
 //! None of its writes can fail, which is what lets it run the rules without a rollback.
+//!
+//! The store is bounded ([`MemoryLimits`]): a session nobody runs, whose last write is older
+//! than `max_idle` or that is the least recently written of more than `max_sessions`, is
+//! forgotten with everything of it (transcript, runs, journals, decided inputs). A session with
+//! an unfinished run (in flight, or paused for a human) is never forgotten. Sessions are kept in
+//! the order they were last written (a queue of touches, stale ones skipped as they come to the
+//! front), and the bounds are checked after every write, so a process doing a million runs
+//! holds at most `max_sessions` of them.
 
 use foldhash::HashMap;
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use keel_core::journal::JournalEntry;
 use keel_core::memory::{MemoryItem, MemoryOwner};
@@ -27,6 +37,12 @@ struct SessionData {
     state: Option<serde_json::Value>,
     /// Tokens of the session's journaled model calls.
     usage: Usage,
+    /// The session's runs, oldest first.
+    runs: Vec<RunId>,
+    /// Inputs of its runs that were decided or closed.
+    decided: Vec<String>,
+    /// The number of its latest entry in [`Inner::recency`].
+    touched: u64,
 }
 
 struct RunData {
@@ -38,8 +54,6 @@ struct RunData {
 struct Inner {
     sessions: HashMap<SessionId, SessionData>,
     runs: HashMap<RunId, RunData>,
-    /// How many runs each session had.
-    run_counts: HashMap<SessionId, u64>,
     /// Each session's runs that are not finished (usually none or one): what the "one run per
     /// session" check looks at, so that it does not scan every run of the store.
     open_runs: HashMap<SessionId, Vec<RunId>>,
@@ -54,14 +68,84 @@ struct Inner {
     delayed: HashMap<RunId, DelayedRunRecord>,
     /// Each owner's memory records, by kind and key.
     memories: HashMap<String, std::collections::BTreeMap<(String, String), MemoryItem>>,
+    /// Sessions in the order they were written: (session, touch number, when). An entry whose
+    /// number is not its session's latest is stale, and skipped.
+    recency: VecDeque<(SessionId, u64, u64)>,
+    touches: u64,
+    /// The latest time a write carried: what idleness is measured against.
+    now_ms: u64,
 }
 
 impl Inner {
+    /// The session's data, created if needed, marked as written at `now_ms`.
+    fn touch(&mut self, session: &SessionId, now_ms: u64) -> &mut SessionData {
+        self.touches += 1;
+        self.now_ms = self.now_ms.max(now_ms);
+        self.recency.push_back((session.clone(), self.touches, now_ms));
+        let data = self.sessions.entry(session.clone()).or_default();
+        data.touched = self.touches;
+        data
+    }
+
+    /// Forgets the sessions past `limits`, least recently written first; sessions with an
+    /// unfinished run stay (and are looked at again once idle for `max_idle` more).
+    fn evict(&mut self, limits: &MemoryLimits) {
+        let max_idle = u64::try_from(limits.max_idle.as_millis()).unwrap_or(u64::MAX);
+        // Each entry is looked at once per call: a store full of paused sessions cannot spin.
+        let mut budget = self.recency.len();
+        while budget > 0 {
+            let Some(&(_, touch, at_ms)) = self.recency.front() else { break };
+            let over = self.sessions.len() > limits.max_sessions;
+            let idle = self.now_ms.saturating_sub(at_ms) > max_idle;
+            let stale = self
+                .recency
+                .front()
+                .is_some_and(|(id, _, _)| self.sessions.get(id).is_none_or(|data| data.touched != touch));
+            if !over && !idle && !stale {
+                break;
+            }
+            budget -= 1;
+            let Some((session, _, _)) = self.recency.pop_front() else { break };
+            if stale {
+                continue;
+            }
+            if self.open_runs.contains_key(&session) {
+                // In use: keep it, as if written now.
+                let now_ms = self.now_ms;
+                self.touch(&session, now_ms);
+                continue;
+            }
+            self.forget(&session);
+        }
+        // Touches of sessions written again and again pile up as stale entries: rebuild the
+        // queue when they outnumber the sessions.
+        if self.recency.len() > 2 * self.sessions.len() + 1024 {
+            let sessions = &self.sessions;
+            self.recency.retain(|(id, touch, _)| sessions.get(id).is_some_and(|data| data.touched == *touch));
+        }
+    }
+
+    /// Removes a session and everything of it. Returns whether there was anything.
+    fn forget(&mut self, session: &SessionId) -> bool {
+        let Some(data) = self.sessions.remove(session) else { return false };
+        for run in &data.runs {
+            self.runs.remove(run);
+            self.journals.remove(run);
+            self.delayed.remove(run);
+        }
+        for id in &data.decided {
+            self.decided.remove(id);
+        }
+        self.pending.retain(|_, (_, p)| &p.session_id != session);
+        self.open_runs.remove(session);
+        true
+    }
+
     fn summary(&self, id: &SessionId, data: &SessionData) -> SessionSummary {
         SessionSummary {
             id: id.clone(),
             messages: data.messages.len() as u64,
-            runs: self.run_counts.get(id).copied().unwrap_or(0),
+            runs: data.runs.len() as u64,
             updated_at_ms: data.updated_at_ms,
             usage: data.usage,
         }
@@ -98,7 +182,7 @@ impl Tx for Inner {
         messages: &[Arc<Message>],
         now_ms: u64,
     ) -> Result<(), StoreError> {
-        let data = self.sessions.entry(session.clone()).or_default();
+        let data = self.touch(session, now_ms);
         data.updated_at_ms = now_ms;
         data.messages.extend(messages.iter().map(|message| (run.clone(), Arc::clone(message))));
         Ok(())
@@ -113,7 +197,7 @@ impl Tx for Inner {
     }
 
     fn add_usage(&mut self, session: &SessionId, usage: Usage, now_ms: u64) -> Result<(), StoreError> {
-        let data = self.sessions.entry(session.clone()).or_default();
+        let data = self.touch(session, now_ms);
         data.usage.add(usage);
         if data.updated_at_ms == 0 {
             data.updated_at_ms = now_ms;
@@ -127,7 +211,7 @@ impl Tx for Inner {
         state: &serde_json::Value,
         now_ms: u64,
     ) -> Result<(), StoreError> {
-        let data = self.sessions.entry(session.clone()).or_default();
+        let data = self.touch(session, now_ms);
         data.state = Some(state.clone());
         data.updated_at_ms = now_ms;
         Ok(())
@@ -154,34 +238,19 @@ impl Tx for Inner {
     }
 
     fn delete_session(&mut self, session: &SessionId) -> Result<bool, StoreError> {
-        let existed = self.sessions.remove(session).is_some();
-        let runs: Vec<RunId> = self
-            .runs
-            .iter()
-            .filter(|(_, data)| &data.record.session_id == session)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for run in &runs {
-            self.runs.remove(run);
-            self.journals.remove(run);
-        }
-        self.pending.retain(|_, (_, p)| &p.session_id != session);
-        self.decided.retain(|_, d| &d.session_id != session);
-        self.open_runs.remove(session);
-        self.run_counts.remove(session);
-        Ok(existed || !runs.is_empty())
+        Ok(self.forget(session))
     }
 
     fn insert_run(
         &mut self,
         record: &RunRecord,
         control: &RunControl,
-        _now_ms: u64,
+        now_ms: u64,
     ) -> Result<(), StoreError> {
         if !control.state.is_terminal() {
             self.open_runs.entry(record.session_id.clone()).or_default().push(record.run_id.clone());
         }
-        *self.run_counts.entry(record.session_id.clone()).or_default() += 1;
+        self.touch(&record.session_id, now_ms).runs.push(record.run_id.clone());
         self.runs.insert(record.run_id.clone(), RunData { record: record.clone(), control: control.clone() });
         Ok(())
     }
@@ -296,6 +365,9 @@ impl Tx for Inner {
     }
 
     fn insert_decided(&mut self, decided: &DecidedInput) -> Result<(), StoreError> {
+        if let Some(data) = self.sessions.get_mut(&decided.session_id) {
+            data.decided.push(decided.id.clone());
+        }
         self.decided.insert(decided.id.clone(), decided.clone());
         Ok(())
     }
@@ -387,35 +459,102 @@ impl Tx for Inner {
     }
 }
 
+/// How much a memory store keeps (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryLimits {
+    /// The most sessions kept: past it, the least recently written idle ones are forgotten.
+    pub max_sessions: usize,
+    /// How long a session nobody runs is kept after its last write.
+    pub max_idle: Duration,
+}
+
+impl MemoryLimits {
+    /// 10,000 sessions, each kept a day after its last write.
+    pub const DEFAULT: MemoryLimits =
+        MemoryLimits { max_sessions: 10_000, max_idle: Duration::from_secs(24 * 60 * 60) };
+
+    /// No bound: every session is kept until the process ends (or it is deleted).
+    pub const UNBOUNDED: MemoryLimits = MemoryLimits { max_sessions: usize::MAX, max_idle: Duration::MAX };
+
+    /// The defaults, with `KEEL_MEMORY_MAX_SESSIONS` and `KEEL_MEMORY_MAX_IDLE` applied.
+    pub fn from_env() -> Result<MemoryLimits, StoreError> {
+        use keel_core::env;
+        let mut limits = MemoryLimits::DEFAULT;
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        if let Some(text) = var(env::MEMORY_MAX_SESSIONS.name) {
+            limits.max_sessions = text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                StoreError::Unavailable(format!(
+                    "KEEL_MEMORY_MAX_SESSIONS must be a number of sessions, like 10000, not {text:?}"
+                ))
+            })?;
+        }
+        if let Some(text) = var(env::MEMORY_MAX_IDLE.name) {
+            limits.max_idle =
+                humantime::parse_duration(text.trim()).ok().filter(|d| !d.is_zero()).ok_or_else(|| {
+                    StoreError::Unavailable(format!(
+                        "KEEL_MEMORY_MAX_IDLE must be a duration like `24h` or `30m`, not {text:?}"
+                    ))
+                })?;
+        }
+        Ok(limits)
+    }
+}
+
+impl Default for MemoryLimits {
+    fn default() -> MemoryLimits {
+        MemoryLimits::DEFAULT
+    }
+}
+
 /// The memory backend. See the module docs.
 #[derive(Default)]
 pub struct Memory {
     inner: Mutex<Inner>,
+    limits: MemoryLimits,
 }
 
 impl Memory {
+    /// An empty backend that keeps at most what `limits` allow.
+    pub fn with_limits(limits: MemoryLimits) -> Memory {
+        Memory { inner: Mutex::default(), limits }
+    }
+
+    /// How many sessions it holds.
+    pub fn session_count(&self) -> usize {
+        self.lock().sessions.len()
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock cannot leave the maps half-updated in a way that matters
         // more than losing the store, so recover the guard.
         self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+
+    /// Runs a write, then forgets what the limits no longer allow.
+    fn write_now<T>(&self, work: impl FnOnce(&mut dyn Tx) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        let mut inner = self.lock();
+        let result = work(&mut *inner);
+        inner.evict(&self.limits);
+        result
+    }
 }
 
 impl Backend for Memory {
-    fn write<T: Send + 'static>(&self, mut work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
-        let result = work(&mut *self.lock());
+    fn write<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
+        let result = self.write_now(work);
         Box::pin(std::future::ready(result))
     }
 
-    fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
-        self.write(work)
+    fn read<T: Send + 'static>(&self, mut work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
+        let result = work(&mut *self.lock());
+        Box::pin(std::future::ready(result))
     }
 
     fn write_here<T, F: FnOnce(&mut dyn Tx) -> Result<T, StoreError>>(
         &self,
         work: F,
     ) -> Result<Result<T, StoreError>, F> {
-        Ok(work(&mut *self.lock()))
+        Ok(self.write_now(work))
     }
 
     fn read_here<T, F: FnOnce(&mut dyn Tx) -> Result<T, StoreError>>(
@@ -430,14 +569,19 @@ impl Backend for Memory {
 pub type MemoryStore = Ruled<Memory>;
 
 impl Ruled<Memory> {
-    /// An empty store on the system clock.
+    /// An empty store on the system clock, with the default [`MemoryLimits`].
     pub fn new() -> MemoryStore {
         MemoryStore::with_clock(keel_core::clock::system())
     }
 
-    /// An empty store reading time from `clock`.
+    /// An empty store reading time from `clock`, with the default [`MemoryLimits`].
     pub fn with_clock(clock: Arc<dyn Clock>) -> MemoryStore {
-        Ruled::with_backend(Memory::default(), clock)
+        MemoryStore::with_limits(MemoryLimits::DEFAULT, clock)
+    }
+
+    /// An empty store that keeps at most what `limits` allow, reading time from `clock`.
+    pub fn with_limits(limits: MemoryLimits, clock: Arc<dyn Clock>) -> MemoryStore {
+        Ruled::with_backend(Memory::with_limits(limits), clock)
     }
 }
 
@@ -450,6 +594,84 @@ impl Default for Ruled<Memory> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::conformance::{create_run, run_record};
+    use keel_core::{ManualClock, RunState, StepCommit, Store};
+
+    /// A finished run of `session` with one message, after what the session has.
+    async fn finished_run(store: &MemoryStore, run: &str, session: &SessionId) {
+        let first_position = store.session_summary(session).await.unwrap().map_or(0, |s| s.messages);
+        let record = run_record(run, session, 0);
+        create_run(store, &record).await.expect("the run is created");
+        let message = [Arc::new(Message::user("hi"))];
+        store
+            .commit_step(StepCommit {
+                first_position,
+                messages: &message,
+                state: Some(RunState::Done),
+                ..StepCommit::new(session, &record.run_id)
+            })
+            .await
+            .expect("the run finishes");
+    }
+
+    fn session(name: &str) -> SessionId {
+        SessionId::new(name).expect("a valid id")
+    }
+
+    #[tokio::test]
+    async fn past_its_session_bound_the_least_recently_written_idle_sessions_go() {
+        let clock = ManualClock::starting_now();
+        let limits = MemoryLimits { max_sessions: 3, max_idle: Duration::from_secs(3600) };
+        let store = MemoryStore::with_limits(limits, Arc::new(clock.clone()));
+        // A run paused for a human (unfinished) in the oldest session: never forgotten.
+        let paused = session("paused");
+        create_run(&store, &run_record("p", &paused, 0)).await.expect("created");
+        for i in 0..10 {
+            finished_run(&store, &format!("r{i}"), &session(&format!("s{i}"))).await;
+        }
+        assert_eq!(store.backend().session_count(), 3, "the bound holds");
+        // The paused session and the two most recently written are what is left.
+        for (name, kept) in [("paused", true), ("s9", true), ("s8", true), ("s7", false), ("s0", false)] {
+            let summary = store.session_summary(&session(name)).await.expect("reads");
+            assert_eq!(summary.is_some(), kept, "{name} kept: {kept}");
+        }
+        let gone = RunId::from_suffix("r0");
+        assert!(store.load_run(&gone).await.expect("reads").is_none(), "a forgotten session's runs go too");
+        assert!(store.load_journal(&gone).await.expect("reads").is_empty());
+        assert!(store.load_run(&RunId::from_suffix("p")).await.expect("reads").is_some());
+        // Writing to an old session makes it the most recent one.
+        finished_run(&store, "again", &session("s8")).await;
+        finished_run(&store, "r10", &session("s10")).await;
+        assert!(store.session_summary(&session("s8")).await.expect("reads").is_some());
+        assert!(store.session_summary(&session("s9")).await.expect("reads").is_none());
+        assert_eq!(store.session_summary(&session("s8")).await.unwrap().unwrap().runs, 2);
+    }
+
+    #[tokio::test]
+    async fn an_idle_session_goes_after_max_idle_and_a_busy_one_stays() {
+        let clock = ManualClock::starting_now();
+        let limits = MemoryLimits { max_sessions: 1000, max_idle: Duration::from_secs(60) };
+        let store = MemoryStore::with_limits(limits, Arc::new(clock.clone()));
+        finished_run(&store, "old", &session("old")).await;
+        let busy = session("busy");
+        create_run(&store, &run_record("busy", &busy, 0)).await.expect("created");
+        clock.advance(Duration::from_secs(61));
+        // The next write notices the time.
+        finished_run(&store, "new", &session("new")).await;
+        assert!(store.session_summary(&session("old")).await.expect("reads").is_none());
+        assert!(store.session_summary(&session("new")).await.expect("reads").is_some());
+        assert!(
+            store.load_run(&RunId::from_suffix("busy")).await.expect("reads").is_some(),
+            "unfinished runs stay"
+        );
+        // Thousands of writes to one session leave the queue the size of the sessions, not of the
+        // writes.
+        for i in 0..5_000 {
+            finished_run(&store, &format!("n{i}"), &session("new")).await;
+        }
+        assert!(store.backend().lock().recency.len() < 2 * 3 + 1024 + 8);
+    }
 
     #[tokio::test]
     async fn memory_store_conforms() {

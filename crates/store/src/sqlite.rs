@@ -6,11 +6,15 @@
 //! Several processes may open the same file (a paused run decided from another process);
 //! writers wait up to 5 s for each other (`busy_timeout`), then fail with `KEEL_STORE_LOCKED`.
 //!
-//! Writes go to one writer thread, which commits whatever has queued up since its last commit in
+//! Writes have one connection. A write that finds nobody else writing is committed by its caller,
+//! on the caller's thread, after one turn of the scheduler (writes made meanwhile join it): one
+//! run going step by step never waits for another thread. Writes that arrive while a commit is
+//! under way queue, and a writer thread commits whatever has queued up since its last commit in
 //! one transaction (group commit), each write in its own savepoint so that one failing write
-//! fails alone. Under load many runs' steps share a commit; a lone write waits only for a thread
-//! hand-off. Reads use a second connection on the caller's task (WAL lets them run beside the
-//! writer) and see every write whose call has returned.
+//! fails alone: under load many runs' steps share a commit. The write-ahead log is folded into
+//! the database by a checkpoint thread on its own connection, never inside a commit. Reads use a
+//! second connection on the caller's task (WAL lets them run beside the writer) and see every
+//! write whose call has returned.
 //! Statements are prepared once and cached. One shape is avoided: `WHERE column = ?1 ... ORDER
 //! BY ...` (and `MAX(...)`), whose plan SQLite ties to the bound value; the statement cache
 //! clears bindings between uses, so SQLite re-prepared such a statement at every execution (a
@@ -153,6 +157,11 @@ const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (owner, kind, key)
     ) WITHOUT ROWID;
     CREATE INDEX memories_recent ON memories (owner, kind, updated_at);",
+    // Version 11: two indexes fewer on `runs`, which every new run and every change of state
+    // wrote: `runs_open` (session_id, state) and `runs_leased` (state, lease_owner) begin with
+    // what they indexed, and serve the same queries.
+    "DROP INDEX runs_by_session;
+    DROP INDEX runs_by_state;",
 ];
 
 /// The schema version this build writes.
@@ -162,9 +171,17 @@ pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 pub struct Sqlite {
     /// The connection reads use.
     connection: Mutex<Connection>,
-    /// The writer thread's queue.
-    writer: std::sync::mpsc::Sender<Box<dyn Job>>,
+    /// Where writes go.
+    writer: Arc<Writer>,
     path: PathBuf,
+}
+
+impl Drop for Sqlite {
+    fn drop(&mut self) {
+        // The writer thread finishes what is queued, then ends.
+        self.writer.queue().closed = true;
+        self.writer.wake.notify_one();
+    }
 }
 
 /// A store in an SQLite file. See the module docs.
@@ -208,38 +225,195 @@ impl<T: Send + 'static> Job for TypedJob<T> {
 /// The most writes one commit takes.
 const MAX_BATCH: usize = 512;
 
-/// The writer thread: waits for a write, takes every other write queued by then, and commits
-/// them together. Ends when the store is dropped.
-fn writer_loop(connection: Connection, jobs: std::sync::mpsc::Receiver<Box<dyn Job>>) {
-    while let Ok(first) = jobs.recv() {
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match jobs.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
-        let commit = run_batch(&connection, &mut batch);
+/// The writer's connection and the writes waiting for it.
+///
+/// One committer at a time holds the connection: a caller whose write found nobody else
+/// writing (it commits that one write itself, on its own thread: no hand-off to wait for), or
+/// the writer thread, which commits whatever queued meanwhile in one transaction (group
+/// commit). A write arriving while a commit is under way queues, and the writer thread takes it.
+struct Writer {
+    connection: Mutex<Connection>,
+    queue: Mutex<Queue>,
+    /// Wakes the writer thread when it is handed the queue (or the store closes).
+    wake: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: Vec<Box<dyn Job>>,
+    /// Who commits now.
+    committer: Committer,
+    closed: bool,
+}
+
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+enum Committer {
+    /// Nobody: the next write commits itself.
+    #[default]
+    Nobody,
+    /// A caller, committing its lone write (or about to).
+    Caller,
+    /// The writer thread, until the queue is empty.
+    Thread,
+}
+
+impl Writer {
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Gives the queue to the writer thread (the caller committing stops being the committer).
+    fn hand_to_thread(&self, queue: &mut Queue) {
+        queue.committer = Committer::Thread;
+        self.wake.notify_one();
+    }
+
+    /// Commits `batch` on this thread, and tells each caller.
+    fn commit(&self, mut batch: Vec<Box<dyn Job>>) {
+        let commit = {
+            let connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
+            begin(&connection).and_then(|()| run_batch(&connection, &mut batch))
+        };
         for job in batch {
             job.deliver(commit.clone());
         }
     }
+
+    /// A caller's lone write: commits it here when nothing else is queued by the time the caller
+    /// is polled again, else hands everything (this write too) to the writer thread. So does a
+    /// write lock held by another process: the caller's thread never waits for one (the writer
+    /// thread does, up to the busy timeout).
+    fn commit_alone(&self) {
+        let mut queue = self.queue();
+        if queue.jobs.len() == 1 {
+            let connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
+            if begin_now(&connection) {
+                let mut batch = std::mem::take(&mut queue.jobs);
+                drop(queue);
+                let commit = run_batch(&connection, &mut batch);
+                drop(connection);
+                for job in batch {
+                    job.deliver(commit.clone());
+                }
+                queue = self.queue();
+                if queue.jobs.is_empty() {
+                    queue.committer = Committer::Nobody;
+                    return;
+                }
+            }
+        }
+        self.hand_to_thread(&mut queue);
+    }
 }
 
-/// Runs a batch in one transaction, each job in its own savepoint so that one failing job fails
-/// alone. Returns how the commit went.
+/// How long a writer waits for another process's write lock before `KEEL_STORE_LOCKED`.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Opens the write transaction. `BEGIN IMMEDIATE` takes the write lock up front (waiting out
+/// other processes' writers with the busy timeout) instead of failing mid-transaction.
+fn begin(connection: &Connection) -> Result<(), StoreError> {
+    connection.prepare_cached("BEGIN IMMEDIATE").and_then(|mut s| s.execute([])).map(drop).map_err(map_error)
+}
+
+/// [`begin`] if the write lock is free now, without waiting. Whether it began.
+fn begin_now(connection: &Connection) -> bool {
+    if connection.busy_timeout(Duration::ZERO).is_err() {
+        return false;
+    }
+    let began = begin(connection).is_ok();
+    // Cannot fail with a valid connection; the thread's commits would then not wait at all.
+    let _ = connection.busy_timeout(BUSY_TIMEOUT);
+    began
+}
+
+/// The caller committing its own write; if its future is dropped before it did, the writer
+/// thread takes over (the write is done either way, as any write whose call was made).
+struct CallerCommit(Option<Arc<Writer>>);
+
+impl CallerCommit {
+    fn run(mut self) {
+        if let Some(writer) = self.0.take() {
+            writer.commit_alone();
+        }
+    }
+}
+
+impl Drop for CallerCommit {
+    fn drop(&mut self) {
+        if let Some(writer) = self.0.take() {
+            let mut queue = writer.queue();
+            writer.hand_to_thread(&mut queue);
+        }
+    }
+}
+
+/// The writer thread: when handed the queue, commits what is in it (up to [`MAX_BATCH`] writes
+/// per transaction) until it is empty. Ends when the store is dropped and nothing is queued.
+fn writer_loop(writer: Arc<Writer>) {
+    let mut queue = writer.queue();
+    loop {
+        if queue.committer == Committer::Thread {
+            if queue.jobs.is_empty() {
+                queue.committer = Committer::Nobody;
+            } else {
+                let rest = queue.jobs.len().saturating_sub(MAX_BATCH);
+                let batch: Vec<_> = if rest == 0 {
+                    std::mem::take(&mut queue.jobs)
+                } else {
+                    queue.jobs.drain(..MAX_BATCH).collect()
+                };
+                drop(queue);
+                writer.commit(batch);
+                queue = writer.queue();
+                continue;
+            }
+        }
+        if queue.closed && queue.committer == Committer::Nobody {
+            return;
+        }
+        queue = writer.wake.wait(queue).unwrap_or_else(|p| p.into_inner());
+    }
+}
+
+/// How many pages the write-ahead log may hold before the checkpointer folds it into the
+/// database (SQLite's own default for its automatic checkpoints).
+const CHECKPOINT_PAGES: i32 = 1000;
+
+/// The checkpointer thread: on each wake-up, copies the write-ahead log into the database file
+/// on a connection of its own (`PASSIVE`: writers and readers go on meanwhile). The writer's
+/// connection does not checkpoint by itself, so that no commit (one a caller makes on its own
+/// thread above all) waits for the file system's syncs a checkpoint does.
+fn checkpoint_loop(connection: Connection, wakes: std::sync::mpsc::Receiver<()>) {
+    while wakes.recv().is_ok() {
+        if let Err(error) = connection.execute_batch("PRAGMA wal_checkpoint(PASSIVE)") {
+            tracing::warn!(%error, "the SQLite checkpoint failed; the next one will try again");
+        }
+    }
+}
+
+/// Runs a batch in the transaction [`begin`] opened, each job in its own savepoint so that one
+/// failing job fails alone, and commits. Returns how the commit went. A batch of one needs no
+/// savepoint (its failure rolls the
+/// whole transaction back): a savepoint makes SQLite copy every page it changes into a
+/// sub-journal first, which was a sixth of a lone commit's work.
 fn run_batch(connection: &Connection, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
     let exec = |sql: &str| connection.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(map_error);
-    exec("BEGIN IMMEDIATE")?;
-    for job in batch.iter_mut() {
-        let outcome = exec("SAVEPOINT write").and_then(|_| job.run(connection));
-        let undo = match outcome {
-            Ok(()) => exec("RELEASE write"),
-            Err(_) => exec("ROLLBACK TO write").and(exec("RELEASE write")),
-        };
-        if let Err(error) = undo {
-            let _ = exec("ROLLBACK");
-            return Err(error);
+    if let [job] = batch {
+        if job.run(connection).is_err() {
+            // The job's own error is what its caller hears; nothing of it stays.
+            return exec("ROLLBACK").map(drop);
+        }
+    } else {
+        for job in batch.iter_mut() {
+            let outcome = exec("SAVEPOINT write").and_then(|_| job.run(connection));
+            let undo = match outcome {
+                Ok(()) => exec("RELEASE write"),
+                Err(_) => exec("ROLLBACK TO write").and(exec("RELEASE write")),
+            };
+            if let Err(error) = undo {
+                let _ = exec("ROLLBACK");
+                return Err(error);
+            }
         }
     }
     if let Err(error) = exec("COMMIT") {
@@ -324,15 +498,49 @@ impl Sqlite {
                 other => break other?,
             }
         };
-        // The writer gets this connection; reads get a second one.
+        // The writer gets this connection; reads get a second one, checkpoints a third.
         let reader = Connection::open(path).map_err(|e| with_path(map_error(e), path))?;
-        reader.busy_timeout(Duration::from_secs(5)).map_err(map_error)?;
+        reader.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
         reader.set_prepared_statement_cache_capacity(64);
-        let (writer, jobs) = std::sync::mpsc::channel();
+        let checkpointer = Connection::open(path).map_err(|e| with_path(map_error(e), path))?;
+        checkpointer.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
+        let (due, wakes) = std::sync::mpsc::sync_channel(1);
+        let mut connection = connection;
+        // Replaces the automatic checkpoints (`wal_autocheckpoint` is this same hook).
+        // Once per CHECKPOINT_PAGES pages written: until the checkpoint is done and a commit
+        // starts the log over, every commit finds it as long.
+        let mut next_at = CHECKPOINT_PAGES;
+        let mut last = 0;
+        connection
+            .wal_hook(Some(move |_: &mut rusqlite::hooks::Wal, pages: std::ffi::c_int| {
+                if pages < last {
+                    next_at = CHECKPOINT_PAGES;
+                }
+                last = pages;
+                if pages >= next_at {
+                    next_at = pages.saturating_add(CHECKPOINT_PAGES);
+                    // Full: a wake-up is pending already.
+                    let _ = due.try_send(());
+                }
+                Ok(())
+            }))
+            .map_err(map_error)?;
+        let writer = Arc::new(Writer {
+            connection: Mutex::new(connection),
+            queue: Mutex::default(),
+            wake: std::sync::Condvar::new(),
+        });
+        let thread_writer = Arc::clone(&writer);
         std::thread::Builder::new()
             .name("keel-sqlite-writer".into())
-            .spawn(move || writer_loop(connection, jobs))
+            .spawn(move || writer_loop(thread_writer))
             .map_err(|e| StoreError::Unavailable(format!("cannot start the SQLite writer thread: {e}")))?;
+        std::thread::Builder::new()
+            .name("keel-sqlite-checkpoint".into())
+            .spawn(move || checkpoint_loop(checkpointer, wakes))
+            .map_err(|e| {
+                StoreError::Unavailable(format!("cannot start the SQLite checkpoint thread: {e}"))
+            })?;
         Ok(Sqlite { connection: Mutex::new(reader), writer, path: path.to_owned() })
     }
 
@@ -347,7 +555,7 @@ fn open_writer(path: &Path) -> Result<Connection, StoreError> {
         StoreError::Unavailable(m) => StoreError::Unavailable(format!("cannot open {}: {m}", path.display())),
         other => other,
     })?;
-    connection.busy_timeout(Duration::from_secs(5)).map_err(map_error)?;
+    connection.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
     connection.set_prepared_statement_cache_capacity(64);
     // The first statement that reads the file tells a non-database from a database; another
     // application's database is refused before anything (even the journal mode) changes in it.
@@ -461,29 +669,60 @@ impl Backend for Sqlite {
     fn write<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let job = TypedJob { work: Some(work), result: None, reply };
-        if self.writer.send(Box::new(job)).is_err() {
+        let mut queue = self.writer.queue();
+        if queue.closed {
             return Box::pin(std::future::ready(Err(StoreError::Unavailable(
-                "the SQLite writer thread stopped".into(),
+                "the SQLite store is closed".into(),
             ))));
         }
+        queue.jobs.push(Box::new(job));
+        let alone = queue.committer == Committer::Nobody;
+        if alone {
+            queue.committer = Committer::Caller;
+        }
+        drop(queue);
+        let own = alone.then(|| CallerCommit(Some(Arc::clone(&self.writer))));
         Box::pin(async move {
+            if let Some(own) = own {
+                // One turn of the scheduler first: writes that are ready to be made now (other
+                // runs' steps, under load) queue meanwhile, and then go to the writer thread
+                // together with this one, in one transaction. Alone, it commits here.
+                tokio::task::yield_now().await;
+                own.run();
+            }
             answer
                 .await
                 .unwrap_or_else(|_| Err(StoreError::Unavailable("the SQLite writer thread stopped".into())))
         })
     }
 
-    fn read<T: Send + 'static>(&self, mut work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
+    fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
         // On the caller's thread: WAL lets reads run beside the writer.
-        let result = work(&mut SqliteTx { c: &self.lock() });
-        Box::pin(std::future::ready(result))
+        Box::pin(std::future::ready(self.read_now(work)))
     }
 
     fn read_here<T, F: FnOnce(&mut dyn Tx) -> Result<T, StoreError>>(
         &self,
         work: F,
     ) -> Result<Result<T, StoreError>, F> {
-        Ok(work(&mut SqliteTx { c: &self.lock() }))
+        Ok(self.read_now(work))
+    }
+}
+
+impl Sqlite {
+    /// Runs `work` as one read transaction: its statements see one snapshot (and take the
+    /// database's read lock once, not once each).
+    fn read_now<T>(&self, work: impl FnOnce(&mut dyn Tx) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        let connection = self.lock();
+        let exec =
+            |sql: &str| connection.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(map_error);
+        exec("BEGIN")?;
+        let result = work(&mut SqliteTx { c: &connection });
+        // A read transaction has nothing to commit; ending it cannot lose anything.
+        if exec("COMMIT").is_err() {
+            let _ = exec("ROLLBACK");
+        }
+        result
     }
 }
 
