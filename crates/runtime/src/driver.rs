@@ -1152,8 +1152,12 @@ impl Driver<'_> {
         Ok((Input::MemoryDone(outcome), Some(entry)))
     }
 
-    /// Starts a tool call in its own task, so that a panic or a blocked thread in the tool cannot
-    /// take the run down with it.
+    /// A tool call, polled first in the run's own task: a call that finishes at once (a pure
+    /// function, a cached answer) costs no task and no wake-up of another thread. One that waits
+    /// goes on in a task of its own, which the run awaits with the tool's timeout. A panic in
+    /// either is the call's failure (`KEEL_TOOL_PANICKED`), not the run's. A tool that blocks its
+    /// thread in that first poll holds the run up meanwhile; async tools (every built-in one)
+    /// never do, and blocking work belongs in `spawn_blocking`.
     fn spawn_tool(&self, step: StepName, call: ToolCall, timeout: Duration) -> ToolFuture {
         let ToolCall { call_id, name, input } = call;
         let Some(tool) = self.agent.tools.get(&name).cloned() else {
@@ -1172,27 +1176,42 @@ impl Driver<'_> {
             state: state.clone(),
         };
         let span = spans::execute_tool(&name, &call_id, &input);
-        let started = tokio::time::Instant::now();
         let work = async move { tool.call(input, &ctx).await };
-        let mut task = AbortOnDrop(match span.clone() {
-            Some(context) => tokio::spawn(opentelemetry::trace::FutureExt::with_context(work, context)),
-            None => tokio::spawn(work),
-        });
+        let mut work: BoxFuture<'static, ToolOutcome> = match span.clone() {
+            Some(context) => Box::pin(opentelemetry::trace::FutureExt::with_context(work, context)),
+            None => Box::pin(work),
+        };
         Box::pin(async move {
-            let outcome = match tokio::time::timeout(timeout, &mut task.0).await {
-                Ok(Ok(outcome)) => outcome,
-                Ok(Err(join_error)) => Err(ToolError::with_code(
+            let started = tokio::time::Instant::now();
+            let crashed = |why: String| {
+                Err(ToolError::with_code(
                     ErrorCode::ToolPanicked,
-                    format!("tool `{name}` crashed: {}", panic_message(join_error)),
+                    format!("tool `{name}` crashed: {why}"),
                     false,
-                )),
-                Err(_elapsed) => Err(ToolError::with_code(
-                    ErrorCode::ToolTimeout,
-                    format!(
-                        "tool `{name}` did not finish within {timeout:?} (`limits.tool_timeout`) and was stopped"
-                    ),
-                    true,
-                )),
+                ))
+            };
+            let first = std::future::poll_fn(|cx| {
+                let poll = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.as_mut().poll(cx)));
+                std::task::Poll::Ready(poll)
+            })
+            .await;
+            let outcome = match first {
+                Ok(std::task::Poll::Ready(outcome)) => outcome,
+                Err(panic) => crashed(format!("it panicked: {}", panic_text(&*panic))),
+                Ok(std::task::Poll::Pending) => {
+                    let mut task = AbortOnDrop(tokio::spawn(work));
+                    match tokio::time::timeout_at(started + timeout, &mut task.0).await {
+                        Ok(Ok(outcome)) => outcome,
+                        Ok(Err(join_error)) => crashed(panic_message(join_error)),
+                        Err(_elapsed) => Err(ToolError::with_code(
+                            ErrorCode::ToolTimeout,
+                            format!(
+                                "tool `{name}` did not finish within {timeout:?} (`limits.tool_timeout`) and was stopped"
+                            ),
+                            true,
+                        )),
+                    }
+                }
             };
             spans::end_tool(span, &outcome);
             // A failed call's state replacement is dropped with it.

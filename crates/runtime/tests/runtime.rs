@@ -314,9 +314,18 @@ async fn parallel_tool_calls_run_concurrently_and_keep_call_order() {
 
 #[tokio::test]
 async fn a_panicking_tool_and_a_hanging_tool_become_tool_errors() {
+    // A call that panics in its first poll (made in the run's own task) and one that panics
+    // later (in the task a waiting call moves to) fail alike.
     let boom = function_tool("boom", "Panics", |_: Nothing| async move {
         if true {
             panic!("kaboom");
+        }
+        Ok::<_, String>(())
+    });
+    let late_boom = function_tool("late_boom", "Panics after a wait", |_: Nothing| async move {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        if true {
+            panic!("later");
         }
         Ok::<_, String>(())
     });
@@ -324,10 +333,13 @@ async fn a_panicking_tool_and_a_hanging_tool_become_tool_errors() {
         std::future::pending::<()>().await;
         Ok::<_, String>(())
     });
-    let provider = counting(vec![calls(&[("boom", json!({})), ("hang", json!({}))]), text("recovered")]);
+    let provider = counting(vec![
+        calls(&[("boom", json!({})), ("late_boom", json!({})), ("hang", json!({}))]),
+        text("recovered"),
+    ]);
     let store = Arc::new(MemoryStore::new());
     let engine = Engine::new(
-        agent(vec![boom, hang], |a| a.limits.tool_timeout = Duration::from_millis(200)),
+        agent(vec![boom, late_boom, hang], |a| a.limits.tool_timeout = Duration::from_millis(200)),
         provider,
         store.clone(),
     );
@@ -342,6 +354,7 @@ async fn a_panicking_tool_and_a_hanging_tool_become_tool_errors() {
         errors,
         [
             (true, "tool `boom` crashed: it panicked: kaboom".to_owned()),
+            (true, "tool `late_boom` crashed: it panicked: later".to_owned()),
             (
                 true,
                 "tool `hang` did not finish within 200ms (`limits.tool_timeout`) and was stopped".to_owned()

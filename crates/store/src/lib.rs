@@ -57,21 +57,39 @@ pub fn open(spec: &str) -> Result<Arc<dyn Store>, StoreError> {
 pub fn postgres_options() -> Result<PostgresOptions, StoreError> {
     use keel_core::env;
     let mut options = PostgresOptions::default();
-    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    if let Some(text) = var(env::STORE_POOL.name) {
-        options.pool_size = text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-            StoreError::Unavailable(format!(
-                "KEEL_STORE_POOL must be a number of connections, like 4, not {text:?}"
-            ))
-        })?;
+    if let Some(size) = env_count(&env::STORE_POOL, "a number of connections, like 4")? {
+        options.pool_size = size;
     }
-    if let Some(text) = var(env::STORE_STATEMENT_TIMEOUT.name) {
-        options.statement_timeout =
-            humantime::parse_duration(text.trim()).ok().filter(|d| !d.is_zero()).ok_or_else(|| {
-                StoreError::Unavailable(format!(
-                    "KEEL_STORE_STATEMENT_TIMEOUT must be a duration like `30s`, not {text:?}"
-                ))
-            })?;
+    if let Some(timeout) = env_duration(&env::STORE_STATEMENT_TIMEOUT, "a duration like `30s`")? {
+        options.statement_timeout = timeout;
     }
     Ok(options)
+}
+
+/// A store setting read from the environment: a positive whole number, or `None` when unset or
+/// blank. `expected` says what a good value looks like, for the error.
+pub(crate) fn env_count(var: &keel_core::env::EnvVar, expected: &str) -> Result<Option<usize>, StoreError> {
+    env_setting(var, expected, |text| text.parse().ok().filter(|n: &usize| *n > 0))
+}
+
+/// A store setting read from the environment: a non-zero duration (`30s`, `24h`), or `None`
+/// when unset or blank.
+pub(crate) fn env_duration(
+    var: &keel_core::env::EnvVar,
+    expected: &str,
+) -> Result<Option<std::time::Duration>, StoreError> {
+    env_setting(var, expected, |text| humantime::parse_duration(text).ok().filter(|d| !d.is_zero()))
+}
+
+fn env_setting<T>(
+    var: &keel_core::env::EnvVar,
+    expected: &str,
+    parse: impl FnOnce(&str) -> Option<T>,
+) -> Result<Option<T>, StoreError> {
+    let Some(text) = std::env::var(var.name).ok().filter(|v| !v.trim().is_empty()) else {
+        return Ok(None);
+    };
+    parse(text.trim())
+        .map(Some)
+        .ok_or_else(|| StoreError::Unavailable(format!("{} must be {expected}, not {text:?}", var.name)))
 }

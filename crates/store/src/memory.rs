@@ -480,21 +480,12 @@ impl MemoryLimits {
     pub fn from_env() -> Result<MemoryLimits, StoreError> {
         use keel_core::env;
         let mut limits = MemoryLimits::DEFAULT;
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-        if let Some(text) = var(env::MEMORY_MAX_SESSIONS.name) {
-            limits.max_sessions = text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-                StoreError::Unavailable(format!(
-                    "KEEL_MEMORY_MAX_SESSIONS must be a number of sessions, like 10000, not {text:?}"
-                ))
-            })?;
+        if let Some(count) = crate::env_count(&env::MEMORY_MAX_SESSIONS, "a number of sessions, like 10000")?
+        {
+            limits.max_sessions = count;
         }
-        if let Some(text) = var(env::MEMORY_MAX_IDLE.name) {
-            limits.max_idle =
-                humantime::parse_duration(text.trim()).ok().filter(|d| !d.is_zero()).ok_or_else(|| {
-                    StoreError::Unavailable(format!(
-                        "KEEL_MEMORY_MAX_IDLE must be a duration like `24h` or `30m`, not {text:?}"
-                    ))
-                })?;
+        if let Some(idle) = crate::env_duration(&env::MEMORY_MAX_IDLE, "a duration like `24h` or `30m`")? {
+            limits.max_idle = idle;
         }
         Ok(limits)
     }

@@ -274,9 +274,7 @@ impl Writer {
             let connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
             begin(&connection).and_then(|()| run_batch(&connection, &mut batch))
         };
-        for job in batch {
-            job.deliver(commit.clone());
-        }
+        deliver(batch, commit);
     }
 
     /// A caller's lone write: commits it here when nothing else is queued by the time the caller
@@ -292,9 +290,7 @@ impl Writer {
                 drop(queue);
                 let commit = run_batch(&connection, &mut batch);
                 drop(connection);
-                for job in batch {
-                    job.deliver(commit.clone());
-                }
+                deliver(batch, commit);
                 queue = self.queue();
                 if queue.jobs.is_empty() {
                     queue.committer = Committer::Nobody;
@@ -303,6 +299,13 @@ impl Writer {
             }
         }
         self.hand_to_thread(&mut queue);
+    }
+}
+
+/// Tells every job of a batch how its commit went.
+fn deliver(batch: Vec<Box<dyn Job>>, commit: Result<(), StoreError>) {
+    for job in batch {
+        job.deliver(commit.clone());
     }
 }
 
@@ -393,9 +396,8 @@ fn checkpoint_loop(connection: Connection, wakes: std::sync::mpsc::Receiver<()>)
 
 /// Runs a batch in the transaction [`begin`] opened, each job in its own savepoint so that one
 /// failing job fails alone, and commits. Returns how the commit went. A batch of one needs no
-/// savepoint (its failure rolls the
-/// whole transaction back): a savepoint makes SQLite copy every page it changes into a
-/// sub-journal first, which was a sixth of a lone commit's work.
+/// savepoint (its failure rolls the whole transaction back): a savepoint makes SQLite copy every
+/// page it changes into a sub-journal first, which was a sixth of a lone commit's work.
 fn run_batch(connection: &Connection, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
     let exec = |sql: &str| connection.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(map_error);
     if let [job] = batch {
