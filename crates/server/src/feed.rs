@@ -47,6 +47,12 @@ const OUTBOX: usize = 65_536;
 /// Kept small because every active session holds them (the memory of a busy server).
 pub(crate) const RECENT_EVENTS: usize = 256;
 
+/// How many feeds nobody watches and no run publishes to are kept at most (the most recently
+/// used), for clients that reconnect. A feed is kept a minute after its last use (the sweep),
+/// but a server starting thousands of sessions a second would hold a minute's worth of them:
+/// about 2 KB each, hundreds of MB. This bounds it to a few MB whatever the rate.
+pub(crate) const IDLE_FEEDS: usize = 4096;
+
 /// One published item.
 #[derive(Debug)]
 pub(crate) struct Entry {
@@ -68,7 +74,7 @@ pub(crate) enum Item {
 
 /// The feeds of every session with recent activity in this process.
 pub(crate) struct Feeds {
-    sessions: Mutex<HashMap<SessionId, Arc<Feed>>>,
+    sessions: Mutex<Sessions>,
     next_id: AtomicU64,
     metrics: Arc<Metrics>,
     /// The shared log, when processes share the store.
@@ -89,6 +95,41 @@ struct Shared {
     wake: Arc<tokio::sync::Notify>,
     /// How long the log keeps events (for reconnecting subscribers).
     retention: Duration,
+}
+
+/// The feeds by session, and the size at which the idle ones are next trimmed.
+struct Sessions {
+    feeds: HashMap<SessionId, Arc<Feed>>,
+    trim_at: usize,
+    /// At most this many idle feeds are kept ([`IDLE_FEEDS`]; smaller in tests).
+    idle_cap: usize,
+}
+
+impl Sessions {
+    fn new(idle_cap: usize) -> Sessions {
+        Sessions { feeds: HashMap::default(), trim_at: idle_cap + idle_cap / 2, idle_cap }
+    }
+
+    /// Drops the least recently used idle feeds beyond the cap. It walks every feed, so it runs
+    /// only after half a cap of new ones: amortized O(1) per new session.
+    fn trim(&mut self) {
+        let mut idle: Vec<(Instant, SessionId)> = self
+            .feeds
+            .iter()
+            .filter_map(|(session, feed)| {
+                let state = lock(&feed.state);
+                (state.runs == 0 && state.subscribers == 0).then(|| (state.last_used, session.clone()))
+            })
+            .collect();
+        if idle.len() > self.idle_cap {
+            let excess = idle.len() - self.idle_cap;
+            idle.select_nth_unstable_by_key(excess - 1, |(used, _)| *used);
+            for (_, session) in &idle[..excess] {
+                self.feeds.remove(session);
+            }
+        }
+        self.trim_at = self.feeds.len() + self.idle_cap / 2;
+    }
 }
 
 #[derive(Default)]
@@ -133,14 +174,26 @@ impl Feeds {
                 retention,
             }
         });
-        Feeds { sessions: Mutex::default(), next_id: AtomicU64::new(start), metrics, shared }
+        Feeds {
+            sessions: Mutex::new(Sessions::new(IDLE_FEEDS)),
+            next_id: AtomicU64::new(start),
+            metrics,
+            shared,
+        }
     }
 
     /// The session's feed, created on first use.
     fn feed(&self, session: &SessionId) -> Arc<Feed> {
         let mut sessions = lock(&self.sessions);
-        let feed = sessions.entry(session.clone()).or_insert_with(|| Arc::new(Feed::new(session.clone())));
-        Arc::clone(feed)
+        if let Some(feed) = sessions.feeds.get(session) {
+            return Arc::clone(feed);
+        }
+        if sessions.feeds.len() >= sessions.trim_at {
+            sessions.trim();
+        }
+        let feed = Arc::new(Feed::new(session.clone()));
+        sessions.feeds.insert(session.clone(), Arc::clone(&feed));
+        feed
     }
 
     /// A subscriber to the session's events after `after` (the client's `Last-Event-ID`), or,
@@ -198,7 +251,7 @@ impl Feeds {
                     LogWake::All => woken.all = true,
                     // Only sessions someone follows here are read.
                     LogWake::Session(session) => {
-                        if lock(&this.sessions).contains_key(session) {
+                        if lock(&this.sessions).feeds.contains_key(session) {
                             woken.sessions.insert(session.clone());
                         }
                     }
@@ -234,9 +287,9 @@ impl Feeds {
         let feeds: Vec<Arc<Feed>> = {
             let sessions = lock(&self.sessions);
             if woken.all {
-                sessions.values().cloned().collect()
+                sessions.feeds.values().cloned().collect()
             } else {
-                woken.sessions.iter().filter_map(|s| sessions.get(s).cloned()).collect()
+                woken.sessions.iter().filter_map(|s| sessions.feeds.get(s).cloned()).collect()
             }
         };
         futures::stream::iter(feeds)
@@ -256,12 +309,12 @@ impl Feeds {
     /// memory stays flat however many sessions it has served.
     pub(crate) fn sweep(&self, idle: Duration) -> usize {
         let mut sessions = lock(&self.sessions);
-        let before = sessions.len();
-        sessions.retain(|_, feed| {
+        let before = sessions.feeds.len();
+        sessions.feeds.retain(|_, feed| {
             let state = lock(&feed.state);
             state.runs > 0 || state.subscribers > 0 || state.last_used.elapsed() < idle
         });
-        before - sessions.len()
+        before - sessions.feeds.len()
     }
 
     /// Publishes a run's events to its session's feed as they come, then the end of its stream.
@@ -746,6 +799,30 @@ mod tests {
         assert_eq!(lock(&feed.state).subscribers, 3);
         drop((slow, late, resumed));
         assert_eq!(lock(&feed.state).subscribers, 0);
+    }
+
+    #[tokio::test]
+    async fn idle_feeds_beyond_the_cap_are_dropped_oldest_first_and_watched_or_running_ones_never() {
+        let feeds = Arc::new(Feeds::new(Arc::new(Metrics::new()), None, Duration::from_secs(60)));
+        *lock(&feeds.sessions) = Sessions::new(8);
+        let session = |name: String| SessionId::new(name).unwrap();
+        let ids = AtomicU64::new(1);
+        // The first session is watched and the second has a run publishing: both must stay.
+        let watched = feeds.subscribe(&session("watched".into()), None).await.unwrap();
+        let running = feeds.feed(&session("running".into()));
+        lock(&running.state).runs += 1;
+        for n in 0..1000 {
+            let feed = feeds.feed(&session(format!("s{n}")));
+            publish(&feed, &ids, 3);
+        }
+        let sessions = lock(&feeds.sessions);
+        // 8 idle ones kept, half a cap more before the next trim, and the two in use.
+        assert!(sessions.feeds.len() <= 8 + 4 + 2, "{} feeds kept", sessions.feeds.len());
+        for kept in ["watched", "running", "s999"] {
+            assert!(sessions.feeds.contains_key(&session(kept.into())), "{kept} was dropped");
+        }
+        assert!(!sessions.feeds.contains_key(&session("s0".into())), "the oldest idle feed was kept");
+        drop((sessions, watched));
     }
 
     /// A shared log in memory, standing for the database in the feeds' own logic: appends
