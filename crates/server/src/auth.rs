@@ -127,7 +127,9 @@ impl JwtVerifier {
             .secret
             .as_deref()
             .filter(|s| !s.is_empty())
-            .map(|s| DecodingKey::from_secret(s.as_bytes()));
+            .map(|s| DecodingKey::from_secret(s.as_bytes()))
+            .transpose()
+            .map_err(|error| format!("KEEL_JWT_SECRET is unusable: {error}"))?;
         let keys = options.jwks.as_deref().map(parse_jwks).transpose()?.unwrap_or_default();
         if secret.is_none() && keys.is_empty() {
             return Err("JWT auth needs KEEL_JWT_SECRET or KEEL_JWT_JWKS".into());

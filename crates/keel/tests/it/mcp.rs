@@ -728,7 +728,7 @@ fn on_mcp_a_jwt_subject_reaches_its_own_sessions_only() {
     let dir = helper_agent(false);
     let secret = "a-shared-secret-for-hs256";
     let served = crate::serve::Served::start(dir.path(), "memory", &[("KEEL_JWT_SECRET", secret)]);
-    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes());
+    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()).unwrap();
     let token = |sub: &str| {
         crate::serve::jwt(
             jsonwebtoken::Algorithm::HS256,

@@ -210,7 +210,7 @@ async fn over_http_a_user_s_memory_follows_them_across_sessions_and_no_one_else_
         &sqlite(dir.path()),
         &[("KEEL_JWT_SECRET", secret), ("OPENAI_API_KEY", "sk-fake")],
     );
-    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes());
+    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()).unwrap();
     let token =
         |sub: &str| jwt(jsonwebtoken::Algorithm::HS256, None, &key, json!({"sub": sub, "exp": in_an_hour()}));
     let http = client();

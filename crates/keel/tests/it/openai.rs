@@ -208,7 +208,7 @@ async fn a_previous_response_continues_its_session_for_its_owner_only() {
     let dir = agent_dir(&[("agent.yaml", AGENT)]);
     let secret = "a-shared-secret-for-hs256";
     let server = Served::start(dir.path(), "memory", &[("KEEL_JWT_SECRET", secret)]);
-    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes());
+    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()).unwrap();
     let token = |sub: &str| {
         jwt(jsonwebtoken::Algorithm::HS256, None, &key, json!({ "sub": sub, "exp": in_an_hour() }))
     };

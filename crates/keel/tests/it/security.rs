@@ -152,7 +152,7 @@ async fn configured_issuer_and_audience_are_required_and_nbf_is_honoured() {
             ("KEEL_JWT_AUDIENCE", "keel-api"),
         ],
     );
-    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes());
+    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()).unwrap();
     let token = |claims: Value| jwt(jsonwebtoken::Algorithm::HS256, None, &key, claims);
     let now = in_an_hour() - 3600;
     let http = client();

@@ -778,7 +778,7 @@ async fn jwt_subjects_own_their_sessions_and_see_nobody_elses() {
         "memory",
         &[("KEEL_JWT_SECRET", secret), ("KEEL_JWT_ISSUER", "https://id.example")],
     );
-    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes());
+    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()).unwrap();
     let token = |sub: &str| {
         jwt(
             jsonwebtoken::Algorithm::HS256,
@@ -859,7 +859,7 @@ async fn jwt_subjects_own_their_sessions_and_see_nobody_elses() {
         jwt(
             jsonwebtoken::Algorithm::HS256,
             None,
-            &jsonwebtoken::EncodingKey::from_secret(b"another-secret"),
+            &jsonwebtoken::EncodingKey::from_secret(b"another-secret").unwrap(),
             json!({"sub": "alice", "exp": in_an_hour(), "iss": "https://id.example"}),
         ),
         "not-a-jwt".to_owned(),
@@ -881,7 +881,7 @@ async fn each_caller_lists_its_own_sessions_newest_first() {
         &sqlite(dir.path()),
         &[("KEEL_JWT_SECRET", secret), ("KEEL_API_TOKEN", "the-api-token")],
     );
-    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes());
+    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()).unwrap();
     let token =
         |sub: &str| jwt(jsonwebtoken::Algorithm::HS256, None, &key, json!({"sub": sub, "exp": in_an_hour()}));
     let (alice, bob) = (token("alice"), token("bob"));
