@@ -3,7 +3,8 @@
 # [NAME=VALUE...]` builds keel,
 # starts `keel serve` on AGENT with bearer TOKEN (none when empty) and the given environment, a
 # fresh SQLite store and a free port, and sets `address` to its URL. Every server started so is
-# stopped (and its files removed) when the calling script exits.
+# stopped (and its files removed) when the calling script exits. `wait_for_address LOG` (below)
+# waits for the URL of a server started otherwise.
 serve_pids=()
 serve_dirs=()
 stop_keel_servers() {
@@ -23,13 +24,19 @@ start_keel_serve() {
   env KEEL_API_TOKEN="$token" KEEL_LOG=error "$@" target/debug/keel serve "$agent" \
     --store "sqlite:$work/keel.db" --port 0 2> "$work/serve.log" &
   serve_pids+=($!)
+  wait_for_address "$work/serve.log"
+}
+
+# `wait_for_address LOG`: sets `address` to the URL a starting `keel serve` prints to LOG (its
+# stderr), waiting up to 10 s; prints the log and exits if none comes.
+wait_for_address() {
   address=""
   for _ in $(seq 100); do
-    address=$(grep -o 'http://[0-9.:]*' "$work/serve.log" || true)
+    address=$(grep -o 'http://[0-9.:]*' "$1" || true)
     [ -n "$address" ] && break
     sleep 0.1
   done
-  [ -n "$address" ] || { cat "$work/serve.log"; exit 1; }
+  [ -n "$address" ] || { cat "$1"; exit 1; }
 }
 
 ensure_chromium() {

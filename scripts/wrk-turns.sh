@@ -26,9 +26,13 @@ cleanup() {
   [ -n "$server" ] && kill "$server" 2>/dev/null && wait "$server" 2>/dev/null
   rm -rf "$work"
 }
-trap cleanup EXIT
 mkdir -p "$work/agent"
 printf 'name: load\nmodel: mock\n' > "$work/agent/agent.yaml"
+
+# Only its `wait_for_address`: this script starts and stops its own servers.
+# shellcheck source=scripts/serve-for-test.sh
+source scripts/serve-for-test.sh
+trap cleanup EXIT
 
 rss() { awk '/^VmRSS:/ { print int($2 / 1024) }' "/proc/$1/status"; }
 
@@ -42,16 +46,9 @@ for store in "${stores[@]}"; do
   KEEL_LOG=error KEEL_MAX_CONNECTIONS_PER_CLIENT=0 "$keel" serve "$work/agent" \
     --port 0 --store "$url" 2> "$work/serve.log" &
   server=$!
-  address=""
-  for _ in $(seq 100); do
-    address=$(grep -o 'http://[0-9.:]*' "$work/serve.log" || true)
-    [ -n "$address" ] && break
-    sleep 0.1
-  done
-  [ -n "$address" ] || { cat "$work/serve.log"; exit 1; }
+  wait_for_address "$work/serve.log"
   sleep 1
   idle=$(rss "$server")
-  samples=()
   (for _ in $(seq "$seconds"); do sleep 1; rss "$server"; done) > "$work/rss" &
   sampler=$!
   echo "== $store store: wrk -t1 -c$connections -d${seconds}s, a new session per POST /chat"

@@ -117,6 +117,12 @@ impl Sessions {
             .feeds
             .iter()
             .filter_map(|(session, feed)| {
+                // Only the map holds it: no run, subscriber or event on its way uses it, and no
+                // caller of `feed` is about to (a subscriber reading the shared log first, say),
+                // as every new holder takes it from the map under this lock.
+                if Arc::strong_count(feed) > 1 {
+                    return None;
+                }
                 let state = lock(&feed.state);
                 (state.runs == 0 && state.subscribers == 0).then(|| (state.last_used, session.clone()))
             })
@@ -811,18 +817,20 @@ mod tests {
         let watched = feeds.subscribe(&session("watched".into()), None).await.unwrap();
         let running = feeds.feed(&session("running".into()));
         lock(&running.state).runs += 1;
+        // And one whose feed a caller holds, before it subscribes (as one reading the log does).
+        let held = feeds.feed(&session("held".into()));
         for n in 0..1000 {
             let feed = feeds.feed(&session(format!("s{n}")));
             publish(&feed, &ids, 3);
         }
         let sessions = lock(&feeds.sessions);
         // 8 idle ones kept, half a cap more before the next trim, and the two in use.
-        assert!(sessions.feeds.len() <= 8 + 4 + 2, "{} feeds kept", sessions.feeds.len());
-        for kept in ["watched", "running", "s999"] {
+        assert!(sessions.feeds.len() <= 8 + 4 + 3, "{} feeds kept", sessions.feeds.len());
+        for kept in ["watched", "running", "held", "s999"] {
             assert!(sessions.feeds.contains_key(&session(kept.into())), "{kept} was dropped");
         }
         assert!(!sessions.feeds.contains_key(&session("s0".into())), "the oldest idle feed was kept");
-        drop((sessions, watched));
+        drop((sessions, watched, held));
     }
 
     /// A shared log in memory, standing for the database in the feeds' own logic: appends
