@@ -28,7 +28,7 @@
 //! Run with `cargo bench -p keel --bench tool_loop` (`-- --quick` for a smoke run; `--
 //! --instructions` for the instruction counts alone, which `scripts/bench-instructions.sh` runs;
 //! `-- --profile` runs only the current-thread loop, `KEEL_BENCH_RUNS` times, for callgrind or
-//! perf).
+//! perf; `-- --profile-multi` the same loop on a multi-thread runtime).
 #![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
 #![allow(missing_docs)]
 
@@ -457,12 +457,17 @@ fn main() {
         postgres_figures(&multi, runs);
         return;
     }
-    if args.iter().any(|a| a == "--profile") {
-        // Just the sequential current-thread loop, for a profiler (callgrind, perf).
-        let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    if let Some(flag) = args.iter().find(|a| *a == "--profile" || *a == "--profile-multi") {
+        // Just the sequential loop, for a profiler (callgrind, perf): on a current-thread
+        // runtime, or (`--profile-multi`) on the default multi-thread one.
+        let runtime = if flag == "--profile" {
+            tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+        } else {
+            tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap()
+        };
         let runs =
             std::env::var(keel_core::env::BENCH_RUNS.name).ok().and_then(|n| n.parse().ok()).unwrap_or(2_000);
-        println!("{:.2} µs/run", sequential(&current, 100, 1, runs));
+        println!("{:.2} µs/run", sequential(&runtime, 100, 1, runs));
         return;
     }
     let (warmup, batches, per_batch, rounds) = if quick { (200, 3, 500, 2) } else { (5_000, 9, 10_000, 7) };

@@ -8,6 +8,8 @@
 //! (the run's process died at this step too many times in a row).
 
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::{Pin, pin};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -15,6 +17,7 @@ use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 use futures::StreamExt;
+use futures::channel::mpsc::UnboundedSender;
 use futures::stream::FuturesUnordered;
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::loop_control::StepFinished;
@@ -30,7 +33,6 @@ use keel_core::{
     ToolContext, ToolError, ToolOutcome,
 };
 use serde_json::Value;
-use tokio::sync::mpsc::UnboundedSender;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::{Admission, SessionClaim};
@@ -143,7 +145,8 @@ async fn guarded_result(
                      crashes at the same step {MAX_REDRIVES} more times. Please report this bug"
                 ),
             );
-            let _ = events.send(Event::RunError { code: failure.code, message: failure.message.clone() });
+            let _ = events
+                .unbounded_send(Event::RunError { code: failure.code, message: failure.message.clone() });
             Err(failure)
         }
     }
@@ -159,50 +162,32 @@ async fn run(
     cancel: CancellationToken,
     epoch: &AtomicU64,
 ) -> Result<RunResult, RunFailure> {
-    let mut reported = false;
-    let result = match prepare(&shared, plan, &cancel, &mut admitted).await {
-        Ok(prepared) => {
-            epoch.store(prepared.epoch.unwrap_or(0), Ordering::SeqCst);
-            spans::conversation(&prepared.session);
-            if prepared.new_run.is_none() {
-                // A resumed run is admitted once claimed; a new one once stored.
-                tell_admitted(&mut admitted, Ok(()));
-            }
-            let beat = prepared.epoch.map(|_| heartbeat(&shared));
-            let mut driver = Driver {
-                shared,
-                agent: Arc::clone(prepared.machine.agent()),
-                run_id: prepared.run_id,
-                session: prepared.session,
-                replay: (!prepared.journal.is_empty()).then(Vec::new),
-                decided_in_replay: Vec::new(),
-                journal: prepared.journal,
-                new_run: prepared.new_run,
-                epoch: prepared.epoch,
-                epoch_cell: epoch,
-                beat,
-                events: events.clone(),
-                cancel,
-                poisoned: prepared.poisoned,
-                admitted,
-                reported: false,
-                state: SessionState::new(prepared.state),
-                seed_state: prepared.seed_state,
-                _claim: prepared.claim,
-            };
-            let result = driver.drive(prepared.machine).await;
-            reported = driver.reported;
-            admitted = driver.admitted.take();
-            result
-        }
-        Err(failure) => Err(failure),
+    // The run's future lives on the heap for as long as the run does, so its size is memory per
+    // run in flight: what `prepare` returns is moved into the driver by a plain function, and
+    // no copy of it (or of the machine) is kept across the run's awaits.
+    let (mut driver, mut machine) = match prepare(&shared, plan, &cancel, &mut admitted).await {
+        Ok(prepared) => Driver::start(shared, prepared, epoch, &events, cancel, admitted.take()),
+        Err(failure) => return ended(&mut admitted, &events, Err(failure), false),
     };
-    tell_admitted(&mut admitted, result.as_ref().map(drop));
+    let result = driver.drive(&mut machine).await;
+    let mut admitted = driver.admitted.take();
+    ended(&mut admitted, &events, result, driver.reported)
+}
+
+/// What a run ends with: tells a caller still waiting for admission, and sends `run.error` for
+/// a failure of the driver itself (the store, the journal), which the machine never saw.
+fn ended(
+    admitted: &mut Admitted,
+    events: &UnboundedSender<Event>,
+    result: Result<RunResult, RunFailure>,
+    reported: bool,
+) -> Result<RunResult, RunFailure> {
+    tell_admitted(admitted, result.as_ref().map(drop));
     if let Err(failure) = &result
         && !reported
     {
-        // A failure of the driver itself (the store, the journal): the machine never saw it.
-        let _ = events.send(Event::RunError { code: failure.code, message: failure.message.clone() });
+        let _ =
+            events.unbounded_send(Event::RunError { code: failure.code, message: failure.message.clone() });
     }
     result
 }
@@ -212,7 +197,7 @@ async fn run(
 fn drive_nested(shared: &Arc<Shared>, plan: Plan) -> BoxFuture<'static, Result<RunResult, RunFailure>> {
     let shared = Arc::clone(shared);
     Box::pin(async move {
-        let (event_tx, event_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (event_tx, event_rx) = futures::channel::mpsc::unbounded();
         let (result_tx, result_rx) = tokio::sync::oneshot::channel();
         let (admitted_tx, admitted_rx) = tokio::sync::oneshot::channel();
         let cancel = CancellationToken::new();
@@ -610,8 +595,50 @@ struct Driver<'a> {
     _claim: Option<SessionClaim>,
 }
 
+impl<'a> Driver<'a> {
+    /// The driver of a prepared run, and the machine it drives; tells the caller the run is
+    /// admitted once a resumed run is claimed (a new one is admitted once stored).
+    fn start(
+        shared: Arc<Shared>,
+        prepared: Prepared,
+        epoch_cell: &'a AtomicU64,
+        events: &UnboundedSender<Event>,
+        cancel: CancellationToken,
+        mut admitted: Admitted,
+    ) -> (Self, Machine) {
+        epoch_cell.store(prepared.epoch.unwrap_or(0), Ordering::SeqCst);
+        spans::conversation(&prepared.session);
+        if prepared.new_run.is_none() {
+            tell_admitted(&mut admitted, Ok(()));
+        }
+        let beat = prepared.epoch.map(|_| heartbeat(&shared));
+        let driver = Driver {
+            shared,
+            agent: Arc::clone(prepared.machine.agent()),
+            run_id: prepared.run_id,
+            session: prepared.session,
+            replay: (!prepared.journal.is_empty()).then(Vec::new),
+            decided_in_replay: Vec::new(),
+            journal: prepared.journal,
+            new_run: prepared.new_run,
+            epoch: prepared.epoch,
+            epoch_cell,
+            beat,
+            events: events.clone(),
+            cancel,
+            poisoned: prepared.poisoned,
+            admitted,
+            reported: false,
+            state: SessionState::new(prepared.state),
+            seed_state: prepared.seed_state,
+            _claim: prepared.claim,
+        };
+        (driver, prepared.machine)
+    }
+}
+
 impl Driver<'_> {
-    async fn drive(&mut self, mut machine: Machine) -> Result<RunResult, RunFailure> {
+    async fn drive(&mut self, machine: &mut Machine) -> Result<RunResult, RunFailure> {
         let mut inputs: VecDeque<(Input, Option<JournalEntry>)> = VecDeque::from([(Input::Start, None)]);
         let mut tools: FuturesUnordered<ToolFuture> = FuturesUnordered::new();
         // The calls waiting for a human, with no decision journaled yet.
@@ -627,7 +654,7 @@ impl Driver<'_> {
                 None if tools.is_empty() && self.cancel.is_cancelled() => (Input::Cancel, None),
                 None if tools.is_empty() && !waiting.is_empty() => {
                     match Box::pin(self.pause(&mut waiting)).await? {
-                        Pause::Paused(pending) => return Ok(self.paused_result(&machine, pending)),
+                        Pause::Paused(pending) => return Ok(self.paused_result(machine, pending)),
                         Pause::Decided(decisions) => {
                             inputs.extend(decisions.into_iter().map(|input| (input, None)));
                             continue;
@@ -677,16 +704,16 @@ impl Driver<'_> {
                     Action::Emit(event) => self.emit(event),
                     Action::Persist { first_position, count } => {
                         if !pending.continues_at(first_position) {
-                            self.commit(&machine, &mut pending, None).await?;
+                            self.commit(machine, &mut pending, None).await?;
                         }
                         pending.add_messages(first_position, count);
                     }
                     Action::CallModel { step } => {
-                        self.commit(&machine, &mut pending, None).await?;
-                        inputs.push_back(self.model_step(&machine, step).await?);
+                        self.commit(machine, &mut pending, None).await?;
+                        inputs.push_back(self.model_step(machine, step).await?);
                     }
                     Action::CallTool { step, call } => {
-                        self.commit(&machine, &mut pending, None).await?;
+                        self.commit(machine, &mut pending, None).await?;
                         match self.journal.remove(&step) {
                             Some(JournalRecord::ToolResult(outcome)) => {
                                 let input =
@@ -706,7 +733,7 @@ impl Driver<'_> {
                         }
                     }
                     Action::AwaitHuman { step, id, call_id, kind } => {
-                        self.commit(&machine, &mut pending, None).await?;
+                        self.commit(machine, &mut pending, None).await?;
                         match self.journal.remove(&step) {
                             Some(JournalRecord::Decision(decision)) => {
                                 inputs.push_back((Input::Decision { call_id, decision }, None));
@@ -722,13 +749,13 @@ impl Driver<'_> {
                         }
                     }
                     Action::Memory { step, request } => {
-                        self.commit(&machine, &mut pending, None).await?;
+                        self.commit(machine, &mut pending, None).await?;
                         inputs.push_back(Box::pin(self.memory_step(step, request)).await?);
                     }
-                    Action::Finish(outcome) => return self.finish(&machine, &mut pending, outcome).await,
+                    Action::Finish(outcome) => return self.finish(machine, &mut pending, outcome).await,
                 }
             }
-            self.commit(&machine, &mut pending, None).await?;
+            self.commit(machine, &mut pending, None).await?;
         }
     }
 
@@ -995,13 +1022,13 @@ impl Driver<'_> {
             }
         }
         // The caller may have stopped listening; the run goes on.
-        let _ = self.events.send(event);
+        let _ = self.events.unbounded_send(event);
     }
 
     /// Ends the replay: the run reached work that is not in its journal.
     fn go_live(&mut self) {
         for event in self.replay.take().unwrap_or_default() {
-            let _ = self.events.send(event);
+            let _ = self.events.unbounded_send(event);
         }
     }
 
@@ -1068,7 +1095,7 @@ impl Driver<'_> {
             }
         }
         let (shared, events) = (Arc::clone(&self.shared), self.events.clone());
-        let call = async move { call_model(&shared, machine, &events).await };
+        let call = pin!(async move { call_model(&shared, machine, &events).await });
         let Some(result) = self.while_leased(call).await else { return Ok((Input::Cancel, None)) };
         Ok(match result {
             Ok(reply) => {
@@ -1101,13 +1128,14 @@ impl Driver<'_> {
 
     /// Waits for `work`, renewing the run's lease meanwhile; `None` when the run is cancelled
     /// first (the work is dropped).
-    async fn while_leased<T>(&mut self, work: impl std::future::Future<Output = T>) -> Option<T> {
-        tokio::pin!(work);
+    /// `work` is pinned by the caller: taken by value, an async fn's argument is kept twice in
+    /// its future (the argument, and the local it is moved into), and a model call is large.
+    async fn while_leased<T>(&mut self, mut work: Pin<&mut impl Future<Output = T>>) -> Option<T> {
         loop {
             let finished = tokio::select! {
                 biased;
                 () = self.cancel.cancelled() => return None,
-                done = &mut work => Some(done),
+                done = work.as_mut() => Some(done),
                 () = next_beat(&mut self.beat) => None,
             };
             match finished {
@@ -1137,13 +1165,13 @@ impl Driver<'_> {
         let owner = keel_core::memory::owner_of(&self.session);
         let engine = self.agent.memory.engine.clone();
         let (run, session) = (self.run_id.clone(), self.session.clone());
-        let call = async {
+        let call = pin!(async {
             let scope = MemoryScope { owner: &owner, run: &run, session: &session };
             match &engine {
                 Some(engine) => engine.call(scope, &request).await,
                 None => Err("the agent has memory settings but no memory engine".to_owned()),
             }
-        };
+        });
         let Some(outcome) = self.while_leased(call).await else { return Ok((Input::Cancel, None)) };
         if let Err(error) = &outcome {
             tracing::warn!(run = %self.run_id, %step, %error, "a memory step failed; the run goes on without it");
@@ -1361,14 +1389,14 @@ impl DeltaSink for EventSink<'_> {
         if self.0.is_closed() {
             return;
         }
-        let _ = self.0.send(Event::TextDelta { delta: delta.to_owned() });
+        let _ = self.0.unbounded_send(Event::TextDelta { delta: delta.to_owned() });
     }
 
     fn reasoning_delta(&mut self, delta: &str) {
         if self.0.is_closed() {
             return;
         }
-        let _ = self.0.send(Event::ReasoningDelta { delta: delta.to_owned() });
+        let _ = self.0.unbounded_send(Event::ReasoningDelta { delta: delta.to_owned() });
     }
 }
 
@@ -1508,7 +1536,7 @@ async fn call_model(
             attempt = next;
             continue;
         }
-        let _ = events.send(Event::TurnRetry {
+        let _ = events.unbounded_send(Event::TurnRetry {
             turn: machine.turn(),
             attempt: next,
             code: error.code(),

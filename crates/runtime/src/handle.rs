@@ -6,10 +6,11 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use futures::Stream;
+use futures::channel::mpsc;
+use futures::{Stream, StreamExt};
 use keel_core::{ErrorCode, Event, PendingInput, RunFailure, RunId, SessionId, StopReason, Usage};
 use serde_json::Value;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 /// What a finished run produced.
@@ -109,7 +110,7 @@ impl Stream for RunHandle {
     type Item = Event;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
-        self.events.poll_recv(cx)
+        self.events.poll_next_unpin(cx)
     }
 }
 
