@@ -6,7 +6,8 @@
 //!
 //! Reports:
 //! - microseconds per run, sequential, after warm-up: the median of several batches, on a
-//!   current-thread and on a multi-thread Tokio runtime;
+//!   current-thread and on a multi-thread Tokio runtime, for runs in a task of their own
+//!   (`Agent::run`) and inline runs (`Agent::run_inline`, driven by the loop's task);
 //! - 1000 concurrent runs: wall time, and peak heap (counted by a tracking allocator) and peak
 //!   RSS growth during the burst;
 //! - runs per second with the SQLite store (every step committed), sequentially and 1000 at a
@@ -28,7 +29,8 @@
 //! Run with `cargo bench -p keel --bench tool_loop` (`-- --quick` for a smoke run; `--
 //! --instructions` for the instruction counts alone, which `scripts/bench-instructions.sh` runs;
 //! `-- --profile` runs only the current-thread loop, `KEEL_BENCH_RUNS` times, for callgrind or
-//! perf; `-- --profile-multi` the same loop on a multi-thread runtime).
+//! perf; `-- --profile-multi` the same loop on a multi-thread runtime; add `--inline` to either
+//! for inline runs).
 #![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
 #![allow(missing_docs)]
 
@@ -106,18 +108,41 @@ async fn one_run(agent: &Agent, session: &str) {
     assert_eq!(result.text, "5");
 }
 
+/// Where the sequential loop's runs work: in a task of their own (`Agent::run`), or in the
+/// loop's task (`Agent::run_inline`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Drive {
+    Spawned,
+    Inline,
+}
+
+async fn one_run_driven(agent: &Agent, session: &str, drive: Drive) {
+    let handle = match drive {
+        Drive::Spawned => agent.run(session, "What is 2 + 3?"),
+        Drive::Inline => agent.run_inline(session, "What is 2 + 3?"),
+    };
+    let result = handle.expect("starts").result().await.expect("runs");
+    assert_eq!(result.text, "5");
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
 }
 
-fn sequential(runtime: &tokio::runtime::Runtime, warmup: usize, batches: usize, per_batch: usize) -> f64 {
+fn sequential(
+    runtime: &tokio::runtime::Runtime,
+    drive: Drive,
+    warmup: usize,
+    batches: usize,
+    per_batch: usize,
+) -> f64 {
     // The loop runs as a task, as a server's request handler would: on a multi-thread runtime,
     // awaiting from `block_on`'s thread would measure cross-thread wake-ups instead of keel.
     let task = runtime.spawn(async move {
         let agent = agent();
         for i in 0..warmup {
-            one_run(&agent, &format!("w{i}")).await;
+            one_run_driven(&agent, &format!("w{i}"), drive).await;
         }
         let mut per_run = Vec::with_capacity(batches);
         for batch in 0..batches {
@@ -126,7 +151,7 @@ fn sequential(runtime: &tokio::runtime::Runtime, warmup: usize, batches: usize, 
             let sessions: Vec<String> = (0..per_batch).map(|i| format!("b{batch}-{i}")).collect();
             let start = Instant::now();
             for session in &sessions {
-                one_run(&agent, session).await;
+                one_run_driven(&agent, session, drive).await;
             }
             per_run.push(start.elapsed().as_secs_f64() * 1e6 / per_batch as f64);
         }
@@ -467,7 +492,8 @@ fn main() {
         };
         let runs =
             std::env::var(keel_core::env::BENCH_RUNS.name).ok().and_then(|n| n.parse().ok()).unwrap_or(2_000);
-        println!("{:.2} µs/run", sequential(&runtime, 100, 1, runs));
+        let drive = if args.iter().any(|a| a == "--inline") { Drive::Inline } else { Drive::Spawned };
+        println!("{:.2} µs/run", sequential(&runtime, drive, 100, 1, runs));
         return;
     }
     let (warmup, batches, per_batch, rounds) = if quick { (200, 3, 500, 2) } else { (5_000, 9, 10_000, 7) };
@@ -494,14 +520,20 @@ fn main() {
         hwm as f64 / 1024.0,
         rss_before as f64 / 1024.0,
     );
-    let seq_current = sequential(&current, warmup, batches, per_batch);
+    let seq_current = sequential(&current, Drive::Spawned, warmup, batches, per_batch);
     println!(
         "sequential, current-thread runtime: {seq_current:.2} µs/run (median of {batches} batches of {per_batch})"
     );
-    let seq_multi = sequential(&multi, warmup, batches, per_batch);
+    let seq_multi = sequential(&multi, Drive::Spawned, warmup, batches, per_batch);
     println!(
         "sequential, multi-thread runtime:   {seq_multi:.2} µs/run (median of {batches} batches of {per_batch}; {:+.0}% against current-thread)",
         (seq_multi / seq_current - 1.0) * 100.0
+    );
+    let inline_current = sequential(&current, Drive::Inline, warmup, batches, per_batch);
+    let inline_multi = sequential(&multi, Drive::Inline, warmup, batches, per_batch);
+    println!(
+        "sequential inline runs (Agent::run_inline): {inline_current:.2} µs/run current-thread, {inline_multi:.2} µs/run multi-thread ({:+.0}% against current-thread spawned runs)",
+        (inline_multi / seq_current - 1.0) * 100.0
     );
     soak(&multi, if quick { 100_000 } else { 1_000_000 });
     let durable_runs = if quick { 1_000 } else { 10_000 };

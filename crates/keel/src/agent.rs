@@ -262,6 +262,29 @@ impl Agent {
         self.engine.start(session, input.into())
     }
 
+    /// [`Agent::run`] for a caller that awaits the run at once: the run works in the task that
+    /// polls the handle rather than a task of its own, so nothing is handed between tasks (on a
+    /// multi-thread runtime, no other worker thread is woken). The run moves on only while the
+    /// handle is polled; drop the handle and the rest of the run goes on in a task of its own.
+    /// See [`Engine::start_inline`](keel_runtime::Engine::start_inline).
+    ///
+    /// ```
+    /// use keel::Agent;
+    ///
+    /// # tokio_test_block_on(async {
+    /// let agent = Agent::builder().model("mock").build().unwrap();
+    /// let result = agent.run_inline("s1", "hello").unwrap().result().await.unwrap();
+    /// assert!(!result.text.is_empty());
+    /// # });
+    /// # fn tokio_test_block_on(f: impl std::future::Future<Output = ()>) {
+    /// #     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f)
+    /// # }
+    /// ```
+    pub fn run_inline(&self, session: &str, input: impl Into<Message>) -> Result<RunHandle, RunFailure> {
+        let session = SessionId::new(session)?;
+        self.engine.start_inline(session, input.into(), keel_runtime::RunOptions::default())
+    }
+
     /// [`Agent::run`] with this run's own options: limits and budgets other than the agent's.
     /// They are stored with the run, so a run re-driven after a crash keeps them.
     ///

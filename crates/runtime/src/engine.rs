@@ -278,6 +278,29 @@ impl Engine {
         self.start_in_mode(run_id, session, input, Concurrency::Reject, LimitOverrides::default())
     }
 
+    /// [`Engine::start_with`] for a caller that awaits the run at once: the run works in the
+    /// task that polls the returned handle (its stream, [`RunHandle::admitted`] or
+    /// [`RunHandle::result`]) instead of a task of its own. Nothing passes between tasks on
+    /// the way, so on a multi-thread runtime no other worker thread is woken; a run that waits
+    /// on nothing (an in-memory store, a fast tool) ends within one poll.
+    ///
+    /// The run only moves on while its handle is polled, or once the handle is dropped: then
+    /// the rest of the run goes on in a task of its own, so an inline run ends all the same.
+    /// Do not hold an inline run's handle unpolled while you wait on something that needs the
+    /// run to move on (its approval showing up in [`Engine::pending`], say): use
+    /// [`Engine::start_with`] there.
+    pub fn start_inline(
+        &self,
+        session: SessionId,
+        input: Message,
+        options: RunOptions,
+    ) -> Result<RunHandle, RunFailure> {
+        let mode = self.shared.agent().concurrency;
+        let run_id = new_run_id();
+        let (plan, cancel) = self.admit(run_id.clone(), session, input, mode, options.limits)?;
+        Ok(self.launch(run_id, plan, cancel, None, Drive::Inline))
+    }
+
     fn start_in_mode(
         &self,
         run_id: RunId,
@@ -286,10 +309,22 @@ impl Engine {
         mode: Concurrency,
         limits: LimitOverrides,
     ) -> Result<RunHandle, RunFailure> {
+        let (plan, cancel) = self.admit(run_id.clone(), session, input, mode, limits)?;
+        Ok(self.spawn(run_id, plan, cancel))
+    }
+
+    /// Admits a fresh run in this process (its session's lane) and plans it.
+    fn admit(
+        &self,
+        run_id: RunId,
+        session: SessionId,
+        input: Message,
+        mode: Concurrency,
+        limits: LimitOverrides,
+    ) -> Result<(Plan, CancellationToken), RunFailure> {
         let cancel = CancellationToken::new();
         let admission = self.shared.sessions.admit(&session, &run_id, &cancel, mode)?;
-        let plan = Plan::Fresh { run_id: run_id.clone(), session, input, admission, mode, limits };
-        Ok(self.spawn(run_id, plan, cancel))
+        Ok((Plan::Fresh { run_id, session, input, admission, mode, limits }, cancel))
     }
 
     /// Re-drives a run from its journal (after a crash, a restart, or to replay it). Journaled
@@ -506,6 +541,19 @@ impl Engine {
         cancel: CancellationToken,
         copy: Option<oneshot::Sender<Result<crate::handle::RunResult, RunFailure>>>,
     ) -> RunHandle {
+        self.launch(run_id, plan, cancel, copy, Drive::Spawned)
+    }
+
+    /// Makes a run's handle and its work, which goes to a task of its own (`Drive::Spawned`) or
+    /// stays with the handle (`Drive::Inline`).
+    fn launch(
+        &self,
+        run_id: RunId,
+        plan: Plan,
+        cancel: CancellationToken,
+        copy: Option<oneshot::Sender<Result<crate::handle::RunResult, RunFailure>>>,
+        drive: Drive,
+    ) -> RunHandle {
         // futures' channel, not tokio's: tokio's allocates a block of 32 events (3.4 KB) when it is
         // made, which is most of what a run in flight holds; this one allocates per event sent.
         let (event_tx, event_rx) = futures::channel::mpsc::unbounded();
@@ -531,7 +579,7 @@ impl Engine {
         }
         // The caller's trace context (a request's `traceparent`), for the run's span.
         let parent = crate::spans::parent();
-        runtime.spawn(async move {
+        let work = async move {
             let result =
                 driver::run_guarded(Arc::clone(&shared), plan, event_tx, Some(admitted_tx), cancel, parent)
                     .await;
@@ -543,9 +591,24 @@ impl Engine {
             if shared.active.fetch_sub(1, Ordering::SeqCst) == 1 {
                 shared.idle.notify_waiters();
             }
-        });
-        handle
+        };
+        match drive {
+            Drive::Spawned => {
+                runtime.spawn(work);
+                handle
+            }
+            Drive::Inline => handle.driving(crate::handle::Inline::new(Box::pin(work), runtime)),
+        }
     }
+}
+
+/// Where a run's work is done: see [`Engine::start_inline`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Drive {
+    /// In a Tokio task of its own, from the start.
+    Spawned,
+    /// In the task that polls its handle; in a task of its own once the handle is dropped.
+    Inline,
 }
 
 /// While the engine has runs in flight: polls the store for cancellations other processes

@@ -2,12 +2,21 @@
 //!
 //! Dropping a [`RunHandle`] does not stop the run: a run is durable work, and the handle is only
 //! a view of it. Use [`RunHandle::cancel`] to stop it.
+//!
+//! Most runs work in a Tokio task of their own. An inline run ([`Engine::start_inline`]) works in
+//! the task that polls its handle instead: a caller that awaits the run at once then pays no
+//! hand-off between tasks, which on a multi-thread runtime means no wake-up of another worker
+//! thread. Its handle carries the run's work ([`Inline`]) and gives it to a task of its own when
+//! it is dropped before the run ends, so that an inline run ends all the same.
+//!
+//! [`Engine::start_inline`]: crate::Engine::start_inline
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use futures::channel::mpsc;
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use keel_core::{ErrorCode, Event, PendingInput, RunFailure, RunId, SessionId, StopReason, Usage};
 use serde_json::Value;
 use tokio::sync::oneshot;
@@ -40,6 +49,47 @@ pub struct RunHandle {
     result: oneshot::Receiver<Result<RunResult, RunFailure>>,
     admitted: Option<oneshot::Receiver<Result<(), RunFailure>>>,
     cancel: CancellationToken,
+    /// The run's work, for an inline run that has not ended yet.
+    inline: Option<Inline>,
+}
+
+/// An inline run's work: polled by its handle, spawned when the handle lets go of it unfinished.
+pub(crate) struct Inline {
+    work: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Inline {
+    pub(crate) fn new(
+        work: Pin<Box<dyn Future<Output = ()> + Send>>,
+        runtime: tokio::runtime::Handle,
+    ) -> Inline {
+        Inline { work: Some(work), runtime }
+    }
+}
+
+impl Future for Inline {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(work) = self.work.as_mut() else { return Poll::Ready(()) };
+        let done = work.as_mut().poll(cx);
+        if done.is_ready() {
+            // Ended: nothing is left to hand over, and a finished future must not be polled again.
+            self.work = None;
+        }
+        done
+    }
+}
+
+impl Drop for Inline {
+    fn drop(&mut self) {
+        if let Some(work) = self.work.take() {
+            // The holder stopped driving the run before its end: a run is durable work, so the
+            // rest goes on in a task of its own, as a spawned run's would.
+            drop(self.runtime.spawn(work));
+        }
+    }
 }
 
 /// The driver's side of [`RunHandle::admitted`]: said once, when the run is admitted or refused.
@@ -60,7 +110,22 @@ impl RunHandle {
         admitted: oneshot::Receiver<Result<(), RunFailure>>,
         cancel: CancellationToken,
     ) -> RunHandle {
-        RunHandle { run_id, events, result, admitted: Some(admitted), cancel }
+        RunHandle { run_id, events, result, admitted: Some(admitted), cancel, inline: None }
+    }
+
+    /// Makes this the handle of an inline run: its methods and its stream drive `work`.
+    pub(crate) fn driving(mut self, work: Inline) -> RunHandle {
+        self.inline = Some(work);
+        self
+    }
+
+    /// Moves an inline run on as far as it goes without waiting (nothing for a spawned run).
+    fn drive(&mut self, cx: &mut Context<'_>) {
+        if let Some(inline) = self.inline.as_mut()
+            && Pin::new(inline).poll(cx).is_ready()
+        {
+            self.inline = None;
+        }
     }
 
     /// Waits until the run is admitted: a new run stored with its first step (its session was
@@ -70,10 +135,12 @@ impl RunHandle {
     /// ends its stream. A server calls this before it answers, so that a refusal is an error
     /// status rather than an error inside a stream.
     pub async fn admitted(&mut self) -> Result<(), RunFailure> {
-        match self.admitted.take() {
-            Some(admitted) => admitted.await.unwrap_or(Ok(())),
-            None => Ok(()),
-        }
+        let Some(mut admitted) = self.admitted.take() else { return Ok(()) };
+        std::future::poll_fn(|cx| {
+            self.drive(cx);
+            admitted.poll_unpin(cx).map(|said| said.unwrap_or(Ok(())))
+        })
+        .await
     }
 
     /// The run's id.
@@ -93,10 +160,14 @@ impl RunHandle {
     /// # Cancel safety
     /// Dropping this future does not stop the run.
     pub async fn result(self) -> Result<RunResult, RunFailure> {
+        let RunHandle { events, result, inline, .. } = self;
         // Closing the event channel discards what is buffered and makes further sends fail at
         // once: a caller that only wants the result pays for no event delivery.
-        drop(self.events);
-        match self.result.await {
+        drop(events);
+        if let Some(inline) = inline {
+            inline.await;
+        }
+        match result.await {
             Ok(result) => result,
             Err(_) => Err(RunFailure::new(
                 ErrorCode::Internal,
@@ -110,6 +181,7 @@ impl Stream for RunHandle {
     type Item = Event;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        self.drive(cx);
         self.events.poll_next_unpin(cx)
     }
 }

@@ -950,3 +950,87 @@ async fn on_step_finish_hears_each_committed_step_once() {
     let _ = engine.resume(result.run_id).result().await;
     assert_eq!(heard.lock().unwrap().len(), 3);
 }
+
+/// A tool that says where it was called: the id of the Tokio task that polled it first.
+fn whereabouts(seen: Arc<Mutex<Vec<Option<tokio::task::Id>>>>) -> Arc<dyn Tool> {
+    function_tool("where", "Says which task called it", move |_: Nothing| {
+        seen.lock().unwrap().push(tokio::task::try_id());
+        async { Ok::<_, String>("here") }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_run_works_in_the_task_that_awaits_it_and_a_started_one_in_its_own() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let provider = counting(vec![calls(&[("where", json!({}))]), text("found {{last_tool_output}}")]);
+    let engine = Engine::new(
+        agent(vec![whereabouts(Arc::clone(&seen))], |_| {}),
+        provider,
+        Arc::new(MemoryStore::new()),
+    );
+    let caller = tokio::spawn(async move {
+        let options = keel_runtime::RunOptions::default();
+        let inline = engine.start_inline(session("inline"), Message::user("go"), options).unwrap();
+        let inline = inline.result().await.unwrap();
+        let spawned = engine.start(session("spawned"), Message::user("go")).unwrap().result().await.unwrap();
+        (tokio::task::id(), inline, spawned)
+    });
+    let (caller, inline, spawned) = caller.await.unwrap();
+    assert_eq!((inline.text.as_str(), spawned.text.as_str()), ("found here", "found here"));
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0], Some(caller), "the inline run's tool was not called from the caller's task");
+    assert!(seen[1].is_some() && seen[1] != Some(caller), "the started run worked in the caller's task");
+}
+
+#[tokio::test]
+async fn an_inline_run_moves_only_while_polled_and_ends_all_the_same_once_its_handle_is_dropped() {
+    let (started, release) = (Arc::new(tokio::sync::Notify::new()), Arc::new(tokio::sync::Notify::new()));
+    let (on_start, gate) = (Arc::clone(&started), Arc::clone(&release));
+    let waits = function_tool("gate", "Waits to be let through", move |_: Nothing| {
+        let (on_start, gate) = (Arc::clone(&on_start), Arc::clone(&gate));
+        async move {
+            on_start.notify_one();
+            gate.notified().await;
+            Ok::<_, String>("open")
+        }
+    });
+    let store = Arc::new(MemoryStore::new());
+    let provider = counting(vec![calls(&[("gate", json!({}))]), text("through: {{last_tool_output}}")]);
+    let engine = Engine::new(agent(vec![waits], |_| {}), provider.clone(), store.clone());
+    let mut run =
+        engine.start_inline(session("g"), Message::user("go"), keel_runtime::RunOptions::default()).unwrap();
+    let run_id = run.run_id().clone();
+
+    // Nobody polls it: it has not even been stored.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(store.load_run(&run_id).await.unwrap().is_none(), "an unpolled inline run moved on");
+
+    // Polled, it goes as far as the tool that waits.
+    run.admitted().await.unwrap();
+    while let Some(event) = run.next().await {
+        if matches!(event, Event::ToolStart { .. }) {
+            break;
+        }
+    }
+    started.notified().await;
+    assert_eq!(store.load_run(&run_id).await.unwrap().unwrap().state, RunState::Running);
+
+    // Dropped mid-tool, it goes on by itself and ends, the tool called once.
+    drop(run);
+    release.notify_one();
+    let mut state = RunState::Running;
+    for _ in 0..400 {
+        state = store.load_run(&run_id).await.unwrap().unwrap().state;
+        if state != RunState::Running {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(state, RunState::Done);
+    let transcript = store.load_messages(&session("g")).await.unwrap();
+    assert_eq!(transcript.last().unwrap().text(), "through: open");
+    assert_eq!(provider.calls.lock().unwrap().len(), 2);
+    // The session is free for its next input.
+    assert!(engine.start(session("g"), Message::user("again")).is_ok());
+}
