@@ -288,7 +288,8 @@ impl Engine {
     /// the rest of the run goes on in a task of its own, so an inline run ends all the same.
     /// Do not hold an inline run's handle unpolled while you wait on something that needs the
     /// run to move on (its approval showing up in [`Engine::pending`], say): use
-    /// [`Engine::start_with`] there.
+    /// [`Engine::start_with`] there. [`Engine::shutdown`] waits for an inline run as for any
+    /// other.
     pub fn start_inline(
         &self,
         session: SessionId,

@@ -19,6 +19,7 @@ use futures::channel::mpsc;
 use futures::{FutureExt, Stream, StreamExt};
 use keel_core::{ErrorCode, Event, PendingInput, RunFailure, RunId, SessionId, StopReason, Usage};
 use serde_json::Value;
+use sync_wrapper::SyncWrapper;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
@@ -55,16 +56,16 @@ pub struct RunHandle {
 
 /// An inline run's work: polled by its handle, spawned when the handle lets go of it unfinished.
 pub(crate) struct Inline {
-    work: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// Only ever reached through `&mut`, so the handle stays `Sync` around a future that is not.
+    work: SyncWrapper<Option<Work>>,
     runtime: tokio::runtime::Handle,
 }
 
+type Work = Pin<Box<dyn Future<Output = ()> + Send>>;
+
 impl Inline {
-    pub(crate) fn new(
-        work: Pin<Box<dyn Future<Output = ()> + Send>>,
-        runtime: tokio::runtime::Handle,
-    ) -> Inline {
-        Inline { work: Some(work), runtime }
+    pub(crate) fn new(work: Work, runtime: tokio::runtime::Handle) -> Inline {
+        Inline { work: SyncWrapper::new(Some(work)), runtime }
     }
 }
 
@@ -72,11 +73,12 @@ impl Future for Inline {
     type Output = ();
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let Some(work) = self.work.as_mut() else { return Poll::Ready(()) };
+        let slot = self.work.get_mut();
+        let Some(work) = slot.as_mut() else { return Poll::Ready(()) };
         let done = work.as_mut().poll(cx);
         if done.is_ready() {
             // Ended: nothing is left to hand over, and a finished future must not be polled again.
-            self.work = None;
+            *slot = None;
         }
         done
     }
@@ -84,7 +86,7 @@ impl Future for Inline {
 
 impl Drop for Inline {
     fn drop(&mut self) {
-        if let Some(work) = self.work.take() {
+        if let Some(work) = self.work.get_mut().take() {
             // The holder stopped driving the run before its end: a run is durable work, so the
             // rest goes on in a task of its own, as a spawned run's would.
             drop(self.runtime.spawn(work));

@@ -1034,3 +1034,11 @@ async fn an_inline_run_moves_only_while_polled_and_ends_all_the_same_once_its_ha
     // The session is free for its next input.
     assert!(engine.start(session("g"), Message::user("again")).is_ok());
 }
+
+#[test]
+fn a_run_handle_can_be_shared_and_sent_between_threads() {
+    // An inline run's handle carries the run's work; it stays `Send + Sync` like any handle, so
+    // that a task holding a `&RunHandle` across an await is still `Send`.
+    fn shareable<T: Send + Sync>() {}
+    shareable::<keel_runtime::RunHandle>();
+}
