@@ -3,7 +3,6 @@
 //! A tool is erased (`Arc<dyn Tool>`) at the registry. Typed tools are written with
 //! `keel_tools::function_tool`, which derives the input schema and normalises here.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -224,7 +223,9 @@ pub struct ToolSet {
     tools: Vec<Arc<dyn Tool>>,
     specs: Vec<ToolSpec>,
     validators: Vec<jsonschema::Validator>,
-    index: HashMap<String, usize>,
+    /// By name. A fast hash: the names are the agent's own, and a name the model makes up is
+    /// only looked up (never inserted), so there is no table to flood.
+    index: foldhash::HashMap<String, usize>,
     /// Approval rules, by tool index (empty when no tool needs approval).
     approvals: Vec<Option<ApprovalRule>>,
 }

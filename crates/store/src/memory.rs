@@ -81,7 +81,15 @@ impl Inner {
     fn touch(&mut self, session: &SessionId, now_ms: u64) -> &mut SessionData {
         self.touches += 1;
         self.now_ms = self.now_ms.max(now_ms);
-        self.recency.push_back((session.clone(), self.touches, now_ms));
+        match self.recency.back_mut() {
+            // The same session written again (a run's steps one after another): its newest entry
+            // moves on, rather than a stale one piling up for the next rebuild to sweep.
+            Some(last) if last.0 == *session => {
+                last.1 = self.touches;
+                last.2 = now_ms;
+            }
+            _ => self.recency.push_back((session.clone(), self.touches, now_ms)),
+        }
         let data = self.sessions.entry(session.clone()).or_default();
         data.touched = self.touches;
         data
@@ -97,13 +105,15 @@ impl Inner {
             let Some(&(_, touch, at_ms)) = self.recency.front() else { break };
             let over = self.sessions.len() > limits.max_sessions;
             let idle = self.now_ms.saturating_sub(at_ms) > max_idle;
+            if !over && !idle {
+                // Nothing to evict: a stale entry at the front waits for a later pass (or the
+                // rebuild below), which spares every write a lookup of the oldest session.
+                break;
+            }
             let stale = self
                 .recency
                 .front()
                 .is_some_and(|(id, _, _)| self.sessions.get(id).is_none_or(|data| data.touched != touch));
-            if !over && !idle && !stale {
-                break;
-            }
             budget -= 1;
             let Some((session, _, _)) = self.recency.pop_front() else { break };
             if stale {
