@@ -496,7 +496,8 @@ fn main() {
         println!("{:.2} µs/run", sequential(&runtime, drive, 100, 1, runs));
         return;
     }
-    let (warmup, batches, per_batch, rounds) = if quick { (200, 3, 500, 2) } else { (5_000, 9, 10_000, 7) };
+    let (warmup, batches, per_batch, rounds) =
+        if quick { (1_000, 5, 5_000, 2) } else { (5_000, 9, 10_000, 7) };
     let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let multi = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
 
