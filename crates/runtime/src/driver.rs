@@ -1230,6 +1230,13 @@ impl Driver<'_> {
                     let mut task = AbortOnDrop(tokio::spawn(work));
                     match tokio::time::timeout_at(started + timeout, &mut task.0).await {
                         Ok(Ok(outcome)) => outcome,
+                        // The run aborts a tool's task only by dropping it, so a cancelled task
+                        // that the run still awaits means the runtime is shutting down (the
+                        // process is going away). The call did not finish: nothing about it may
+                        // be journaled, and a re-driven run calls it again. Wait to be dropped.
+                        Ok(Err(join_error)) if join_error.is_cancelled() => {
+                            return std::future::pending::<ToolFinished>().await;
+                        }
                         Ok(Err(join_error)) => crashed(panic_message(join_error)),
                         Err(_elapsed) => Err(ToolError::with_code(
                             ErrorCode::ToolTimeout,
