@@ -104,8 +104,7 @@ fn agent_with(store: Arc<dyn keel::Store>) -> Agent {
 }
 
 async fn one_run(agent: &Agent, session: &str) {
-    let result = agent.run(session, "What is 2 + 3?").expect("starts").result().await.expect("runs");
-    assert_eq!(result.text, "5");
+    one_run_driven(agent, session, Drive::Spawned).await;
 }
 
 /// Where the sequential loop's runs work: in a task of their own (`Agent::run`), or in the

@@ -250,7 +250,7 @@ impl Engine {
         options: RunOptions,
     ) -> Result<RunHandle, RunFailure> {
         let mode = self.shared.agent().concurrency;
-        self.start_in_mode(new_run_id(), session, input, mode, options.limits)
+        self.start_in_mode(new_run_id(), session, input, mode, options.limits, Drive::Spawned)
     }
 
     /// [`Engine::start`] with a run id the caller chose: one it can derive again later, to find
@@ -262,7 +262,8 @@ impl Engine {
         session: SessionId,
         input: Message,
     ) -> Result<RunHandle, RunFailure> {
-        self.start_in_mode(run_id, session, input, self.shared.agent().concurrency, LimitOverrides::default())
+        let mode = self.shared.agent().concurrency;
+        self.start_in_mode(run_id, session, input, mode, LimitOverrides::default(), Drive::Spawned)
     }
 
     /// [`Engine::start_with_id`] for an input nobody waits on (a delayed run, a schedule's
@@ -275,7 +276,14 @@ impl Engine {
         session: SessionId,
         input: Message,
     ) -> Result<RunHandle, RunFailure> {
-        self.start_in_mode(run_id, session, input, Concurrency::Reject, LimitOverrides::default())
+        self.start_in_mode(
+            run_id,
+            session,
+            input,
+            Concurrency::Reject,
+            LimitOverrides::default(),
+            Drive::Spawned,
+        )
     }
 
     /// [`Engine::start_with`] for a caller that awaits the run at once: the run works in the
@@ -297,9 +305,7 @@ impl Engine {
         options: RunOptions,
     ) -> Result<RunHandle, RunFailure> {
         let mode = self.shared.agent().concurrency;
-        let run_id = new_run_id();
-        let (plan, cancel) = self.admit(run_id.clone(), session, input, mode, options.limits)?;
-        Ok(self.launch(run_id, plan, cancel, None, Drive::Inline))
+        self.start_in_mode(new_run_id(), session, input, mode, options.limits, Drive::Inline)
     }
 
     fn start_in_mode(
@@ -309,23 +315,12 @@ impl Engine {
         input: Message,
         mode: Concurrency,
         limits: LimitOverrides,
+        drive: Drive,
     ) -> Result<RunHandle, RunFailure> {
-        let (plan, cancel) = self.admit(run_id.clone(), session, input, mode, limits)?;
-        Ok(self.spawn(run_id, plan, cancel))
-    }
-
-    /// Admits a fresh run in this process (its session's lane) and plans it.
-    fn admit(
-        &self,
-        run_id: RunId,
-        session: SessionId,
-        input: Message,
-        mode: Concurrency,
-        limits: LimitOverrides,
-    ) -> Result<(Plan, CancellationToken), RunFailure> {
         let cancel = CancellationToken::new();
         let admission = self.shared.sessions.admit(&session, &run_id, &cancel, mode)?;
-        Ok((Plan::Fresh { run_id, session, input, admission, mode, limits }, cancel))
+        let plan = Plan::Fresh { run_id: run_id.clone(), session, input, admission, mode, limits };
+        Ok(self.launch(run_id, plan, cancel, None, drive))
     }
 
     /// Re-drives a run from its journal (after a crash, a restart, or to replay it). Journaled
