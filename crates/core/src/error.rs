@@ -37,7 +37,8 @@ error_codes! {
     SpecSyntax = "KEEL_SPEC_SYNTAX",
     /// A spec has an unknown key, a value of the wrong type or an invalid value.
     SpecInvalid = "KEEL_SPEC_INVALID",
-    /// A spec uses a feature this build does not support yet.
+    /// A spec uses something this build cannot do: a capability it was compiled without (a
+    /// cargo feature), or a key this version does not implement.
     SpecUnsupported = "KEEL_SPEC_UNSUPPORTED",
     /// A session id is not 1-128 characters of `A-Za-z0-9_-`.
     SessionIdInvalid = "KEEL_SESSION_ID_INVALID",

@@ -28,7 +28,30 @@ pub struct Agent {
     /// Its watchers hold it weakly: they end with the last clone of the agent.
     _refresher: Option<Arc<Refresher>>,
     /// The folders of documents it retrieves from.
-    libraries: Vec<Arc<keel_memory::semantic::Library>>,
+    #[cfg_attr(not(feature = "knowledge"), allow(dead_code))]
+    libraries: Vec<Library>,
+}
+
+/// A folder of documents an agent retrieves from (none in a build without `knowledge`).
+#[cfg(feature = "knowledge")]
+type Library = Arc<keel_memory::semantic::Library>;
+#[cfg(not(feature = "knowledge"))]
+type Library = std::convert::Infallible;
+
+/// An MCP server an agent's tools come from, connected (none in a build without `mcp`).
+#[cfg(feature = "mcp")]
+type Connected = keel_mcp::McpServer;
+#[cfg(not(feature = "mcp"))]
+type Connected = std::convert::Infallible;
+
+/// The error for what a build was compiled without (the spec loader refuses such specs first,
+/// with their place; this is for agents defined in code).
+#[cfg(any(not(feature = "mcp"), not(feature = "knowledge")))]
+fn not_built(what: &str, feature: &str) -> RunFailure {
+    RunFailure::new(
+        ErrorCode::SpecUnsupported,
+        format!("{what}: this keel was built without the `{feature}` cargo feature, which it needs"),
+    )
 }
 
 impl fmt::Debug for Agent {
@@ -232,6 +255,7 @@ impl Agent {
             builder = builder.channel(channel);
         }
         let agent = builder.build_async().await.map_err(LoadError::Setup)?;
+        #[cfg(feature = "knowledge")]
         agent.prepare_knowledge().await;
         Ok(agent)
     }
@@ -240,6 +264,7 @@ impl Agent {
     /// indexes what changed since they were last indexed, embeds new passages when the
     /// provider has embeddings, and logs each file skipped. A folder that cannot be indexed
     /// is logged too, and tried again at its first use: it never stops the agent.
+    #[cfg(feature = "knowledge")]
     pub async fn prepare_knowledge(&self) -> Vec<Result<Arc<keel_memory::semantic::Opened>, String>> {
         let mut opened = Vec::with_capacity(self.libraries.len());
         for library in &self.libraries {
@@ -375,13 +400,19 @@ impl Agent {
 
 /// Loads and validates a spec with keel's built-in tool and provider names.
 pub fn load_spec(path: &Path) -> Result<AgentSpec, LoadError> {
-    let options = LoadOptions {
+    let loaded = keel_spec::load(path, &load_options());
+    loaded.spec.ok_or(LoadError::Spec { diagnostics: loaded.diagnostics })
+}
+
+/// What the spec loader checks an agent against: keel's built-in tools and providers, and what
+/// this build was compiled without.
+pub fn load_options() -> LoadOptions<'static> {
+    LoadOptions {
         builtin_tools: keel_tools::BUILTIN_NAMES,
         providers: keel_providers::PROVIDER_NAMES,
         tool_name: keel_tools::tool_name,
-    };
-    let loaded = keel_spec::load(path, &options);
-    loaded.spec.ok_or(LoadError::Spec { diagnostics: loaded.diagnostics })
+        not_built: crate::features::not_built,
+    }
 }
 
 /// Defines an agent in code. Every setting but `model` has a default.
@@ -688,15 +719,20 @@ impl AgentBuilder {
         if servers.is_empty() {
             return self.build();
         }
-        let taken: Vec<String> = self.tools.iter().map(|tool| tool.spec().name.clone()).collect();
-        let servers = crate::mcp::connect_all(servers, &taken).await?;
-        let (mut agent, recipe) = self.build_with(servers.clone())?;
-        let refresher = Arc::new(Refresher { engine: agent.engine.clone(), recipe });
-        for server in &servers {
-            tokio::spawn(refresh_on_change(server.changes(), Arc::downgrade(&refresher)));
+        #[cfg(not(feature = "mcp"))]
+        return Err(not_built(&format!("the MCP server `{}`", servers[0].name), "mcp"));
+        #[cfg(feature = "mcp")]
+        {
+            let taken: Vec<String> = self.tools.iter().map(|tool| tool.spec().name.clone()).collect();
+            let servers = crate::mcp::connect_all(servers, &taken).await?;
+            let (mut agent, recipe) = self.build_with(servers.clone())?;
+            let refresher = Arc::new(Refresher { engine: agent.engine.clone(), recipe });
+            for server in &servers {
+                tokio::spawn(refresh_on_change(server.changes(), Arc::downgrade(&refresher)));
+            }
+            agent._refresher = Some(refresher);
+            Ok(agent)
         }
-        agent._refresher = Some(refresher);
-        Ok(agent)
     }
 
     /// Checks everything and builds the agent. An agent with MCP servers is built with
@@ -716,7 +752,7 @@ impl AgentBuilder {
 
     /// Builds the agent with the tools of `servers` (connected) besides its own; returns the
     /// recipe of its tool set too.
-    fn build_with(self, servers: Vec<keel_mcp::McpServer>) -> Result<(Agent, ToolRecipe), RunFailure> {
+    fn build_with(self, servers: Vec<Connected>) -> Result<(Agent, ToolRecipe), RunFailure> {
         let invalid = |message: String| RunFailure::new(ErrorCode::SpecInvalid, message);
         for (index, schedule) in self.schedules.iter().enumerate() {
             if !keel_core::schedule::ScheduleDef::valid_name(&schedule.name) {
@@ -748,25 +784,9 @@ impl AgentBuilder {
                 .map_err(|error| RunFailure::new(error.code(), error.message))?,
         };
         let index_root = self.index_dir.clone().unwrap_or_else(default_index_dir);
+        let (libraries, knowledge_tools) = libraries(&self.memory.knowledge, &provider, &index_root)?;
         let mut own_tools = self.tools;
-        let mut libraries = Vec::new();
-        for knowledge in &self.memory.knowledge {
-            if self.memory.knowledge.iter().filter(|k| k.skill == knowledge.skill).count() > 1 {
-                return Err(invalid(match &knowledge.skill {
-                    Some(skill) => format!("skill `{skill}` has two knowledge folders; give it one"),
-                    None => "the agent has two semantic memories; give it one folder".to_owned(),
-                }));
-            }
-            let library = Arc::new(keel_memory::semantic::Library::new(
-                knowledge.clone(),
-                Arc::clone(&provider),
-                &index_root,
-            ));
-            if knowledge.mode == keel_core::memory::RetrievalMode::Agentic {
-                own_tools.extend(library.tools());
-            }
-            libraries.push(library);
-        }
+        own_tools.extend(knowledge_tools);
         let recipe = ToolRecipe {
             own: own_tools,
             servers,
@@ -817,8 +837,9 @@ impl AgentBuilder {
             let agent_model = definition.model.split_once('/').map_or(definition.model.as_str(), |(_, m)| m);
             let memory_model = self.memory.model.clone().unwrap_or_else(|| agent_model.to_owned());
             let engine =
-                keel_memory::MemoryEngine::new(Arc::clone(&store), Arc::clone(&provider), memory_model)
-                    .with_libraries(libraries.clone());
+                keel_memory::MemoryEngine::new(Arc::clone(&store), Arc::clone(&provider), memory_model);
+            #[cfg(feature = "knowledge")]
+            let engine = engine.with_libraries(libraries.clone());
             definition.memory =
                 keel_core::memory::AgentMemory { settings: self.memory, engine: Some(Arc::new(engine)) };
         }
@@ -828,6 +849,52 @@ impl AgentBuilder {
         }
         let engine = Engine::with_options(Arc::new(definition), provider, store, options);
         Ok((Agent { engine, _refresher: None, libraries }, recipe))
+    }
+}
+
+/// An agent's folders of documents, and the tools the model searches some of them with.
+type Folders = (Vec<Library>, Vec<Arc<dyn Tool>>);
+
+/// The agent's folders of documents (opened at their first retrieval, indexed under
+/// `index_root`), and the search and read tools of those the model searches itself (`agentic`).
+#[cfg(feature = "knowledge")]
+fn libraries(
+    knowledge: &[keel_core::memory::Knowledge],
+    provider: &Arc<dyn keel_core::Provider>,
+    index_root: &Path,
+) -> Result<Folders, RunFailure> {
+    let mut libraries = Vec::with_capacity(knowledge.len());
+    let mut tools = Vec::new();
+    for folder in knowledge {
+        if knowledge.iter().filter(|k| k.skill == folder.skill).count() > 1 {
+            return Err(RunFailure::new(
+                ErrorCode::SpecInvalid,
+                match &folder.skill {
+                    Some(skill) => format!("skill `{skill}` has two knowledge folders; give it one"),
+                    None => "the agent has two semantic memories; give it one folder".to_owned(),
+                },
+            ));
+        }
+        let library =
+            Arc::new(keel_memory::semantic::Library::new(folder.clone(), Arc::clone(provider), index_root));
+        if folder.mode == keel_core::memory::RetrievalMode::Agentic {
+            tools.extend(library.tools());
+        }
+        libraries.push(library);
+    }
+    Ok((libraries, tools))
+}
+
+/// A build without `knowledge` has no folders of documents to give an agent.
+#[cfg(not(feature = "knowledge"))]
+fn libraries(
+    knowledge: &[keel_core::memory::Knowledge],
+    _: &Arc<dyn keel_core::Provider>,
+    _: &Path,
+) -> Result<Folders, RunFailure> {
+    match knowledge.first() {
+        Some(folder) => Err(not_built(&format!("the documents in {}", folder.source.display()), "knowledge")),
+        None => Ok((Vec::new(), Vec::new())),
     }
 }
 
@@ -843,7 +910,8 @@ fn default_index_dir() -> std::path::PathBuf {
 #[derive(Clone)]
 struct ToolRecipe {
     own: Vec<Arc<dyn Tool>>,
-    servers: Vec<keel_mcp::McpServer>,
+    #[cfg_attr(not(feature = "mcp"), allow(dead_code))]
+    servers: Vec<Connected>,
     approvals: Vec<(String, ApprovalRule)>,
     compose: bool,
     stop_on_tools: Vec<String>,
@@ -854,6 +922,7 @@ impl ToolRecipe {
     /// The tool set, checked: names unique, approvals and stop tools naming tools it has.
     fn tool_set(&self) -> Result<ToolSet, String> {
         let mut all_tools = self.own.clone();
+        #[cfg(feature = "mcp")]
         for server in &self.servers {
             all_tools.extend(server.tools());
         }
@@ -892,6 +961,7 @@ impl ToolRecipe {
 }
 
 /// Swaps an agent's definition for one with the tool set made again.
+#[cfg_attr(not(feature = "mcp"), allow(dead_code))]
 struct Refresher {
     engine: Engine,
     recipe: ToolRecipe,
@@ -900,6 +970,7 @@ struct Refresher {
 /// Makes the tool set again each time a server's list changes, until the agent is dropped (or
 /// the server is). A list that cannot make a valid set (a new tool named like another, an
 /// approval's tool gone) keeps the set as it was, with a warning.
+#[cfg(feature = "mcp")]
 async fn refresh_on_change(
     mut changes: tokio::sync::watch::Receiver<u64>,
     refresher: std::sync::Weak<Refresher>,

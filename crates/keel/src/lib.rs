@@ -44,11 +44,13 @@
 //! ```
 
 mod agent;
+pub mod features;
+#[cfg(feature = "mcp")]
 pub mod mcp;
 mod subagent;
 pub mod testing;
 
-pub use agent::{Agent, AgentBuilder, LoadError, load_spec};
+pub use agent::{Agent, AgentBuilder, LoadError, load_options, load_spec};
 pub use keel_core::loop_control::{Compaction, StepFinished, TurnContext, TurnPlan};
 pub use keel_core::machine::RunOutcome;
 /// Memory settings and records ([`AgentBuilder::memory`]).
@@ -65,6 +67,8 @@ pub use keel_core::{
 pub use keel_providers::MockProvider;
 pub use keel_runtime::{RunHandle, RunOptions, RunResult, Triggers, record_decision, who};
 pub use keel_spec::{AgentSpec, Diagnostic, Severity};
-pub use keel_store::{MemoryStore, PostgresStore, SqliteStore};
+#[cfg(feature = "postgres")]
+pub use keel_store::PostgresStore;
+pub use keel_store::{MemoryStore, SqliteStore};
 pub use keel_tools::{AskQuestion, CommandTool, function_tool, function_tool_with_context};
 pub use subagent::SubagentTool;

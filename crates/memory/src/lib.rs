@@ -14,7 +14,8 @@
 //!   model what it found as `- alice —[works_at]→ acme`.
 //! - **semantic** ([`semantic`]): a folder of documents, indexed (full text, and embeddings
 //!   when the provider has them); before a run, `memory:retrieve` shows the model the passages
-//!   that best match the input (`inject`), or the model searches with tools (`agentic`).
+//!   that best match the input (`inject`), or the model searches with tools (`agentic`). The
+//!   `knowledge` cargo feature (on by default) brings it in.
 //!
 //! A failure (the model's output is not what was asked for, the store is away) is the step's
 //! outcome: the runtime logs it and the run goes on without it.
@@ -32,6 +33,7 @@ use keel_core::{BoxFuture, Message, ModelRequest, Part, Provider, Store, Usage};
 use serde_json::{Value, json};
 
 mod extract;
+#[cfg(feature = "knowledge")]
 pub mod semantic;
 
 pub use extract::{Extraction, normalize_name, parse_extraction};
@@ -72,21 +74,30 @@ pub struct MemoryEngine {
     /// The model (of the provider) that writes episodes and extracts the graph.
     model: String,
     /// The folders of documents the agent retrieves from.
+    #[cfg(feature = "knowledge")]
     libraries: Vec<Arc<semantic::Library>>,
 }
 
 impl MemoryEngine {
     /// An engine keeping memory in `store`, asking `model` of `provider` to summarise and extract.
     pub fn new(store: Arc<dyn Store>, provider: Arc<dyn Provider>, model: impl Into<String>) -> MemoryEngine {
-        MemoryEngine { store, provider, model: model.into(), libraries: Vec::new() }
+        MemoryEngine {
+            store,
+            provider,
+            model: model.into(),
+            #[cfg(feature = "knowledge")]
+            libraries: Vec::new(),
+        }
     }
 
     /// The engine with folders of documents to retrieve from (`memory:retrieve` steps).
+    #[cfg(feature = "knowledge")]
     pub fn with_libraries(mut self, libraries: Vec<Arc<semantic::Library>>) -> MemoryEngine {
         self.libraries = libraries;
         self
     }
 
+    #[cfg(feature = "knowledge")]
     async fn retrieve(&self, skill: Option<&str>, query: &str) -> MemoryOutcome {
         let library =
             self.libraries.iter().find(|library| library.knowledge().skill.as_deref() == skill).ok_or_else(
@@ -96,6 +107,13 @@ impl MemoryEngine {
                 },
             )?;
         library.retrieve(query).await
+    }
+
+    /// Without the `knowledge` feature no agent has documents (the spec loader refuses them), so
+    /// a `memory:retrieve` step only comes from a journal written by a build that had them.
+    #[cfg(not(feature = "knowledge"))]
+    async fn retrieve(&self, _skill: Option<&str>, _query: &str) -> MemoryOutcome {
+        Err("this keel was built without the `knowledge` cargo feature: there are no documents to retrieve from".into())
     }
 
     async fn recall(&self, owner: &str, limit: usize) -> MemoryOutcome {

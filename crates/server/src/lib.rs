@@ -25,6 +25,7 @@ mod email;
 mod error;
 mod feed;
 mod guard;
+#[cfg(feature = "mcp")]
 mod mcp;
 mod metrics;
 mod observe;
@@ -193,8 +194,11 @@ impl Server {
             .route("/v1/chat/completions", post(openai::chat_completions))
             .route("/v1/responses", post(openai::responses))
             // The Vercel AI SDK's UI message stream, for `useChat`.
-            .route("/ai-sdk/chat", post(ai_sdk::chat))
-            .route_service("/mcp", mcp::service(state));
+            .route("/ai-sdk/chat", post(ai_sdk::chat));
+        #[cfg(feature = "mcp")]
+        let streaming = streaming.route_service("/mcp", mcp::service(state));
+        #[cfg(not(feature = "mcp"))]
+        let streaming = streaming.route("/mcp", axum::routing::any(routes::mcp_not_built));
         // Outermost first: observe, CORS preflights (listed origins only), the browser guard
         // (Host, Origin), auth, then the routes.
         let routes = quick

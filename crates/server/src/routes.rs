@@ -710,6 +710,15 @@ pub(crate) async fn not_found() -> ApiError {
     ApiError::new(ErrorCode::NotFound, "no such route; see docs/http.md for the API")
 }
 
+/// `/mcp` in a build without the `mcp` cargo feature: not served, and saying why.
+#[cfg(not(feature = "mcp"))]
+pub(crate) async fn mcp_not_built() -> ApiError {
+    ApiError::new(
+        ErrorCode::NotFound,
+        "this keel was built without the `mcp` cargo feature, so it does not serve the agent over MCP",
+    )
+}
+
 pub(crate) async fn method_not_allowed() -> ApiError {
     ApiError::new(ErrorCode::MethodNotAllowed, "this route does not take this HTTP method")
 }

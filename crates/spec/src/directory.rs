@@ -552,6 +552,9 @@ pub(crate) fn finish(
             warn_renamed(diagnostics, name, now, *pos);
             builtin_tools.push(now.to_owned());
         } else if options.builtin_tools.contains(&name.as_str()) {
+            if let Some(feature) = (options.not_built)(name) {
+                diagnostics.push(not_built(file, *pos, &format!("the `{name}` tool"), feature));
+            }
             builtin_tools.push(name.clone());
         } else if !command_names.contains(&name.as_str()) {
             let candidates: Vec<&str> =
@@ -652,6 +655,20 @@ pub(crate) fn finish(
             );
         }
     }
+    if let Some(feature) = (options.not_built)("mcp") {
+        for (server, pos) in &spec.mcp {
+            diagnostics.push(not_built(file, *pos, &format!("the MCP server `{}`", server.name), feature));
+        }
+    }
+    if let Some(feature) = (options.not_built)("knowledge") {
+        for knowledge in &spec.memory.knowledge {
+            let what = match &knowledge.skill {
+                Some(skill) => format!("skill `{skill}`'s documents ({})", knowledge.source.display()),
+                None => format!("the documents of semantic memory ({})", knowledge.source.display()),
+            };
+            diagnostics.push(not_built(file, Pos::default(), &what, feature));
+        }
+    }
     let mock = spec.mock.map(|(mut script, called)| {
         for (name, pos) in called {
             if let Some(now) = renamed(&name)
@@ -726,6 +743,20 @@ pub(crate) fn finish(
         channels: Vec::new(),
         source: file.to_owned(),
     })
+}
+
+/// The error for a capability the spec uses that this build of keel was compiled without.
+fn not_built(file: &Path, pos: Pos, what: &str, feature: &str) -> Diagnostic {
+    Diagnostic::error(
+        ErrorCode::SpecUnsupported,
+        file,
+        pos,
+        format!("{what}: this keel was built without the `{feature}` cargo feature, which it needs"),
+    )
+    .with_hint(format!(
+        "install a keel that has it: `cargo install --locked --path crates/keel` builds every feature; \
+         with `--no-default-features`, add `--features {feature}`"
+    ))
 }
 
 /// The name a built-in now has, when `name` is one of its former names.

@@ -120,6 +120,15 @@ pub struct LoadOptions<'a> {
     /// A built-in's name for a former name (`keel_tools::tool_name`: `day-name` → `day_name`):
     /// a spec using a former name works, with a warning, and the loaded spec has the new one.
     pub tool_name: fn(&str) -> &str,
+    /// The cargo feature this build of keel lacks for a capability a spec may use, `None` when
+    /// it is built in: a built-in tool by name (`js`), `mcp` (MCP servers) or `knowledge`
+    /// (folders of documents). A spec that uses one gets a `KEEL_SPEC_UNSUPPORTED` error.
+    pub not_built: fn(&str) -> Option<&'static str>,
+}
+
+/// A [`LoadOptions::not_built`] for a build that has every capability.
+pub fn all_built(_: &str) -> Option<&'static str> {
+    None
 }
 
 /// The outcome of loading: the spec when there is no error, and every diagnostic (warnings

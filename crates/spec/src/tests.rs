@@ -16,6 +16,7 @@ const OPTIONS: LoadOptions<'static> = LoadOptions {
         "http" => "http_request",
         other => other,
     },
+    not_built: all_built,
 };
 
 /// Writes `files` (path, content) under a fresh directory and returns it.
@@ -44,6 +45,44 @@ fn diagnostics(dir: &Path, target: &str) -> String {
 fn check(files: &[(&str, &str)], target: &str, expected: Expect) {
     let dir = tree(files);
     expected.assert_eq(&diagnostics(dir.path(), target));
+}
+
+#[test]
+fn what_this_build_lacks_is_an_unsupported_error_at_its_place_naming_the_cargo_feature() {
+    let dir = tree(&[
+        (
+            "lean/agent.yaml",
+            "model: mock\ntools: [day_name, js]\nmcp:\n  - { name: docs, command: [docs-server] }\nmemory:\n  - { kind: semantic }\n",
+        ),
+        ("lean/memory/faq.md", "# FAQ\n"),
+    ]);
+    let options = LoadOptions {
+        builtin_tools: &["day_name", "js"],
+        not_built: |what| match what {
+            "js" => Some("js"),
+            "mcp" => Some("mcp"),
+            "knowledge" => Some("knowledge"),
+            _ => None,
+        },
+        ..OPTIONS
+    };
+    let loaded = load(&dir.path().join("lean"), &options);
+    assert!(loaded.spec.is_none(), "a spec this build cannot run must not load");
+    let prefix = format!("{}/", dir.path().display());
+    let rendered: String =
+        loaded.diagnostics.iter().map(|d| d.to_string().replace(&prefix, "") + "\n").collect();
+    expect![[r#"
+        error[KEEL_SPEC_UNSUPPORTED]: the documents of semantic memory (lean/memory/): this keel was built without the `knowledge` cargo feature, which it needs
+          --> lean/agent.yaml
+          hint: install a keel that has it: `cargo install --locked --path crates/keel` builds every feature; with `--no-default-features`, add `--features knowledge`
+        error[KEEL_SPEC_UNSUPPORTED]: the `js` tool: this keel was built without the `js` cargo feature, which it needs
+          --> lean/agent.yaml:2:19
+          hint: install a keel that has it: `cargo install --locked --path crates/keel` builds every feature; with `--no-default-features`, add `--features js`
+        error[KEEL_SPEC_UNSUPPORTED]: the MCP server `docs`: this keel was built without the `mcp` cargo feature, which it needs
+          --> lean/agent.yaml:4:5
+          hint: install a keel that has it: `cargo install --locked --path crates/keel` builds every feature; with `--no-default-features`, add `--features mcp`
+    "#]]
+    .assert_eq(&rendered);
 }
 
 #[test]

@@ -8,7 +8,8 @@
 //! - [`MemoryStore`]: everything in process memory, bounded ([`MemoryLimits`]); nothing survives
 //!   the process. The default for `keel run`.
 //! - [`SqliteStore`]: an embedded SQLite file (WAL); survives restarts.
-//! - [`PostgresStore`]: a PostgreSQL database, shared by any number of instances.
+//! - [`PostgresStore`]: a PostgreSQL database, shared by any number of instances (the
+//!   `postgres` cargo feature, on by default).
 //!
 //! [`open`] picks one from a `--store` value. Every backend must pass [`conformance`], the same
 //! tests for all, one or more per rule.
@@ -16,12 +17,14 @@
 pub mod backend;
 pub mod conformance;
 mod memory;
+#[cfg(feature = "postgres")]
 pub mod postgres;
 mod rules;
 mod sqlite;
 
 pub use backend::{Backend, CommitSubject, Ruled, RunControl, SessionRows, Tx, Work};
 pub use memory::{Memory, MemoryLimits, MemoryStore};
+#[cfg(feature = "postgres")]
 pub use postgres::{Postgres, PostgresOptions, PostgresStore};
 pub use sqlite::{Sqlite, SqliteStore};
 
@@ -34,7 +37,16 @@ use keel_core::{Store, StoreError};
 /// (pool size and statement timeout from `KEEL_STORE_POOL` and `KEEL_STORE_STATEMENT_TIMEOUT`).
 pub fn open(spec: &str) -> Result<Arc<dyn Store>, StoreError> {
     if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
+        #[cfg(feature = "postgres")]
         return Ok(Arc::new(PostgresStore::connect(spec, postgres_options()?)?));
+        #[cfg(not(feature = "postgres"))]
+        // The URL is not shown: it may hold a password, and only the driver can parse it.
+        return Err(StoreError::Unavailable(
+            "this keel was built without PostgreSQL support (the `postgres` cargo feature), so it \
+             cannot open a `postgres://` store; use `memory` or `sqlite:<path>`, or install a keel \
+             built with the feature (it is on by default)"
+                .into(),
+        ));
     }
     if spec == "memory" {
         let limits = MemoryLimits::from_env()?;
@@ -54,6 +66,7 @@ pub fn open(spec: &str) -> Result<Arc<dyn Store>, StoreError> {
 }
 
 /// [`PostgresOptions`] from the environment (`KEEL_STORE_POOL`, `KEEL_STORE_STATEMENT_TIMEOUT`).
+#[cfg(feature = "postgres")]
 pub fn postgres_options() -> Result<PostgresOptions, StoreError> {
     use keel_core::env;
     let mut options = PostgresOptions::default();
@@ -92,4 +105,21 @@ fn env_setting<T>(
     parse(text.trim())
         .map(Some)
         .ok_or_else(|| StoreError::Unavailable(format!("{} must be {expected}, not {text:?}", var.name)))
+}
+
+#[cfg(all(test, not(feature = "postgres")))]
+mod without_postgres {
+    /// A build without the PostgreSQL backend refuses a `postgres://` store by naming the
+    /// feature it lacks and what works instead, and never echoes the URL (it may hold a
+    /// password). Run by CI's lean build (`scripts/lean-build-test.sh`).
+    #[test]
+    fn a_postgres_url_names_the_missing_feature_and_not_the_password() {
+        for url in ["postgres://keel:hunter2@db:5432/keel", "postgresql://keel:hunter2@db/keel"] {
+            let Err(error) = super::open(url) else { panic!("{url} opened without PostgreSQL support") };
+            let message = error.to_string();
+            assert!(message.contains("the `postgres` cargo feature"), "{message}");
+            assert!(message.contains("sqlite:<path>"), "{message}");
+            assert!(!message.contains("hunter2"), "{message}");
+        }
+    }
 }

@@ -98,7 +98,7 @@ impl Default for JsTool {
 
 impl JsTool {
     /// The tool's name.
-    pub const NAME: &'static str = "js";
+    pub const NAME: &'static str = crate::JS_NAME;
 
     /// The tool.
     pub fn new() -> JsTool {

@@ -18,6 +18,7 @@ mod command;
 pub mod compose;
 mod function;
 pub mod http;
+#[cfg(feature = "js")]
 pub mod js;
 pub mod net;
 mod process;
@@ -46,11 +47,25 @@ pub const BUILTIN_NAMES: &[&str] = &[
     HttpTool::NAME,
     web_fetch::WebFetch::NAME,
     shell::ShellTool::NAME,
-    js::JsTool::NAME,
+    JS_NAME,
     compose::ComposeTool::NAME,
     BROWSER_NAME,
     web_search::WebSearch::NAME,
 ];
+
+/// The name of the `js` tool (JavaScript in QuickJS; the `js` cargo feature).
+pub const JS_NAME: &str = "js";
+
+/// The cargo feature this build lacks for the built-in tool `name`, or `None` when it has the
+/// tool (or knows no such tool). A spec naming a tool this build lacks is refused with this
+/// name, not as an unknown tool.
+pub fn not_built(name: &str) -> Option<&'static str> {
+    match tool_name(name) {
+        #[cfg(not(feature = "js"))]
+        JS_NAME => Some("js"),
+        _ => None,
+    }
+}
 
 /// The name of the `browser` tool (a headless Chromium; Linux only).
 pub const BROWSER_NAME: &str = "browser";
@@ -136,7 +151,8 @@ pub fn builtin(name: &str, config: &BuiltinConfig) -> Option<Arc<dyn Tool>> {
         web_fetch::WebFetch::NAME => {
             Some(Arc::new(web_fetch::WebFetch::new(GuardedClient::new(net::NetPolicy::from(&config.http)))))
         }
-        js::JsTool::NAME => Some(Arc::new(js::JsTool::new())),
+        #[cfg(feature = "js")]
+        JS_NAME => Some(Arc::new(js::JsTool::new())),
         web_search::WebSearch::NAME => {
             Some(Arc::new(web_search::WebSearch::from_settings(config.search.as_ref()?)))
         }

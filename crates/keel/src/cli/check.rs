@@ -30,7 +30,7 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
             }
             warnings += tests.len();
             let folders = check_documents(&spec, &mut stderr)?;
-            warnings += folders.iter().map(|(_, report)| report.warnings.len()).sum::<usize>();
+            warnings += folders.iter().map(|folder| folder.skipped).sum::<usize>();
             let mut tools: Vec<&str> = spec.builtin_tools.iter().map(String::as_str).collect();
             tools.extend(spec.command_tools.iter().map(|t| t.def.name.as_str()));
             let knowledge_tools = spec.memory.knowledge_tools();
@@ -52,15 +52,15 @@ pub(crate) fn check(args: &CheckArgs) -> std::io::Result<u8> {
                     args.agent.join("tests").display()
                 )?;
             }
-            for (folder, report) in &folders {
+            for folder in &folders {
                 writeln!(
                     stdout,
                     "documents: {} ({} document{}, {} passage{})",
-                    folder.display(),
-                    report.documents,
-                    plural(report.documents),
-                    report.passages,
-                    plural(report.passages)
+                    folder.path.display(),
+                    folder.documents,
+                    plural(folder.documents),
+                    folder.passages,
+                    plural(folder.passages)
                 )?;
             }
             drop(stdout);
@@ -106,12 +106,19 @@ fn check_tests(agent: &std::path::Path, spec: &keel_spec::AgentSpec) -> (usize, 
     (files.len(), loaded.diagnostics)
 }
 
+/// What `keel check` found in a folder of documents.
+struct Folder {
+    path: std::path::PathBuf,
+    documents: usize,
+    passages: usize,
+    /// The files indexing will skip.
+    skipped: usize,
+}
+
 /// Reads the agent's folders of documents as indexing will, printing each file that will be
 /// skipped as a warning (a skipped file never stops the agent).
-fn check_documents(
-    spec: &keel_spec::AgentSpec,
-    stderr: &mut impl Write,
-) -> std::io::Result<Vec<(std::path::PathBuf, keel_memory::semantic::FolderReport)>> {
+#[cfg(feature = "knowledge")]
+fn check_documents(spec: &keel_spec::AgentSpec, stderr: &mut impl Write) -> std::io::Result<Vec<Folder>> {
     let mut reports = Vec::new();
     for knowledge in &spec.memory.knowledge {
         match keel_memory::semantic::check_folder(&knowledge.source) {
@@ -124,7 +131,12 @@ fn check_documents(
                         skipped.message
                     )?;
                 }
-                reports.push((knowledge.source.clone(), report));
+                reports.push(Folder {
+                    path: knowledge.source.clone(),
+                    documents: report.documents,
+                    passages: report.passages,
+                    skipped: report.warnings.len(),
+                });
             }
             Err(error) => writeln!(stderr, "warning: {error}")?,
         }
@@ -132,8 +144,15 @@ fn check_documents(
     Ok(reports)
 }
 
+/// A build without `knowledge` loads no agent with documents (the loader refuses them).
+#[cfg(not(feature = "knowledge"))]
+fn check_documents(_: &keel_spec::AgentSpec, _: &mut impl Write) -> std::io::Result<Vec<Folder>> {
+    Ok(Vec::new())
+}
+
 /// The agent's MCP servers, connected: each server's tools as the agent will name them, and
 /// the errors found (a server that does not start; an approval naming a tool no server has).
+#[cfg(feature = "mcp")]
 async fn mcp_tools(
     spec: &keel_spec::AgentSpec,
 ) -> (Vec<(String, Vec<String>)>, Vec<(keel::ErrorCode, String)>) {
@@ -168,6 +187,14 @@ async fn mcp_tools(
     (listed, errors)
 }
 
+/// A build without `mcp` loads no agent with MCP servers (the loader refuses them); were one
+/// given, this is what it would be told.
+#[cfg(not(feature = "mcp"))]
+async fn mcp_tools(_: &keel_spec::AgentSpec) -> (Vec<(String, Vec<String>)>, Vec<(keel::ErrorCode, String)>) {
+    let why = "this keel was built without the `mcp` cargo feature: it cannot connect to MCP servers";
+    (Vec::new(), vec![(keel::ErrorCode::SpecUnsupported, why.to_owned())])
+}
+
 /// Connects to the agent's MCP servers and lists their tools as the agent will name them.
 async fn check_mcp(spec: keel_spec::AgentSpec) -> std::io::Result<u8> {
     let (servers, errors) = mcp_tools(&spec).await;
@@ -196,7 +223,9 @@ fn check_json(args: &CheckArgs, loaded: keel_spec::Loaded) -> std::io::Result<u8
         let (cases, tests) = check_tests(&args.agent, &spec);
         diagnostics.extend(tests.iter().map(keel_spec::Diagnostic::to_json));
         document["tests"] = cases.into();
-        let mut documents = Vec::new();
+        #[cfg_attr(not(feature = "knowledge"), allow(unused_mut))]
+        let mut documents: Vec<serde_json::Value> = Vec::new();
+        #[cfg(feature = "knowledge")]
         for knowledge in &spec.memory.knowledge {
             match keel_memory::semantic::check_folder(&knowledge.source) {
                 Ok(report) => {

@@ -1,13 +1,28 @@
 //! `keel mcp`: the agent as an MCP server on stdin and stdout, for any MCP client (a desktop
 //! assistant, an IDE, another agent). stdout carries the protocol only; logs go to stderr.
 
+#[cfg(feature = "mcp")]
 use std::sync::Arc;
 
+#[cfg(feature = "mcp")]
 use keel_mcp::AgentServer;
+#[cfg(feature = "mcp")]
 use rmcp::ServiceExt;
 
 use super::{McpArgs, exit};
 
+/// A build without the `mcp` cargo feature has no MCP server to offer.
+#[cfg(not(feature = "mcp"))]
+pub(crate) fn mcp(args: &McpArgs) -> std::io::Result<u8> {
+    eprintln!(
+        "error[{}]: `keel mcp {}`: this keel was built without the `mcp` cargo feature, so it cannot serve an agent over MCP; install a keel with it (the default)",
+        keel::ErrorCode::SpecUnsupported.as_str(),
+        args.agent.display()
+    );
+    Ok(exit::INVALID_AGENT)
+}
+
+#[cfg(feature = "mcp")]
 pub(crate) fn mcp(args: &McpArgs) -> std::io::Result<u8> {
     super::run_async(async {
         let agent = match super::run::load_agent(&args.agent, args.model.as_deref(), &args.store).await? {

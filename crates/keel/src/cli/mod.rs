@@ -69,9 +69,26 @@ Exit codes:
 /// outside a git checkout, `-dirty` with uncommitted changes), set by `build.rs`.
 const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("BUILD_GIT_REVISION"), ")");
 
+/// `keel --version` (not `-V`): the version, then the optional capabilities this build has.
+fn long_version() -> &'static str {
+    static LONG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    LONG.get_or_init(|| {
+        let built = keel::features::built();
+        let built = if built.is_empty() { "none".to_owned() } else { built.join(", ") };
+        format!("{VERSION}\nfeatures: {built}")
+    })
+}
+
 /// keel: run durable AI agents.
 #[derive(Parser)]
-#[command(name = "keel", version = VERSION, about, after_help = EXIT_CODES, propagate_version = true)]
+#[command(
+    name = "keel",
+    version = VERSION,
+    long_version = long_version(),
+    about,
+    after_help = EXIT_CODES,
+    propagate_version = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -363,13 +380,10 @@ pub(crate) fn run_async<T>(work: impl std::future::Future<Output = T>) -> std::i
     Ok(outcome)
 }
 
-/// What the spec loader checks an agent's names against: keel's built-in tools and providers.
+/// What the spec loader checks an agent against: keel's built-in tools and providers, and what
+/// this build was compiled without.
 pub(crate) fn load_options() -> keel_spec::LoadOptions<'static> {
-    keel_spec::LoadOptions {
-        builtin_tools: keel_tools::BUILTIN_NAMES,
-        providers: keel_providers::PROVIDER_NAMES,
-        tool_name: keel_tools::tool_name,
-    }
+    keel::load_options()
 }
 
 /// Opens a store, off the async threads (opening may block: the PostgreSQL driver runs its own

@@ -7,22 +7,37 @@
 //! batch thread is not a Tokio thread). A collector that cannot be reached costs one warning;
 //! the spans of each failed batch are dropped and counted (`keel_otel_spans_dropped_total` in
 //! `/metrics`), and a warning comes again once export works and fails anew.
+//!
+//! A keel built without the `otlp` cargo feature exports nothing, and says so once when an
+//! endpoint is set.
 
+#[cfg(feature = "otlp")]
 use std::sync::atomic::{AtomicBool, Ordering};
 
+#[cfg(feature = "otlp")]
 use opentelemetry_http::{Bytes, HttpClient, HttpError, Request, Response};
+#[cfg(feature = "otlp")]
 use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
+#[cfg(feature = "otlp")]
 use opentelemetry_sdk::error::OTelSdkResult;
+#[cfg(feature = "otlp")]
 use opentelemetry_sdk::trace::{BatchSpanProcessor, SdkTracerProvider, SpanData, SpanExporter};
 
+#[cfg(feature = "otlp")]
 use keel_core::env;
 
 /// Export in progress; flushed and stopped when dropped (the end of the command).
+#[cfg(feature = "otlp")]
 pub(crate) struct Telemetry {
     provider: SdkTracerProvider,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
+/// A build without the `otlp` feature never exports.
+#[cfg(not(feature = "otlp"))]
+pub(crate) enum Telemetry {}
+
+#[cfg(feature = "otlp")]
 impl Drop for Telemetry {
     fn drop(&mut self) {
         // The last spans (a `keel run`'s whole trace) go out now, or are dropped after the
@@ -43,6 +58,21 @@ pub(crate) fn start() -> Result<Option<Telemetry>, String> {
     if var("OTEL_TRACES_EXPORTER").is_some_and(|exporter| exporter == "none") {
         return Ok(None);
     }
+    #[cfg(not(feature = "otlp"))]
+    {
+        tracing::warn!(
+            %endpoint,
+            "an OTLP endpoint is set, but this keel was built without the `otlp` cargo feature: no spans are exported"
+        );
+        Ok(None)
+    }
+    #[cfg(feature = "otlp")]
+    export(endpoint, var)
+}
+
+/// Starts the exporter to `endpoint`, reading the other settings with `var`.
+#[cfg(feature = "otlp")]
+fn export(endpoint: String, var: impl Fn(&str) -> Option<String>) -> Result<Option<Telemetry>, String> {
     let protocol = var("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL").or_else(|| var("OTEL_EXPORTER_OTLP_PROTOCOL"));
     match protocol.as_deref() {
         None | Some("http/protobuf") => {}
@@ -97,12 +127,14 @@ pub(crate) fn start() -> Result<Option<Telemetry>, String> {
 }
 
 /// keel's HTTP client for the exporter: each request runs on the exporter's runtime.
+#[cfg(feature = "otlp")]
 #[derive(Debug)]
 struct OtlpClient {
     http: reqwest::Client,
     runtime: tokio::runtime::Handle,
 }
 
+#[cfg(feature = "otlp")]
 #[async_trait::async_trait]
 impl HttpClient for OtlpClient {
     async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
@@ -125,6 +157,7 @@ impl HttpClient for OtlpClient {
 
 /// The OTLP exporter, counting the spans of the batches it could not deliver and warning
 /// once per outage.
+#[cfg(feature = "otlp")]
 #[derive(Debug)]
 struct Counted<E> {
     inner: E,
@@ -132,6 +165,7 @@ struct Counted<E> {
     warned: AtomicBool,
 }
 
+#[cfg(feature = "otlp")]
 impl<E: SpanExporter> SpanExporter for Counted<E> {
     async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
         let spans = batch.len() as u64;

@@ -915,8 +915,10 @@ fn a_provider_that_is_not_running_is_named_once_per_retry_with_what_to_check_and
 fn version_completions_and_the_manual_come_from_the_cli_itself() {
     let version = keel().arg("--version").output().unwrap();
     let version = String::from_utf8(version.stdout).unwrap();
-    let revision = version
-        .trim()
+    let (first, features) = version.trim().split_once('\n').unwrap_or_else(|| panic!("{version}"));
+    // The binary the tests build has every optional capability (the default features).
+    assert_eq!(features, "features: mcp, postgres, knowledge, js, otlp", "{version}");
+    let revision = first
         .strip_prefix(&format!("keel {} (", env!("CARGO_PKG_VERSION")))
         .unwrap_or_else(|| panic!("{version}"));
     let revision = revision.strip_suffix(')').unwrap().trim_end_matches("-dirty");
