@@ -121,9 +121,20 @@ fn the_unsupported_spec_keys_are_the_documented_ones() {
             "docs/errors.md does not list `{item}` under KEEL_SPEC_UNSUPPORTED"
         );
     }
+    // The cargo features a spec can need are listed too (the others, `postgres` and `otlp`, are
+    // not a spec's to ask for).
+    let features: Vec<&str> = keel::features::FEATURES.iter().map(|(name, _)| *name).collect();
+    for feature in ["mcp", "knowledge", "js"] {
+        assert!(features.contains(&feature), "`{feature}` is no longer a cargo feature");
+        assert!(
+            listed.contains(&feature),
+            "docs/errors.md does not list the feature `{feature}` under KEEL_SPEC_UNSUPPORTED"
+        );
+    }
+    let other_words = ["approvals", "--no-default-features", "/mcp"];
     for item in listed.iter().filter(|i| !i.contains(' ') && !i.starts_with("KEEL")) {
         assert!(
-            expected.iter().any(|e| e == item) || *item == "approvals",
+            expected.iter().any(|e| e == item) || features.contains(item) || other_words.contains(item),
             "docs/errors.md lists `{item}` under KEEL_SPEC_UNSUPPORTED, which keel supports"
         );
     }
