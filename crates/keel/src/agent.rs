@@ -46,7 +46,6 @@ type Connected = std::convert::Infallible;
 
 /// The error for what a build was compiled without (the spec loader refuses such specs first,
 /// with their place; this is for agents defined in code).
-#[cfg(any(not(feature = "mcp"), not(feature = "knowledge")))]
 fn not_built(what: &str, feature: &str) -> RunFailure {
     RunFailure::new(
         ErrorCode::SpecUnsupported,
@@ -150,10 +149,12 @@ impl Agent {
         let compose = spec.builtin_tools.iter().any(|name| name == keel_tools::compose::ComposeTool::NAME);
         for name in spec.builtin_tools.iter().filter(|name| *name != keel_tools::compose::ComposeTool::NAME) {
             let tool = keel_tools::builtin(name, &config).ok_or_else(|| {
-                LoadError::Setup(RunFailure::new(
-                    ErrorCode::SpecInvalid,
-                    format!("unknown built-in tool `{name}`"),
-                ))
+                LoadError::Setup(match keel_tools::not_built(name) {
+                    Some(feature) => not_built(&format!("the `{name}` tool"), feature),
+                    None => {
+                        RunFailure::new(ErrorCode::SpecInvalid, format!("unknown built-in tool `{name}`"))
+                    }
+                })
             })?;
             tools.push(tool);
         }
