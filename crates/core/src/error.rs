@@ -208,6 +208,15 @@ impl RunFailure {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> RunFailure {
         RunFailure { code, message: message.into() }
     }
+
+    /// `KEEL_SPEC_UNSUPPORTED` for `what` (the `js` tool, an MCP server, a folder of
+    /// documents), which needs a cargo feature this build of keel was compiled without.
+    pub fn not_built(what: &str, feature: &str) -> RunFailure {
+        RunFailure::new(
+            ErrorCode::SpecUnsupported,
+            format!("{what}: this keel was built without the `{feature}` cargo feature, which it needs"),
+        )
+    }
 }
 
 #[cfg(test)]

@@ -44,15 +44,6 @@ type Connected = keel_mcp::McpServer;
 #[cfg(not(feature = "mcp"))]
 type Connected = std::convert::Infallible;
 
-/// The error for what a build was compiled without (the spec loader refuses such specs first,
-/// with their place; this is for agents defined in code).
-fn not_built(what: &str, feature: &str) -> RunFailure {
-    RunFailure::new(
-        ErrorCode::SpecUnsupported,
-        format!("{what}: this keel was built without the `{feature}` cargo feature, which it needs"),
-    )
-}
-
 impl fmt::Debug for Agent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("Agent").field(&self.engine.agent()).finish()
@@ -150,7 +141,7 @@ impl Agent {
         for name in spec.builtin_tools.iter().filter(|name| *name != keel_tools::compose::ComposeTool::NAME) {
             let tool = keel_tools::builtin(name, &config).ok_or_else(|| {
                 LoadError::Setup(match keel_tools::not_built(name) {
-                    Some(feature) => not_built(&format!("the `{name}` tool"), feature),
+                    Some(feature) => RunFailure::not_built(&format!("the `{name}` tool"), feature),
                     None => {
                         RunFailure::new(ErrorCode::SpecInvalid, format!("unknown built-in tool `{name}`"))
                     }
@@ -721,7 +712,7 @@ impl AgentBuilder {
             return self.build();
         }
         #[cfg(not(feature = "mcp"))]
-        return Err(not_built(&format!("the MCP server `{}`", servers[0].name), "mcp"));
+        return Err(RunFailure::not_built(&format!("the MCP server `{}`", servers[0].name), "mcp"));
         #[cfg(feature = "mcp")]
         {
             let taken: Vec<String> = self.tools.iter().map(|tool| tool.spec().name.clone()).collect();
@@ -894,7 +885,9 @@ fn libraries(
     _: &Path,
 ) -> Result<Folders, RunFailure> {
     match knowledge.first() {
-        Some(folder) => Err(not_built(&format!("the documents in {}", folder.source.display()), "knowledge")),
+        Some(folder) => {
+            Err(RunFailure::not_built(&format!("the documents in {}", folder.source.display()), "knowledge"))
+        }
         None => Ok((Vec::new(), Vec::new())),
     }
 }

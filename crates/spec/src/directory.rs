@@ -747,13 +747,8 @@ pub(crate) fn finish(
 
 /// The error for a capability the spec uses that this build of keel was compiled without.
 fn not_built(file: &Path, pos: Pos, what: &str, feature: &str) -> Diagnostic {
-    Diagnostic::error(
-        ErrorCode::SpecUnsupported,
-        file,
-        pos,
-        format!("{what}: this keel was built without the `{feature}` cargo feature, which it needs"),
-    )
-    .with_hint(format!(
+    let failure = keel_core::RunFailure::not_built(what, feature);
+    Diagnostic::error(failure.code, file, pos, failure.message).with_hint(format!(
         "install a keel that has it: `cargo install --locked --path crates/keel` builds every feature; \
          with `--no-default-features`, add `--features {feature}`"
     ))
