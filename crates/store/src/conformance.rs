@@ -41,6 +41,7 @@ pub async fn run_all(store: &dyn Store, clock: &ManualClock) {
     session_usage_counts_each_model_call_once(store).await;
     memory_is_kept_per_owner_merged_trimmed_and_forgotten(store, clock).await;
     commits_made_together_are_each_applied_or_refused_alone(store).await;
+    open_runs_and_journals_come_in_their_order(store).await;
 }
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -1095,4 +1096,47 @@ pub async fn commits_made_together_are_each_applied_or_refused_alone(store: &dyn
         }
         assert!(store.load_run(&rivals[i].run_id).await.unwrap().is_none(), "a refused run was stored");
     }
+}
+
+/// Unfinished runs are listed oldest first whatever their state (a paused run before a newer
+/// running one), and a journal comes back in the order it was written, not in its steps' order.
+pub async fn open_runs_and_journals_come_in_their_order(store: &dyn Store) {
+    let (first, second) =
+        (SessionId::new("conformance-order-1").unwrap(), SessionId::new("conformance-order-2").unwrap());
+    let older = run_record("order-a", &first, 0);
+    let newer = run_record("order-b", &second, 0);
+    let input = [Arc::new(Message::user("go"))];
+    store.commit_step(new_run_commit(&older, "process-a", &input, 0)).await.unwrap();
+    store.commit_step(new_run_commit(&newer, "process-a", &input, 0)).await.unwrap();
+    let asked =
+        pending("qu_conformance_order", &older, "c1", PendingKind::Question { question: "Which?".into() });
+    pause(store, &older, "process-a", 1, std::slice::from_ref(&asked)).await;
+    let ours = [older.run_id.clone(), newer.run_id.clone()];
+    let open: Vec<(RunId, RunState)> = store
+        .open_runs(None)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|o| ours.contains(&o.run_id))
+        .map(|o| (o.run_id, o.state))
+        .collect();
+    assert_eq!(
+        open,
+        [(older.run_id.clone(), RunState::AwaitingInput), (newer.run_id.clone(), RunState::Running)],
+        "unfinished runs, oldest first"
+    );
+
+    // Written: a tool's result, then a model turn (whose step name sorts first).
+    let fence = Fence { owner: "process-a", epoch: 1, ttl: MINUTE };
+    let tool = tool_entry("c9", json!(5));
+    let turn = JournalEntry {
+        step: StepName::ModelTurn(1),
+        record: JournalRecord::ToolResult(Ok(json!("not a reply, but a record all the same"))),
+    };
+    for entry in [&tool, &turn] {
+        let commit =
+            StepCommit { entry: Some(entry), fence: Some(fence), ..StepCommit::new(&second, &newer.run_id) };
+        store.commit_step(commit).await.unwrap();
+    }
+    assert_eq!(store.load_journal(&newer.run_id).await.unwrap(), [tool, turn], "the journal, in write order");
 }

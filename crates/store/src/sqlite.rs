@@ -20,7 +20,10 @@
 //! clears bindings between uses, so SQLite re-prepared such a statement at every execution (a
 //! third of a run's work, measured). Those statements compare with `CAST(?1 AS TEXT)`, which
 //! keeps the index and the order and drops the tie; per-step reads are primary-key lookups (a
-//! session's message count lives in `sessions`).
+//! session's message count lives in `sessions`). Two more shapes make SQLite build a temporary
+//! B-tree at every execution, even for no rows: an index seek through `IN (...)`, and an `ORDER
+//! BY` the index does not give. Per-run queries use one lookup per value (`UNION ALL`) and are
+//! sorted in Rust instead (10% of a durable run's instructions, measured).
 //!
 //! Records are stored in keel-core's versioned formats ([`keel_core::persist`]); the schema has
 //! its own version (`PRAGMA user_version`), moved forward by [`MIGRATIONS`] inside a write
@@ -1014,11 +1017,17 @@ impl Tx for SqliteTx<'_> {
             None => statement.query_map([], row),
         }
         .map_err(map_error)?;
-        rows.map(|row| {
-            let (id, control) = row.map_err(map_error)?;
-            Ok((stored_run_id(&id)?, control?))
-        })
-        .collect()
+        let mut open = rows
+            .map(|row| {
+                let (id, control) = row.map_err(map_error)?;
+                Ok((stored_run_id(&id)?, control?))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        // Sorted here, not by `ORDER BY`: across the two lookups of the query SQLite would sort
+        // in a temporary B-tree, which it builds at every execution, even for no rows. Run ids
+        // are time-ordered, and compare as SQL's `BINARY` collation does.
+        open.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        Ok(open)
     }
 
     fn has_step(&mut self, run: &RunId, step: &StepName) -> Result<bool, StoreError> {
@@ -1041,17 +1050,23 @@ impl Tx for SqliteTx<'_> {
     fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError> {
         let mut statement = self
             .c
-            .prepare_cached("SELECT step, body FROM journal WHERE run_id = CAST(?1 AS TEXT) ORDER BY seq")
+            .prepare_cached("SELECT seq, step, body FROM journal WHERE run_id = CAST(?1 AS TEXT)")
             .map_err(map_error)?;
         let rows = statement
-            .query_map([run.as_str()], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
+            .query_map([run.as_str()], |row| {
+                Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?, row.get::<_, String>(2)?))
+            })
             .map_err(map_error)?;
-        rows.map(|row| {
-            let (step, body) = row.map_err(map_error)?;
-            let step = StepName::parse(&step).ok_or_else(|| corrupt(format!("bad step name {step:?}")))?;
-            Ok(JournalEntry { step, record: decode_record(&body).map_err(corrupt)? })
-        })
-        .collect()
+        let mut rows = rows.collect::<Result<Vec<_>, _>>().map_err(map_error)?;
+        // In write order; sorted here for the reason given in `open_runs`.
+        rows.sort_unstable_by_key(|(seq, _, _)| *seq);
+        rows.into_iter()
+            .map(|(_, step, body)| {
+                let step =
+                    StepName::parse(&step).ok_or_else(|| corrupt(format!("bad step name {step:?}")))?;
+                Ok(JournalEntry { step, record: decode_record(&body).map_err(corrupt)? })
+            })
+            .collect()
     }
 
     fn compact_journals(&mut self) -> Result<u64, StoreError> {
@@ -1080,12 +1095,22 @@ impl Tx for SqliteTx<'_> {
             None => (PENDING, None),
         };
         let mut statement = self.c.prepare_cached(sql).map_err(map_error)?;
+        let row = |row: &rusqlite::Row<'_>| Ok((row.get::<_, i64>(7)?, pending_from_row(row)?));
         let rows = match session {
-            Some(session) => statement.query_map([session], pending_from_row),
-            None => statement.query_map([], pending_from_row),
+            Some(session) => statement.query_map([session], row),
+            None => statement.query_map([], row),
         }
         .map_err(map_error)?;
-        rows.map(|row| row.map_err(map_error)?).collect()
+        let mut pending = rows
+            .map(|row| {
+                let (rowid, pending) = row.map_err(map_error)?;
+                Ok((rowid, pending?))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        // Oldest first, ties in the order they were stored; sorted here for the reason given in
+        // `open_runs`.
+        pending.sort_unstable_by_key(|(rowid, p)| (p.created_at_ms, *rowid));
+        Ok(pending.into_iter().map(|(_, p)| p).collect())
     }
 
     fn insert_pending(&mut self, pending: &PendingInput) -> Result<(), StoreError> {
@@ -1332,24 +1357,30 @@ impl Tx for SqliteTx<'_> {
     }
 }
 
-/// Every unfinished run, with its control columns, oldest first.
+/// Every unfinished run, with its control columns (in no order: see `open_runs`). One lookup
+/// per state, not `state IN (...)`: SQLite seeks an index through an `IN` list by first building
+/// a temporary B-tree of its values, at every execution (a tenth of a durable run's work,
+/// measured).
 const OPEN_RUNS: &str = "SELECT id, session_id, state, lease_owner, lease_expires_at, lease_epoch, attempts,
-    cancel_requested_by FROM runs WHERE state IN ('running', 'awaiting_input') ORDER BY id";
+    cancel_requested_by FROM runs WHERE state = 'running'
+    UNION ALL SELECT id, session_id, state, lease_owner, lease_expires_at, lease_epoch, attempts,
+    cancel_requested_by FROM runs WHERE state = 'awaiting_input'";
 
-/// A session's unfinished runs (the `runs_open` index; see the module docs for the `CAST`).
+/// A session's unfinished runs (the `runs_open` index; see the module docs for the `CAST`), as
+/// [`OPEN_RUNS`].
 const OPEN_RUNS_OF_SESSION: &str = "SELECT id, session_id, state, lease_owner, lease_expires_at, lease_epoch,
-    attempts, cancel_requested_by FROM runs WHERE session_id = CAST(?1 AS TEXT)
-    AND state IN ('running', 'awaiting_input') ORDER BY id";
+    attempts, cancel_requested_by FROM runs WHERE session_id = CAST(?1 AS TEXT) AND state = 'running'
+    UNION ALL SELECT id, session_id, state, lease_owner, lease_expires_at, lease_epoch,
+    attempts, cancel_requested_by FROM runs WHERE session_id = CAST(?1 AS TEXT) AND state = 'awaiting_input'";
 
-/// Every pending input, oldest first (ties: the order they were stored).
+/// Every pending input, with its rowid (the order it was stored in); sorted by `pending_list`.
 const PENDING: &str =
-    "SELECT id, run_id, session_id, call_id, body, created_at, expires_at FROM pending_inputs
-    ORDER BY created_at, rowid";
+    "SELECT id, run_id, session_id, call_id, body, created_at, expires_at, rowid FROM pending_inputs";
 
 /// A session's pending inputs (the `pending_by_session` index; see the module docs for the
-/// `CAST`).
-const PENDING_OF_SESSION: &str = "SELECT id, run_id, session_id, call_id, body, created_at, expires_at
-    FROM pending_inputs WHERE session_id = CAST(?1 AS TEXT) ORDER BY created_at, rowid";
+/// `CAST`), as [`PENDING`].
+const PENDING_OF_SESSION: &str = "SELECT id, run_id, session_id, call_id, body, created_at, expires_at, rowid
+    FROM pending_inputs WHERE session_id = CAST(?1 AS TEXT)";
 
 /// The columns of a [`SessionSummary`], for [`summary_row`].
 const SUMMARY_SELECT: &str = "SELECT s.id, s.updated_at, s.message_count,
