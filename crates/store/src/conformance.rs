@@ -1126,17 +1126,17 @@ pub async fn open_runs_and_journals_come_in_their_order(store: &dyn Store) {
         "unfinished runs, oldest first"
     );
 
-    // Written: a tool's result, then a model turn (whose step name sorts first).
+    // Written: call c9's result, then call a1's (whose step name sorts first).
     let fence = Fence { owner: "process-a", epoch: 1, ttl: MINUTE };
-    let tool = tool_entry("c9", json!(5));
-    let turn = JournalEntry {
-        step: StepName::ModelTurn(1),
-        record: JournalRecord::ToolResult(Ok(json!("not a reply, but a record all the same"))),
-    };
-    for entry in [&tool, &turn] {
+    let (later_named, earlier_named) = (tool_entry("c9", json!(5)), tool_entry("a1", json!(6)));
+    for entry in [&later_named, &earlier_named] {
         let commit =
             StepCommit { entry: Some(entry), fence: Some(fence), ..StepCommit::new(&second, &newer.run_id) };
         store.commit_step(commit).await.unwrap();
     }
-    assert_eq!(store.load_journal(&newer.run_id).await.unwrap(), [tool, turn], "the journal, in write order");
+    assert_eq!(
+        store.load_journal(&newer.run_id).await.unwrap(),
+        [later_named, earlier_named],
+        "the journal, in write order"
+    );
 }
