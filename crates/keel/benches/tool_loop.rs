@@ -24,7 +24,8 @@
 //!   that start-up and warm-up cancel out. Every thread of the process counts; the PostgreSQL
 //!   server's work does not.
 //!
-//! The allocator is mimalloc, as in the `keel` binary, wrapped to count heap bytes.
+//! The allocator is the `keel` binary's ([`keel::allocator::Mimalloc`]), wrapped to count heap
+//! bytes.
 //!
 //! Run with `cargo bench -p keel --bench tool_loop` (`-- --quick` for a smoke run; `--
 //! --instructions` for the instruction counts alone, which `scripts/bench-instructions.sh` runs;
@@ -44,7 +45,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::json;
 
-/// mimalloc, counting live heap bytes and their peak.
+/// The binary's allocator, counting live heap bytes and their peak.
 struct Tracking;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
@@ -54,7 +55,7 @@ static PEAK: AtomicUsize = AtomicUsize::new(0);
 unsafe impl GlobalAlloc for Tracking {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: forwards to mimalloc with the caller's layout.
-        let ptr = unsafe { mimalloc::MiMalloc.alloc(layout) };
+        let ptr = unsafe { keel::allocator::Mimalloc.alloc(layout) };
         if !ptr.is_null() {
             let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
             PEAK.fetch_max(live, Ordering::Relaxed);
@@ -64,8 +65,24 @@ unsafe impl GlobalAlloc for Tracking {
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: `ptr` was allocated by `alloc` above with this layout.
-        unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) };
+        unsafe { keel::allocator::Mimalloc.dealloc(ptr, layout) };
         LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    // Forwarded, as the binary's allocator does: the default would allocate, copy and free.
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` was allocated by `alloc` above with this layout.
+        let new = unsafe { keel::allocator::Mimalloc.realloc(ptr, layout, new_size) };
+        if !new.is_null() {
+            if new_size >= layout.size() {
+                let live =
+                    LIVE.fetch_add(new_size - layout.size(), Ordering::Relaxed) + new_size - layout.size();
+                PEAK.fetch_max(live, Ordering::Relaxed);
+            } else {
+                LIVE.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
+            }
+        }
+        new
     }
 }
 

@@ -44,6 +44,7 @@
 //! ```
 
 mod agent;
+pub mod allocator;
 pub mod features;
 #[cfg(feature = "mcp")]
 pub mod mcp;

@@ -9,7 +9,7 @@ mod cli;
 
 /// mimalloc: markedly cheaper than glibc's malloc for the many small allocations of a run.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: keel::allocator::Mimalloc = keel::allocator::Mimalloc;
 
 use std::process::ExitCode;
 
