@@ -76,10 +76,7 @@ fn play(
         }
     }
     let text = match entry.text.as_deref() {
-        Some(template) if template.contains('{') => {
-            template.replace("{{last_tool_output}}", &last_tool_output(request))
-        }
-        Some(text) => text.to_owned(),
+        Some(template) => fill_last_tool_output(template, request),
         None => String::new(),
     };
     let calls = entry
@@ -202,13 +199,31 @@ fn last_user_text(request: &ModelRequest<'_>) -> String {
     request.messages.iter().rev().find(|m| m.role == Role::User).map(|m| m.text()).unwrap_or_default()
 }
 
+/// `template` with each `{{last_tool_output}}` replaced by the output of the conversation's last
+/// tool result. The placeholder is found by looking at each `{` (a byte search), which costs far
+/// less than `str::replace`'s substring searcher for the short texts of a script.
+fn fill_last_tool_output(template: &str, request: &ModelRequest<'_>) -> String {
+    const PLACEHOLDER: &str = "{{last_tool_output}}";
+    let mut output: Option<String> = None;
+    let mut filled = String::with_capacity(template.len());
+    let mut copied = 0;
+    for (at, _) in template.match_indices('{') {
+        if at >= copied && template[at..].starts_with(PLACEHOLDER) {
+            filled.push_str(&template[copied..at]);
+            filled.push_str(output.get_or_insert_with(|| last_tool_output(request)));
+            copied = at + PLACEHOLDER.len();
+        }
+    }
+    filled.push_str(&template[copied..]);
+    filled
+}
+
 fn last_tool_output(request: &ModelRequest<'_>) -> String {
     request
         .messages
         .iter()
         .rev()
-        .flat_map(|m| m.tool_results().collect::<Vec<_>>().into_iter().rev())
-        .next()
+        .find_map(|m| m.tool_results().last())
         .map(|result| output_to_text(&result.output))
         .unwrap_or_default()
 }
@@ -325,6 +340,31 @@ mod tests {
         let (reply, deltas) = call(&provider, &history, 1, 1).await;
         assert_eq!(deltas, ["It ", "is ", "Sunday ", "today."]);
         assert_eq!(reply.unwrap().parts, [Part::Text("It is Sunday today.".into())]);
+    }
+
+    #[test]
+    fn every_placeholder_is_filled_and_other_braces_stay() {
+        let tool = Message {
+            role: Role::Tool,
+            parts: vec![Part::ToolResult(keel_core::message::ToolResult {
+                call_id: "a".into(),
+                name: "add".into(),
+                output: json!(5),
+                is_error: false,
+            })],
+        };
+        let with_result = [Arc::new(Message::user("add")), Arc::new(tool)];
+        let fill = |template: &str, messages: &[Arc<Message>]| {
+            fill_last_tool_output(template, &request(messages, 1, 1))
+        };
+        assert_eq!(fill("{{last_tool_output}}", &with_result), "5");
+        assert_eq!(fill("{{last_tool_output}} and {{last_tool_output}}", &with_result), "5 and 5");
+        assert_eq!(fill("{{{last_tool_output}}}", &with_result), "{5}");
+        assert_eq!(fill("{x} {{last_tool_output}", &with_result), "{x} {{last_tool_output}");
+        assert_eq!(fill("no placeholder", &with_result), "no placeholder");
+        assert_eq!(fill("é{{last_tool_output}}ü", &with_result), "é5ü");
+        // No tool result yet: the placeholder becomes empty.
+        assert_eq!(fill("got {{last_tool_output}}.", &[Arc::new(Message::user("hi"))]), "got .");
     }
 
     #[tokio::test]

@@ -48,6 +48,9 @@ struct SessionData {
 struct RunData {
     record: RunRecord,
     control: RunControl,
+    /// The run's journal, in write order: kept with the run, so that a step's commit finds both
+    /// with one lookup.
+    journal: Vec<JournalEntry>,
 }
 
 #[derive(Default)]
@@ -57,7 +60,6 @@ struct Inner {
     /// Each session's runs that are not finished (usually none or one): what the "one run per
     /// session" check looks at, so that it does not scan every run of the store.
     open_runs: HashMap<SessionId, Vec<RunId>>,
-    journals: HashMap<RunId, Vec<JournalEntry>>,
     /// Approvals and questions waiting for a human, by id, with the order they were asked in.
     pending: HashMap<String, (u64, PendingInput)>,
     pending_asked: u64,
@@ -140,7 +142,6 @@ impl Inner {
         let Some(data) = self.sessions.remove(session) else { return false };
         for run in &data.runs {
             self.runs.remove(run);
-            self.journals.remove(run);
             self.delayed.remove(run);
         }
         for id in &data.decided {
@@ -261,7 +262,8 @@ impl Tx for Inner {
             self.open_runs.entry(record.session_id.clone()).or_default().push(record.run_id.clone());
         }
         self.touch(&record.session_id, now_ms).runs.push(record.run_id.clone());
-        self.runs.insert(record.run_id.clone(), RunData { record: record.clone(), control: control.clone() });
+        let data = RunData { record: record.clone(), control: control.clone(), journal: Vec::new() };
+        self.runs.insert(record.run_id.clone(), data);
         Ok(())
     }
 
@@ -319,32 +321,31 @@ impl Tx for Inner {
     }
 
     fn has_step(&mut self, run: &RunId, step: &StepName) -> Result<bool, StoreError> {
-        Ok(self.journals.get(run).is_some_and(|journal| journal.iter().any(|e| &e.step == step)))
+        Ok(self.runs.get(run).is_some_and(|data| data.journal.iter().any(|e| &e.step == step)))
     }
 
     fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<bool, StoreError> {
-        let journal = self.journals.entry(run.clone()).or_default();
-        if journal.iter().any(|existing| existing.step == entry.step) {
+        // The rules journal only a run they found (or created in the same commit).
+        let Some(data) = self.runs.get_mut(run) else {
+            return Err(StoreError::NotFound(format!("run {run}")));
+        };
+        if data.journal.iter().any(|existing| existing.step == entry.step) {
             return Ok(false);
         }
-        journal.push(entry.clone());
+        data.journal.push(entry.clone());
         Ok(true)
     }
 
     fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError> {
-        Ok(self.journals.get(run).cloned().unwrap_or_default())
+        Ok(self.runs.get(run).map(|data| data.journal.clone()).unwrap_or_default())
     }
 
     fn compact_journals(&mut self) -> Result<u64, StoreError> {
-        let Inner { runs, journals, .. } = self;
         let mut removed = 0;
-        journals.retain(|run, journal| {
-            let finished = runs.get(run).is_some_and(|r| r.control.state.is_terminal());
-            if finished {
-                removed += journal.len() as u64;
-            }
-            !finished && !journal.is_empty()
-        });
+        for data in self.runs.values_mut().filter(|data| data.control.state.is_terminal()) {
+            removed += data.journal.len() as u64;
+            data.journal = Vec::new();
+        }
         Ok(removed)
     }
 
