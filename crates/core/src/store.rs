@@ -280,8 +280,9 @@ pub struct StepCommit<'a> {
     /// while another run of the session is in flight with a live lease: one session runs one
     /// turn at a time, across processes too.
     pub new_run: Option<&'a RunRecord>,
-    /// The step's journal entry, if it is new.
-    pub entry: Option<&'a JournalEntry>,
+    /// The step's journal entry, if it is new. Shared: a store that keeps entries in memory
+    /// keeps this one without copying it.
+    pub entry: Option<&'a Arc<JournalEntry>>,
     /// The session position of the first message.
     pub first_position: u64,
     /// The messages to append (idempotently, as [`Store::append_messages`]).

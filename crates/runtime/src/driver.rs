@@ -639,7 +639,7 @@ impl<'a> Driver<'a> {
 
 impl Driver<'_> {
     async fn drive(&mut self, machine: &mut Machine) -> Result<RunResult, RunFailure> {
-        let mut inputs: VecDeque<(Input, Option<JournalEntry>)> = VecDeque::from([(Input::Start, None)]);
+        let mut inputs: VecDeque<(Input, Option<Arc<JournalEntry>>)> = VecDeque::from([(Input::Start, None)]);
         let mut tools: FuturesUnordered<ToolFuture> = FuturesUnordered::new();
         // The calls waiting for a human, with no decision journaled yet.
         let mut waiting: Vec<PendingInput> = Vec::new();
@@ -676,7 +676,7 @@ impl Driver<'_> {
                             Wake::Input(Input::Cancel, None, None)
                         }
                         Some(ToolFinished { step, call_id, outcome, state, duration }) = tools.next() => {
-                            let entry = JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) };
+                            let entry = Arc::new(JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) });
                             let input = Input::ToolDone { call_id, outcome, duration: Some(duration) };
                             Wake::Input(input, Some(entry), state)
                         }
@@ -1065,7 +1065,7 @@ impl Driver<'_> {
         &mut self,
         machine: &Machine,
         step: StepName,
-    ) -> Result<(Input, Option<JournalEntry>), RunFailure> {
+    ) -> Result<(Input, Option<Arc<JournalEntry>>), RunFailure> {
         match self.journal.remove(&step) {
             Some(JournalRecord::ModelFailed(error)) => {
                 tracing::debug!(run = %self.run_id, %step, "a failed call replayed from the journal");
@@ -1099,13 +1099,14 @@ impl Driver<'_> {
         let Some(result) = self.while_leased(call).await else { return Ok((Input::Cancel, None)) };
         Ok(match result {
             Ok(reply) => {
-                let entry = JournalEntry { step, record: JournalRecord::ModelReply(reply.clone()) };
+                let entry = Arc::new(JournalEntry { step, record: JournalRecord::ModelReply(reply.clone()) });
                 (Input::ModelReply(reply), Some(entry))
             }
             // Journaled too: the run may go on from a failure (a failed compaction, a context too
             // long that compaction answers), and a replay must take the same path.
             Err(error) => {
-                let entry = JournalEntry { step, record: JournalRecord::ModelFailed(error.clone()) };
+                let entry =
+                    Arc::new(JournalEntry { step, record: JournalRecord::ModelFailed(error.clone()) });
                 (Input::ModelFailed(error), Some(entry))
             }
         })
@@ -1152,7 +1153,7 @@ impl Driver<'_> {
         &mut self,
         step: StepName,
         request: MemoryRequest,
-    ) -> Result<(Input, Option<JournalEntry>), RunFailure> {
+    ) -> Result<(Input, Option<Arc<JournalEntry>>), RunFailure> {
         match self.journal.remove(&step) {
             Some(JournalRecord::Memory(outcome)) => return Ok((Input::MemoryDone(outcome), None)),
             Some(_) => return Err(self.corrupt(&step).await),
@@ -1176,7 +1177,7 @@ impl Driver<'_> {
         if let Err(error) = &outcome {
             tracing::warn!(run = %self.run_id, %step, %error, "a memory step failed; the run goes on without it");
         }
-        let entry = JournalEntry { step, record: JournalRecord::Memory(outcome.clone()) };
+        let entry = Arc::new(JournalEntry { step, record: JournalRecord::Memory(outcome.clone()) });
         Ok((Input::MemoryDone(outcome), Some(entry)))
     }
 
@@ -1300,12 +1301,12 @@ enum Wake {
     Heartbeat,
     /// The next input, with its journal entry when it is a fresh result, and the session state
     /// a finished tool call set.
-    Input(Input, Option<JournalEntry>, Option<Value>),
+    Input(Input, Option<Arc<JournalEntry>>, Option<Value>),
 }
 
 /// What a step has produced and not yet committed.
 struct PendingCommit {
-    entry: Option<JournalEntry>,
+    entry: Option<Arc<JournalEntry>>,
     /// The session's new state object, set by the step's tool call.
     session_state: Option<Value>,
     /// A contiguous range of transcript positions (first, count).

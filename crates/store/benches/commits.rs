@@ -54,7 +54,8 @@ async fn one_run(store: &dyn Store, session: &str) {
     let usage = Usage { input_tokens: 12, output_tokens: 5 };
     let reply = ModelReply { parts: vec![Part::ToolCall(call)], usage };
     let asked = [Arc::new(Message { role: Role::Assistant, parts: reply.parts.clone() })];
-    let turn = JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply) };
+    let turn =
+        Arc::new(JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply) });
     store
         .commit_step(StepCommit { entry: Some(&turn), first_position: 1, messages: &asked, fence, ..commit })
         .await
@@ -63,10 +64,10 @@ async fn one_run(store: &dyn Store, session: &str) {
     let result =
         ToolResult { call_id: "call_0_0".into(), name: "add".into(), output: json!(5), is_error: false };
     let answered = [Arc::new(Message { role: Role::Tool, parts: vec![Part::ToolResult(result)] })];
-    let tool = JournalEntry {
+    let tool = Arc::new(JournalEntry {
         step: StepName::Tool { name: "add".into(), call_id: "call_0_0".into() },
         record: JournalRecord::ToolResult(Ok(json!(5))),
-    };
+    });
     store
         .commit_step(StepCommit {
             entry: Some(&tool),
@@ -80,7 +81,8 @@ async fn one_run(store: &dyn Store, session: &str) {
 
     let reply = ModelReply { parts: vec![Part::Text("5".into())], usage };
     let answer = [Arc::new(Message::assistant("5"))];
-    let last = JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ModelReply(reply) };
+    let last =
+        Arc::new(JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ModelReply(reply) });
     store
         .commit_step(StepCommit {
             entry: Some(&last),

@@ -94,7 +94,7 @@ pub trait Tx {
     fn has_step(&mut self, run: &RunId, step: &StepName) -> Result<bool, StoreError>;
     /// Appends a record unless the step has one already (the first record of a step wins).
     /// Returns whether it appended.
-    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<bool, StoreError>;
+    fn append_journal(&mut self, run: &RunId, entry: &Arc<JournalEntry>) -> Result<bool, StoreError>;
     /// The run's journal, in write order.
     fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError>;
     /// Drops the journals of finished runs; returns how many records went.

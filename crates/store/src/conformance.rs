@@ -83,12 +83,17 @@ pub async fn append_messages(
     store.commit_step(StepCommit { first_position, messages, ..StepCommit::new(session, run) }).await
 }
 
+/// A run's journal, each entry shared as a commit hands it over (so that it compares with them).
+async fn journal(store: &dyn Store, run: &RunId) -> Vec<Arc<JournalEntry>> {
+    store.load_journal(run).await.unwrap().into_iter().map(Arc::new).collect()
+}
+
 /// Records one journal entry.
 async fn append_journal(
     store: &dyn Store,
     session: &SessionId,
     run: &RunId,
-    entry: &JournalEntry,
+    entry: &Arc<JournalEntry>,
 ) -> Result<Committed, StoreError> {
     store.commit_step(StepCommit { entry: Some(entry), ..StepCommit::new(session, run) }).await
 }
@@ -119,11 +124,11 @@ fn new_run_commit<'a>(
     }
 }
 
-fn tool_entry(call: &str, output: serde_json::Value) -> JournalEntry {
-    JournalEntry {
+fn tool_entry(call: &str, output: serde_json::Value) -> Arc<JournalEntry> {
+    Arc::new(JournalEntry {
         step: StepName::Tool { name: "add".into(), call_id: call.into() },
         record: JournalRecord::ToolResult(Ok(output)),
-    }
+    })
 }
 
 fn claimed(claim: Claim) -> (u64, u32, bool) {
@@ -227,16 +232,21 @@ pub async fn journal_first_write_wins(store: &dyn Store) {
         usage: Usage { input_tokens: 1, output_tokens: 1 },
     };
     let entries = [
-        JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply("first")) },
+        Arc::new(JournalEntry {
+            step: StepName::ModelTurn(0),
+            record: JournalRecord::ModelReply(reply("first")),
+        }),
         tool_entry("c1", json!(5)),
     ];
     for entry in &entries {
         append_journal(store, &session, run, entry).await.unwrap();
     }
-    let duplicate =
-        JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply("second")) };
+    let duplicate = Arc::new(JournalEntry {
+        step: StepName::ModelTurn(0),
+        record: JournalRecord::ModelReply(reply("second")),
+    });
     append_journal(store, &session, run, &duplicate).await.unwrap();
-    assert_eq!(store.load_journal(run).await.unwrap(), entries, "a second record replaced the first");
+    assert_eq!(journal(store, run).await, entries, "a second record replaced the first");
     assert!(store.load_journal(&RunId::from_suffix("empty")).await.unwrap().is_empty());
 }
 
@@ -323,13 +333,16 @@ pub async fn steps_commit_whole_and_replay_idempotently(store: &dyn Store) {
     // The replay of a step: the run exists by now.
     let replay = StepCommit { new_run: None, ..commit };
     store.commit_step(replay).await.unwrap();
-    assert_eq!(store.load_journal(&record.run_id).await.unwrap(), std::slice::from_ref(&entry));
+    assert_eq!(journal(store, &record.run_id).await, std::slice::from_ref(&entry));
     assert_eq!(store.load_messages(&session).await.unwrap(), messages);
     assert_eq!(store.load_run(&record.run_id).await.unwrap().unwrap().state, RunState::Done);
     // A commit that conflicts writes none of its parts.
     let other = run_record("commit-other", &session, 2);
     create_run(store, &other).await.unwrap();
-    let late = JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ToolResult(Ok(json!(1))) };
+    let late = Arc::new(JournalEntry {
+        step: StepName::ModelTurn(1),
+        record: JournalRecord::ToolResult(Ok(json!(1))),
+    });
     let clash = StepCommit { run: &other.run_id, new_run: None, entry: Some(&late), state: None, ..commit };
     assert!(store.commit_step(clash).await.is_err());
     assert_eq!(store.load_messages(&session).await.unwrap(), messages);
@@ -377,8 +390,10 @@ pub async fn leases_fence_stale_writers(store: &dyn Store, clock: &ManualClock) 
     assert!(!store.open_runs(Some(&session)).await.unwrap()[0].is_interrupted(clock_now(clock)));
 
     // The stalled first owner wakes up: its commit is refused and writes nothing.
-    let entry =
-        JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ToolResult(Ok(json!(1))) };
+    let entry = Arc::new(JournalEntry {
+        step: StepName::ModelTurn(0),
+        record: JournalRecord::ToolResult(Ok(json!(1))),
+    });
     let stale = StepCommit { new_run: None, entry: Some(&entry), messages: &[], ..create };
     let error = store.commit_step(stale).await.unwrap_err();
     assert!(matches!(error, StoreError::LeaseLost(_)), "{error:?}");
@@ -387,7 +402,7 @@ pub async fn leases_fence_stale_writers(store: &dyn Store, clock: &ManualClock) 
     // The new owner commits; its zero-length renewal releases the lease for the next one.
     let fresh = StepCommit { fence: Some(Fence { owner: "process-b", epoch: 2, ttl: short }), ..stale };
     store.commit_step(fresh).await.unwrap();
-    assert_eq!(store.load_journal(run).await.unwrap(), [entry]);
+    assert_eq!(journal(store, run).await, [entry]);
     assert!(matches!(store.claim_run(run, "process-c", short, None).await.unwrap(), Claim::Held { .. }));
     store.renew_lease(run, "process-b", 2, Duration::ZERO).await.unwrap();
     assert_eq!(claimed(store.claim_run(run, "process-c", short, None).await.unwrap()).0, 3);
@@ -836,10 +851,10 @@ pub async fn session_state_commits_with_its_step(store: &dyn Store) {
     let record = run_record("state", &session, 0);
     let input = [Arc::new(Message::user("add to cart"))];
     store.commit_step(new_run_commit(&record, "process-a", &input, 0)).await.unwrap();
-    let entry = JournalEntry {
+    let entry = Arc::new(JournalEntry {
         step: StepName::Tool { name: "cart".into(), call_id: "c1".into() },
         record: JournalRecord::ToolResult(Ok(json!("added"))),
-    };
+    });
     let cart = json!({"items": ["tea"], "total": 4.5});
     let step = StepCommit {
         entry: Some(&entry),
@@ -852,10 +867,10 @@ pub async fn session_state_commits_with_its_step(store: &dyn Store) {
     assert_eq!(store.load_messages(&session).await.unwrap().len(), 1, "the state write touched the messages");
 
     // A stale writer's commit writes neither its journal entry nor its state.
-    let stale_entry = JournalEntry {
+    let stale_entry = Arc::new(JournalEntry {
         step: StepName::Tool { name: "cart".into(), call_id: "c2".into() },
         record: JournalRecord::ToolResult(Ok(json!("emptied"))),
-    };
+    });
     let emptied = json!({"items": []});
     let stale = StepCommit {
         entry: Some(&stale_entry),
@@ -870,7 +885,7 @@ pub async fn session_state_commits_with_its_step(store: &dyn Store) {
         Some(cart),
         "a refused commit changed the state"
     );
-    assert_eq!(store.load_journal(&record.run_id).await.unwrap(), [entry]);
+    assert_eq!(journal(store, &record.run_id).await, [entry]);
 
     let other = SessionId::new("conformance-none").unwrap();
     assert_eq!(store.load_session_state(&other).await.unwrap(), None);
@@ -893,8 +908,10 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
     let turn = StepName::ModelTurn;
     // The third step adds no message: its usage is stored on its own.
     for (n, position, answers) in [(0u32, 1u64, 1usize), (1, 2, 1), (2, 3, 0)] {
-        let entry =
-            JournalEntry { step: turn(n), record: JournalRecord::ModelReply(reply(u64::from(n) + 1)) };
+        let entry = Arc::new(JournalEntry {
+            step: turn(n),
+            record: JournalRecord::ModelReply(reply(u64::from(n) + 1)),
+        });
         let answer: Vec<Arc<Message>> = (0..answers).map(|_| Arc::new(Message::assistant("ok"))).collect();
         let step = StepCommit {
             entry: Some(&entry),
@@ -907,7 +924,7 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
         // The same step again, as a replay after a crash would write it.
         store.commit_step(step).await.unwrap();
     }
-    let stale_entry = JournalEntry { step: turn(3), record: JournalRecord::ModelReply(reply(50)) };
+    let stale_entry = Arc::new(JournalEntry { step: turn(3), record: JournalRecord::ModelReply(reply(50)) });
     let stale = StepCommit {
         entry: Some(&stale_entry),
         fence: Some(Fence { owner: "process-b", epoch: 9, ttl: MINUTE }),
@@ -1021,13 +1038,20 @@ pub async fn commits_made_together_are_each_applied_or_refused_alone(store: &dyn
         parts: vec![Part::Text(format!("answer {n}"))],
         usage: Usage { input_tokens: 10 + n, output_tokens: n },
     };
-    let entries: Vec<JournalEntry> = (0..SESSIONS as u64)
-        .map(|n| JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply(n)) })
+    let entries: Vec<Arc<JournalEntry>> = (0..SESSIONS as u64)
+        .map(|n| {
+            Arc::new(JournalEntry {
+                step: StepName::ModelTurn(0),
+                record: JournalRecord::ModelReply(reply(n)),
+            })
+        })
         .collect();
     let answers: Vec<[Arc<Message>; 1]> =
         (0..SESSIONS).map(|n| [Arc::new(Message::assistant(format!("answer {n}")))]).collect();
-    let stale_entry =
-        JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ToolResult(Ok(json!("stale"))) };
+    let stale_entry = Arc::new(JournalEntry {
+        step: StepName::ModelTurn(1),
+        record: JournalRecord::ToolResult(Ok(json!("stale"))),
+    });
     let mut commits = Vec::new();
     let mut expected = Vec::new();
     for (i, record) in records.iter().enumerate() {
@@ -1080,7 +1104,7 @@ pub async fn commits_made_together_are_each_applied_or_refused_alone(store: &dyn
         let transcript: Vec<String> =
             store.load_messages(session).await.unwrap().iter().map(|m| m.text()).collect();
         assert_eq!(transcript, ["q".to_owned(), format!("answer {i}")], "session {session}");
-        assert_eq!(store.load_journal(&record.run_id).await.unwrap(), [entries[i].clone()], "run {i}");
+        assert_eq!(journal(store, &record.run_id).await, [entries[i].clone()], "run {i}");
         let usage = store.session_summary(session).await.unwrap().expect("listed").usage;
         assert_eq!(
             usage,
@@ -1135,7 +1159,7 @@ pub async fn open_runs_and_journals_come_in_their_order(store: &dyn Store) {
         store.commit_step(commit).await.unwrap();
     }
     assert_eq!(
-        store.load_journal(&newer.run_id).await.unwrap(),
+        journal(store, &newer.run_id).await,
         [later_named, earlier_named],
         "the journal, in write order"
     );

@@ -50,7 +50,7 @@ struct RunData {
     control: RunControl,
     /// The run's journal, in write order: kept with the run, so that a step's commit finds both
     /// with one lookup.
-    journal: Vec<JournalEntry>,
+    journal: Vec<Arc<JournalEntry>>,
 }
 
 #[derive(Default)]
@@ -324,7 +324,7 @@ impl Tx for Inner {
         Ok(self.runs.get(run).is_some_and(|data| data.journal.iter().any(|e| &e.step == step)))
     }
 
-    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<bool, StoreError> {
+    fn append_journal(&mut self, run: &RunId, entry: &Arc<JournalEntry>) -> Result<bool, StoreError> {
         // The rules journal only a run they found (or created in the same commit).
         let Some(data) = self.runs.get_mut(run) else {
             return Err(StoreError::NotFound(format!("run {run}")));
@@ -332,12 +332,16 @@ impl Tx for Inner {
         if data.journal.iter().any(|existing| existing.step == entry.step) {
             return Ok(false);
         }
-        data.journal.push(entry.clone());
+        data.journal.push(Arc::clone(entry));
         Ok(true)
     }
 
     fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError> {
-        Ok(self.runs.get(run).map(|data| data.journal.clone()).unwrap_or_default())
+        Ok(self
+            .runs
+            .get(run)
+            .map(|data| data.journal.iter().map(|entry| JournalEntry::clone(entry)).collect())
+            .unwrap_or_default())
     }
 
     fn compact_journals(&mut self) -> Result<u64, StoreError> {

@@ -41,7 +41,7 @@ struct OwnedCommit {
     session: SessionId,
     run: RunId,
     new_run: Option<RunRecord>,
-    entry: Option<JournalEntry>,
+    entry: Option<Arc<JournalEntry>>,
     first_position: u64,
     messages: Vec<Arc<Message>>,
     state: Option<RunState>,
@@ -418,7 +418,7 @@ fn decide(
         by: by.to_owned(),
         at_ms: now_ms,
     })?;
-    tx.append_journal(&run, &JournalEntry { step, record: JournalRecord::Decision(decision) })?;
+    tx.append_journal(&run, &Arc::new(JournalEntry { step, record: JournalRecord::Decision(decision) }))?;
     if let Some(mut control) = tx.control(&run)?
         && control.state == RunState::AwaitingInput
     {

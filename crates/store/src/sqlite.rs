@@ -1037,7 +1037,7 @@ impl Tx for SqliteTx<'_> {
             .map_err(map_error)
     }
 
-    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<bool, StoreError> {
+    fn append_journal(&mut self, run: &RunId, entry: &Arc<JournalEntry>) -> Result<bool, StoreError> {
         self.execute(
             "INSERT INTO journal (run_id, step, seq, body)
              VALUES (?1, ?2, (SELECT COUNT(*) FROM journal WHERE run_id = ?1), ?3)

@@ -967,7 +967,7 @@ impl Tx for PgTx<'_, '_> {
         Ok(row.is_some())
     }
 
-    fn append_journal(&mut self, run: &RunId, entry: &JournalEntry) -> Result<bool, StoreError> {
+    fn append_journal(&mut self, run: &RunId, entry: &Arc<JournalEntry>) -> Result<bool, StoreError> {
         let key = (run.clone(), entry.step.to_string());
         match self.known.steps.get(&key) {
             Some(true) => Ok(false),
