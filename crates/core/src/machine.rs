@@ -225,6 +225,8 @@ pub struct Machine {
     remembered_instructions: Option<String>,
     /// Whether the run's memory was written (its answer summarised and extracted).
     memorized: bool,
+    /// Whether nobody listens to the run's events: then none is built ([`Machine::mute_events`]).
+    events_muted: bool,
 }
 
 /// What the machine does once its memory steps are made.
@@ -303,6 +305,7 @@ impl Machine {
             after_memory: None,
             remembered_instructions: None,
             memorized: false,
+            events_muted: false,
             agent,
             run_id,
             session_id,
@@ -324,6 +327,14 @@ impl Machine {
     pub fn with_overrides(mut self, overrides: &LimitOverrides) -> Machine {
         self.limits = overrides.apply(&self.agent.limits);
         self
+    }
+
+    /// Whether the machine builds [`Action::Emit`] events (it does unless muted). A caller that
+    /// only awaits the run's outcome mutes them: building an event clones what it shows (a
+    /// tool's input and output, the answer), a cost nobody would see. Every other action is the
+    /// same either way.
+    pub fn mute_events(&mut self, muted: bool) {
+        self.events_muted = muted;
     }
 
     /// The run's limits: the agent's, with the run's overrides applied.
@@ -412,10 +423,12 @@ impl Machine {
             (_, Input::Cancel) => self.cancel(&mut actions),
             (_, Input::Abort(failure)) => self.abort(failure, &mut actions),
             (Phase::NotStarted, Input::Start) => {
-                actions.push(Action::Emit(Event::RunStart {
-                    run_id: self.run_id.clone(),
-                    session_id: self.session_id.clone(),
-                }));
+                if !self.events_muted {
+                    actions.push(Action::Emit(Event::RunStart {
+                        run_id: self.run_id.clone(),
+                        session_id: self.session_id.clone(),
+                    }));
+                }
                 self.persist_last(&mut actions, self.transcript.len() - self.run_start);
                 self.recall(&mut actions);
             }
@@ -513,7 +526,9 @@ impl Machine {
         // The memory model's tokens count like a turn's (a failed call's are not known).
         if let Some(usage) = outcome.as_ref().ok().and_then(crate::memory::outcome_usage) {
             self.usage.add(usage);
-            actions.push(Action::Emit(Event::Usage(usage)));
+            if !self.events_muted {
+                actions.push(Action::Emit(Event::Usage(usage)));
+            }
         }
         if let (Ok(value), Some(AfterMemory::Turns(context))) = (&outcome, &mut self.after_memory)
             && let Some(text) = value.get("context").and_then(Value::as_str).filter(|t| !t.trim().is_empty())
@@ -563,7 +578,9 @@ impl Machine {
         });
         self.turns += 1;
         self.phase = Phase::AwaitingModel;
-        actions.push(Action::Emit(Event::TurnStart { turn }));
+        if !self.events_muted {
+            actions.push(Action::Emit(Event::TurnStart { turn }));
+        }
         actions.push(Action::CallModel { step: StepName::ModelTurn(turn) });
     }
 
@@ -610,7 +627,9 @@ impl Machine {
 
     fn on_compacted(&mut self, reply: ModelReply, actions: &mut Vec<Action>) {
         self.usage.add(reply.usage);
-        actions.push(Action::Emit(Event::Usage(reply.usage)));
+        if !self.events_muted {
+            actions.push(Action::Emit(Event::Usage(reply.usage)));
+        }
         let job = self.compaction.take().expect("a compaction is in progress");
         let text = reply
             .parts
@@ -629,10 +648,12 @@ impl Machine {
         });
         self.persist_last(actions, 1);
         self.compacted = compacted_view(&self.transcript);
-        actions.push(Action::Emit(Event::ContextCompacted {
-            summarized: job.summarized as u64,
-            kept: job.kept as u64,
-        }));
+        if !self.events_muted {
+            actions.push(Action::Emit(Event::ContextCompacted {
+                summarized: job.summarized as u64,
+                kept: job.kept as u64,
+            }));
+        }
         self.after_compaction(job.forced, actions);
     }
 
@@ -663,7 +684,9 @@ impl Machine {
     fn on_reply(&mut self, reply: ModelReply, actions: &mut Vec<Action>) {
         let turn = self.turns - 1;
         self.usage.add(reply.usage);
-        actions.push(Action::Emit(Event::Usage(reply.usage)));
+        if !self.events_muted {
+            actions.push(Action::Emit(Event::Usage(reply.usage)));
+        }
 
         let mut parts = reply.parts;
         normalize_call_ids(&mut parts, self.call_base + u64::from(turn), &mut self.call_ids);
@@ -691,11 +714,13 @@ impl Machine {
         pending.clear();
         let max_tool_calls = self.limits.max_tool_calls;
         for call in message.tool_calls() {
-            actions.push(Action::Emit(Event::ToolStart {
-                call_id: call.call_id.clone(),
-                name: call.name.clone(),
-                input: call.input.clone(),
-            }));
+            if !self.events_muted {
+                actions.push(Action::Emit(Event::ToolStart {
+                    call_id: call.call_id.clone(),
+                    name: call.name.clone(),
+                    input: call.input.clone(),
+                }));
+            }
             let refusal = self.refusal(call).or_else(|| {
                 max_tool_calls.is_some_and(|max| self.tool_calls >= max).then(|| {
                     self.budget_spent = true;
@@ -711,7 +736,9 @@ impl Machine {
             });
             match refusal {
                 Some(error) => {
-                    actions.push(Action::Emit(outcome_event(&call.call_id, &Err(error.clone()), None)));
+                    if !self.events_muted {
+                        actions.push(Action::Emit(outcome_event(&call.call_id, &Err(error.clone()), None)));
+                    }
                     pending.push(PendingCall {
                         call_id: call.call_id.clone(),
                         result: Some(Err(error)),
@@ -845,7 +872,9 @@ impl Machine {
             return self.fail(failure, actions);
         };
         let outcome = outcome.map(|output| cap_output(output, max_chars));
-        actions.push(Action::Emit(outcome_event(call_id, &outcome, duration)));
+        if !self.events_muted {
+            actions.push(Action::Emit(outcome_event(call_id, &outcome, duration)));
+        }
         pending.result = Some(outcome);
         self.complete_turn_if_done(actions);
     }
@@ -939,7 +968,9 @@ impl Machine {
         let parent = self.calls[index].call_id.clone();
         let mut plan = self.calls[index].compose.take().expect("the owner has a plan");
         let outcome = outcome.map(|output| cap_output(output, max_chars));
-        actions.push(Action::Emit(outcome_event(call_id, &outcome, duration)));
+        if !self.events_muted {
+            actions.push(Action::Emit(outcome_event(call_id, &outcome, duration)));
+        }
         let step = plan.steps[plan.next].clone();
         let finished = match outcome {
             Ok(output) => {
@@ -1011,11 +1042,13 @@ impl Machine {
         }
         self.tool_calls += 1;
         let call_id = compose_call_id(parent, &step.id);
-        actions.push(Action::Emit(Event::ToolStart {
-            call_id: call_id.clone(),
-            name: step.tool.clone(),
-            input: input.clone(),
-        }));
+        if !self.events_muted {
+            actions.push(Action::Emit(Event::ToolStart {
+                call_id: call_id.clone(),
+                name: step.tool.clone(),
+                input: input.clone(),
+            }));
+        }
         let call = ToolCall { call_id: call_id.clone(), name: step.tool.clone(), input };
         actions.push(Action::CallTool { step: StepName::Tool { name: step.tool, call_id }, call });
         None
@@ -1030,7 +1063,9 @@ impl Machine {
     ) -> ToolOutcome {
         let outcome = outcome.map(|output| cap_output(output, self.limits.max_tool_output_chars));
         // The script's steps carry their own durations; the whole is not one call's run.
-        actions.push(Action::Emit(outcome_event(parent, &outcome, None)));
+        if !self.events_muted {
+            actions.push(Action::Emit(outcome_event(parent, &outcome, None)));
+        }
         outcome
     }
 
@@ -1093,8 +1128,12 @@ impl Machine {
         };
         if self.repairs < self.agent.loop_control.max_repairs && self.turns_spent().is_none() {
             self.repairs += 1;
-            actions
-                .push(Action::Emit(Event::OutputRepair { attempt: self.repairs, problem: problem.clone() }));
+            if !self.events_muted {
+                actions.push(Action::Emit(Event::OutputRepair {
+                    attempt: self.repairs,
+                    problem: problem.clone(),
+                }));
+            }
             self.push(Message::user(format!(
                 "Your answer does not match the required output schema: {problem}. Reply again with only \
                  the JSON value, matching this schema:\n{}",
@@ -1153,18 +1192,23 @@ impl Machine {
         }
         self.phase = Phase::Finished;
         let usage = self.usage;
-        actions.push(Action::Emit(Event::RunDone {
-            text: text.clone(),
-            output: output.clone(),
-            stopped,
-            usage,
-        }));
+        if !self.events_muted {
+            actions.push(Action::Emit(Event::RunDone {
+                text: text.clone(),
+                output: output.clone(),
+                stopped,
+                usage,
+            }));
+        }
         actions.push(Action::Finish(RunOutcome::Done { text, output, stopped, usage }));
     }
 
     fn fail(&mut self, failure: RunFailure, actions: &mut Vec<Action>) {
         self.phase = Phase::Finished;
-        actions.push(Action::Emit(Event::RunError { code: failure.code, message: failure.message.clone() }));
+        if !self.events_muted {
+            actions
+                .push(Action::Emit(Event::RunError { code: failure.code, message: failure.message.clone() }));
+        }
         actions.push(Action::Finish(RunOutcome::Failed(failure)));
     }
 
@@ -1191,7 +1235,9 @@ impl Machine {
         }
         for pending in self.calls.iter_mut().filter(|p| p.result.is_none()) {
             let error = ToolError::with_code(code, message, false);
-            actions.push(Action::Emit(outcome_event(&pending.call_id, &Err(error.clone()), None)));
+            if !self.events_muted {
+                actions.push(Action::Emit(outcome_event(&pending.call_id, &Err(error.clone()), None)));
+            }
             pending.result = Some(Err(error));
         }
         self.close_turn(actions);

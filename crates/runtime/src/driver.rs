@@ -699,6 +699,9 @@ impl Driver<'_> {
             if let (Some(_), Input::Decision { call_id, .. }) = (&self.replay, &input) {
                 self.decided_in_replay.push(call_id.clone());
             }
+            // A caller that only awaits the outcome closed the event channel: the machine then
+            // builds no events (each would clone what it shows, for nobody).
+            machine.mute_events(self.events.is_closed());
             for action in machine.step(input) {
                 match action {
                     Action::Emit(event) => self.emit(event),

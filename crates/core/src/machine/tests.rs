@@ -106,7 +106,11 @@ fn done(call_id: &str, outcome: ToolOutcome) -> Input {
 }
 
 /// Feeds the inputs and renders every action; persisted messages are shown in their stored form.
-fn check(mut machine: Machine, inputs: Vec<Input>, expected: Expect) {
+fn check(machine: Machine, inputs: Vec<Input>, expected: Expect) {
+    expected.assert_eq(&render(machine, inputs));
+}
+
+fn render(mut machine: Machine, inputs: Vec<Input>) -> String {
     let mut out = String::new();
     for input in inputs {
         let label = match &input {
@@ -152,7 +156,50 @@ fn check(mut machine: Machine, inputs: Vec<Input>, expected: Expect) {
             .unwrap();
         }
     }
-    expected.assert_eq(&out);
+    out
+}
+
+/// A muted machine (nobody listens to the run's events) builds no event, and does everything
+/// else exactly as an unmuted one: the same steps, messages, calls and outcome.
+#[test]
+fn a_muted_machine_emits_nothing_and_does_the_same_work() {
+    let scenarios: Vec<fn() -> Vec<Input>> = vec![
+        || {
+            vec![
+                Input::Start,
+                calls(&[("c1", "add", json!({"a": 2, "b": 3}))]),
+                done("c1", Ok(json!(5))),
+                text("5", 20),
+            ]
+        },
+        || {
+            vec![
+                Input::Start,
+                calls(&[
+                    ("", "add", json!({"a": 1, "b": 1})),
+                    ("", "add", json!({"a": "x"})),
+                    ("d", "nope", json!({})),
+                ]),
+                done("call_1_0", Err(ToolError::failed("disk full"))),
+                Input::Cancel,
+            ]
+        },
+        || vec![Input::Start, Input::ModelFailed(ProviderError::new(ProviderErrorKind::Auth, "bad key"))],
+    ];
+    for scenario in scenarios {
+        let heard = render(machine(agent(|_| {})), scenario());
+        let mut muted = machine(agent(|_| {}));
+        muted.mute_events(true);
+        let unheard = render(muted, scenario());
+        assert!(!unheard.contains("emit "), "a muted machine built an event:\n{unheard}");
+        let without_events: String = heard
+            .lines()
+            .filter(|line| !line.trim_start().starts_with("emit "))
+            .map(|line| format!("{line}\n"))
+            .collect();
+        assert!(heard.contains("emit "), "the unmuted machine built no event:\n{heard}");
+        assert_eq!(unheard, without_events);
+    }
 }
 
 #[test]
