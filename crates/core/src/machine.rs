@@ -281,7 +281,7 @@ impl Machine {
         run_id: RunId,
         session_id: SessionId,
         history: Vec<Arc<Message>>,
-        input: Message,
+        input: Arc<Message>,
         call_base: u64,
     ) -> Machine {
         let mut transcript = history;
@@ -289,7 +289,7 @@ impl Machine {
         if let Some(answers) = answer_dangling_calls(&transcript) {
             transcript.push(Arc::new(answers));
         }
-        transcript.push(Arc::new(input));
+        transcript.push(input);
         let compacted = compacted_view(&transcript);
         let limits = agent.limits.clone();
         Machine {

@@ -63,8 +63,8 @@ pub struct RunRecord {
     pub run_id: RunId,
     /// Its session.
     pub session_id: SessionId,
-    /// The user's input message.
-    pub input: Message,
+    /// The user's input message (shared with the transcript the run appends it to).
+    pub input: Arc<Message>,
     /// How many session messages came before the run (its input sits at this position).
     pub history_len: u64,
     /// How many model calls the session made before the run.

@@ -407,10 +407,11 @@ async fn prepare(
             let state = state.or_else(|| seed_state.clone()).unwrap_or_default();
             // Each completed model call appends exactly one assistant message.
             let call_base = history.iter().filter(|m| m.role == Role::Assistant).count() as u64;
+            let input = Arc::new(input);
             let record = RunRecord {
                 run_id: run_id.clone(),
                 session_id: session.clone(),
-                input: input.clone(),
+                input: Arc::clone(&input),
                 history_len: history.len() as u64,
                 call_base,
                 state: RunState::Running,

@@ -37,13 +37,13 @@ async fn one_run(store: &dyn Store, session: &str) {
     let record = RunRecord {
         run_id: run.clone(),
         session_id: session.clone(),
-        input: Message::user("What is 2 + 3?"),
+        input: Arc::new(Message::user("What is 2 + 3?")),
         history_len: 0,
         call_base: 0,
         state: RunState::Running,
         limits: LimitOverrides::default(),
     };
-    let input = [Arc::new(record.input.clone())];
+    let input = [Arc::clone(&record.input)];
     let commit = StepCommit::new(&session, &run);
     store
         .commit_step(StepCommit { new_run: Some(&record), messages: &input, fence, ..commit })

@@ -54,7 +54,7 @@ pub fn run_record(run: &str, session: &SessionId, history_len: u64) -> RunRecord
     RunRecord {
         run_id: RunId::from_suffix(run),
         session_id: session.clone(),
-        input: Message::user("hi"),
+        input: Arc::new(Message::user("hi")),
         history_len,
         call_base: 0,
         state: RunState::Running,
@@ -563,7 +563,7 @@ pub async fn delayed_runs_start_once_unless_cancelled_first(store: &dyn Store, c
     let record = RunRecord {
         run_id: later.run_id.clone(),
         session_id: later.session_id.clone(),
-        input: later.input.clone(),
+        input: Arc::new(later.input.clone()),
         history_len: 0,
         call_base: 0,
         state: RunState::Running,
@@ -586,7 +586,7 @@ pub async fn delayed_runs_start_once_unless_cancelled_first(store: &dyn Store, c
     let start = RunRecord {
         run_id: cancelled.run_id.clone(),
         session_id: cancelled.session_id.clone(),
-        input: cancelled.input.clone(),
+        input: Arc::new(cancelled.input.clone()),
         history_len: 0,
         call_base: 0,
         state: RunState::Running,

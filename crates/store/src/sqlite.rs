@@ -956,7 +956,7 @@ impl Tx for SqliteTx<'_> {
         Ok(Some(RunRecord {
             run_id: run.clone(),
             session_id: SessionId::from_store(session).map_err(corrupt)?,
-            input: decode_message(&input).map_err(corrupt)?,
+            input: Arc::new(decode_message(&input).map_err(corrupt)?),
             history_len: history_len.max(0) as u64,
             call_base: call_base.max(0) as u64,
             state: stored_state(&state)?,
@@ -1505,7 +1505,7 @@ mod tests {
         let version: i64 = store.backend().lock().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
         assert_eq!(version, SCHEMA_VERSION);
         let run = RunId::parse("run_old").unwrap();
-        assert_eq!(store.load_run(&run).await.unwrap().unwrap().input, Message::user("hi"));
+        assert_eq!(store.load_run(&run).await.unwrap().unwrap().input, Arc::new(Message::user("hi")));
         // The old run has no lease: it is interrupted, and can be claimed.
         let open = store.open_runs(None).await.unwrap();
         assert_eq!(open.len(), 1);

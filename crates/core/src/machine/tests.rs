@@ -77,7 +77,7 @@ fn machine(agent: Arc<AgentDef>) -> Machine {
         RunId::from_suffix("1"),
         SessionId::new("s1").unwrap(),
         vec![Arc::new(Message::user("earlier")), Arc::new(Message::assistant("ok"))],
-        Message::user("What is 2+3?"),
+        Arc::new(Message::user("What is 2+3?")),
         1,
     )
 }
@@ -796,7 +796,7 @@ fn a_history_ending_in_unanswered_calls_gets_their_results_before_the_new_input(
         RunId::from_suffix("2"),
         SessionId::new("s1").unwrap(),
         history,
-        Message::user("next"),
+        Arc::new(Message::user("next")),
         1,
     );
     check(
@@ -921,7 +921,7 @@ fn machine_with(agent: Arc<AgentDef>, history: Vec<Arc<Message>>, input: &str) -
         RunId::from_suffix("1"),
         SessionId::new("s1").unwrap(),
         history,
-        Message::user(input),
+        Arc::new(Message::user(input)),
         call_base,
     )
 }

@@ -515,7 +515,7 @@ async fn a_run_leased_by_a_process_on_another_host_is_never_taken_over() {
         let record = keel_core::RunRecord {
             run_id: keel::RunId::from_suffix("elsewhere"),
             session_id: session.clone(),
-            input: keel::Message::user("go"),
+            input: std::sync::Arc::new(keel::Message::user("go")),
             history_len: 0,
             call_base: 0,
             state: keel::RunState::Running,

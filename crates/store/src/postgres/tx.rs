@@ -862,7 +862,7 @@ impl Tx for PgTx<'_, '_> {
         Ok(Some(RunRecord {
             run_id: run.clone(),
             session_id: session_id(get(&row, 0)?)?,
-            input: decode_message(get(&row, 1)?).map_err(corrupt)?,
+            input: Arc::new(decode_message(get(&row, 1)?).map_err(corrupt)?),
             history_len: count(&row, 2)?,
             call_base: count(&row, 3)?,
             state: stored_state(get(&row, 4)?)?,
