@@ -1382,6 +1382,11 @@ fn cap_output(output: Value, max_chars: usize) -> Value {
     let truncated = {
         // Images a tool returned do not count: the cap is on what the model reads as text.
         let (readable, _) = crate::message::tool_output_images(&output);
+        // Most outputs are well under the cap: counted as they are written out, with no text
+        // built, and only those over it are rendered to be cut.
+        if !matches!(&*readable, Value::String(_)) && json_fits(&readable, max_chars) {
+            return output;
+        }
         let text = match &*readable {
             Value::String(s) => std::borrow::Cow::Borrowed(s.as_str()),
             other => std::borrow::Cow::Owned(other.to_string()),
@@ -1398,6 +1403,29 @@ fn cap_output(output: Value, max_chars: usize) -> Value {
         Some(text) => Value::String(text),
         None => output,
     }
+}
+
+/// Whether `value`'s JSON text has at most `max_chars` characters. Stops writing once past it.
+fn json_fits(value: &Value, max_chars: usize) -> bool {
+    struct Counter {
+        chars: usize,
+        max: usize,
+    }
+    impl std::io::Write for Counter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            // A character starts at every byte that is not a UTF-8 continuation byte.
+            self.chars += bytes.iter().filter(|&&b| b & 0xC0 != 0x80).count();
+            if self.chars > self.max {
+                return Err(std::io::Error::other("over the cap"));
+            }
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    serde_json::to_writer(Counter { chars: 0, max: max_chars }, value).is_ok()
 }
 
 /// Accepts a JSON answer wrapped in a Markdown code fence, as models often write it.

@@ -376,6 +376,12 @@ fn long_outputs_are_cut_with_a_marker() {
         cap_output(json!({"a": 1}), 6),
         json!("{\"a\":1\n[output truncated: showing the first 6 of 7 characters]")
     );
+    // Characters, not bytes: `{"é":"ü"}` is 9 characters in 11 bytes.
+    assert_eq!(cap_output(json!({"é": "ü"}), 9), json!({"é": "ü"}));
+    assert_eq!(
+        cap_output(json!({"é": "ü"}), 8),
+        json!("{\"é\":\"ü\"\n[output truncated: showing the first 8 of 9 characters]")
+    );
     // An image a tool returned is not text the model reads: its data does not count.
     let image = json!([{ "type": "text", "text": "chart" }, { "type": "image", "mimeType": "image/png", "data": "A".repeat(10_000) }]);
     assert_eq!(cap_output(image.clone(), 200), image);
