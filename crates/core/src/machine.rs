@@ -1175,15 +1175,14 @@ impl Machine {
         // A run that answered is remembered first (a cancelled one is not: it may be half-done).
         if stopped != StopReason::Cancelled && !self.memorized {
             self.memorized = true;
-            let messages = self.transcript[self.run_start..].to_vec();
             let call_index = self.call_base + u64::from(self.turns.saturating_sub(1));
             let settings = &self.agent.memory.settings;
+            let run_messages = || self.transcript[self.run_start..].to_vec();
             if settings.episodic.is_some() {
-                self.memory_steps
-                    .push_back(MemoryRequest::Episode { messages: messages.clone(), call_index });
+                self.memory_steps.push_back(MemoryRequest::Episode { messages: run_messages(), call_index });
             }
             if settings.graph.is_some() {
-                self.memory_steps.push_back(MemoryRequest::Extract { messages, call_index });
+                self.memory_steps.push_back(MemoryRequest::Extract { messages: run_messages(), call_index });
             }
             if !self.memory_steps.is_empty() {
                 self.after_memory = Some(AfterMemory::Finish { stopped, text, output });
