@@ -157,14 +157,16 @@ impl RunHandle {
         self.cancel.cancel();
     }
 
-    /// Waits for the run to end, discarding the events not yet read.
+    /// Waits for the run to end, discarding the events not yet read. From then on the run
+    /// builds no events at all (nobody could read them).
     ///
     /// # Cancel safety
     /// Dropping this future does not stop the run.
     pub async fn result(self) -> Result<RunResult, RunFailure> {
         let RunHandle { events, result, inline, .. } = self;
-        // Closing the event channel discards what is buffered and makes further sends fail at
-        // once: a caller that only wants the result pays for no event delivery.
+        // Closing the event channel discards what is buffered, and the driver mutes the run's
+        // machine when it sees the channel closed: a caller that only wants the result pays for
+        // no event.
         drop(events);
         if let Some(inline) = inline {
             inline.await;
