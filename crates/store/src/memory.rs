@@ -325,7 +325,8 @@ impl Tx for Inner {
     }
 
     fn append_journal(&mut self, run: &RunId, entry: &Arc<JournalEntry>) -> Result<bool, StoreError> {
-        // The rules journal only a run they found (or created in the same commit).
+        // The rules journal only a run they found or created in the same transaction, so this
+        // error is never met (a pending input's run is forgotten only with the input).
         let Some(data) = self.runs.get_mut(run) else {
             return Err(StoreError::NotFound(format!("run {run}")));
         };
