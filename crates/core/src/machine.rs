@@ -43,7 +43,7 @@ use crate::memory::{MemoryOutcome, MemoryRequest, RetrievalMode};
 use crate::message::{Message, Part, Role, ToolCall, ToolResult, output_to_text};
 use crate::provider::{CallPurpose, ModelReply, ModelRequest, ProviderError, ProviderErrorKind};
 use crate::tool::ToolSpec;
-use crate::tool::{ToolError, ToolOutcome};
+use crate::tool::{Dispatch, ToolError, ToolOutcome};
 
 pub mod compose;
 #[cfg(test)]
@@ -746,58 +746,72 @@ impl Machine {
                         compose: None,
                     });
                 }
-                None if self.agent.tools.composes(&call.name) => {
-                    let mut entry = PendingCall {
-                        call_id: call.call_id.clone(),
-                        result: None,
-                        human: None,
-                        compose: None,
-                    };
-                    match compose::Plan::parse(&call.input, &self.agent.tools) {
-                        Ok(mut plan) => match self.compose_advance(&call.call_id, &mut plan, actions) {
-                            Some(outcome) => {
-                                entry.result = Some(self.compose_finished(&call.call_id, outcome, actions))
-                            }
-                            None => entry.compose = Some(plan),
-                        },
-                        Err(error) => {
-                            entry.result = Some(self.compose_finished(&call.call_id, Err(error), actions))
-                        }
-                    }
-                    pending.push(entry);
-                }
-                None => {
-                    self.tool_calls += 1;
-                    let human = if self.agent.tools.asks_human(&call.name) {
-                        let question = match call.input.get("question") {
-                            Some(Value::String(question)) => question.clone(),
-                            Some(other) => other.to_string(),
-                            None => call.input.to_string(),
+                None => match self.agent.tools.dispatch(&call.name, &call.input) {
+                    Dispatch::Compose => {
+                        let mut entry = PendingCall {
+                            call_id: call.call_id.clone(),
+                            result: None,
+                            human: None,
+                            compose: None,
                         };
-                        let step = StepName::Question(call.call_id.clone());
-                        let id = pending_id(&step, &self.run_id);
-                        let kind = PendingKind::Question { question };
-                        actions.push(Action::AwaitHuman { step, id, call_id: call.call_id.clone(), kind });
-                        Some(HumanWait::Question)
-                    } else if self.agent.tools.needs_approval(&call.name, &call.input) {
-                        let step = StepName::Approval(call.call_id.clone());
-                        let id = pending_id(&step, &self.run_id);
-                        let kind =
-                            PendingKind::Approval { tool: call.name.clone(), input: call.input.clone() };
-                        actions.push(Action::AwaitHuman { step, id, call_id: call.call_id.clone(), kind });
-                        Some(HumanWait::Approval)
-                    } else {
-                        let step = StepName::Tool { name: call.name.clone(), call_id: call.call_id.clone() };
-                        actions.push(Action::CallTool { step, call: call.clone() });
-                        None
-                    };
-                    pending.push(PendingCall {
-                        call_id: call.call_id.clone(),
-                        result: None,
-                        human,
-                        compose: None,
-                    });
-                }
+                        match compose::Plan::parse(&call.input, &self.agent.tools) {
+                            Ok(mut plan) => match self.compose_advance(&call.call_id, &mut plan, actions) {
+                                Some(outcome) => {
+                                    entry.result =
+                                        Some(self.compose_finished(&call.call_id, outcome, actions))
+                                }
+                                None => entry.compose = Some(plan),
+                            },
+                            Err(error) => {
+                                entry.result = Some(self.compose_finished(&call.call_id, Err(error), actions))
+                            }
+                        }
+                        pending.push(entry);
+                    }
+                    dispatch => {
+                        self.tool_calls += 1;
+                        let human = if dispatch == Dispatch::AskHuman {
+                            let question = match call.input.get("question") {
+                                Some(Value::String(question)) => question.clone(),
+                                Some(other) => other.to_string(),
+                                None => call.input.to_string(),
+                            };
+                            let step = StepName::Question(call.call_id.clone());
+                            let id = pending_id(&step, &self.run_id);
+                            let kind = PendingKind::Question { question };
+                            actions.push(Action::AwaitHuman {
+                                step,
+                                id,
+                                call_id: call.call_id.clone(),
+                                kind,
+                            });
+                            Some(HumanWait::Question)
+                        } else if dispatch == Dispatch::Approval {
+                            let step = StepName::Approval(call.call_id.clone());
+                            let id = pending_id(&step, &self.run_id);
+                            let kind =
+                                PendingKind::Approval { tool: call.name.clone(), input: call.input.clone() };
+                            actions.push(Action::AwaitHuman {
+                                step,
+                                id,
+                                call_id: call.call_id.clone(),
+                                kind,
+                            });
+                            Some(HumanWait::Approval)
+                        } else {
+                            let step =
+                                StepName::Tool { name: call.name.clone(), call_id: call.call_id.clone() };
+                            actions.push(Action::CallTool { step, call: call.clone() });
+                            None
+                        };
+                        pending.push(PendingCall {
+                            call_id: call.call_id.clone(),
+                            result: None,
+                            human,
+                            compose: None,
+                        });
+                    }
+                },
             }
         }
         self.calls = pending;

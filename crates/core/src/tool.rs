@@ -217,6 +217,19 @@ impl fmt::Debug for ApprovalRule {
     }
 }
 
+/// How a tool call is carried out ([`ToolSet::dispatch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dispatch {
+    /// The `compose` tool: its steps are run by the machine.
+    Compose,
+    /// A question to the human: the run waits for the answer.
+    AskHuman,
+    /// A call that waits for a human's approval first.
+    Approval,
+    /// A call run at once.
+    Run,
+}
+
 /// An agent's tools, with their input schemas compiled once.
 #[derive(Default)]
 pub struct ToolSet {
@@ -293,6 +306,25 @@ impl ToolSet {
             Some(Some(ApprovalRule::Always)) => true,
             Some(Some(ApprovalRule::When(predicate))) => predicate(input),
             _ => false,
+        }
+    }
+
+    /// How a call of tool `name` (its input already validated) is carried out, found with one
+    /// lookup: what [`ToolSet::composes`], [`ToolSet::asks_human`] and
+    /// [`ToolSet::needs_approval`] answer one by one, in that order of precedence.
+    pub fn dispatch(&self, name: &str, input: &Value) -> Dispatch {
+        let Some(&i) = self.index.get(name) else { return Dispatch::Run };
+        let tool = &self.tools[i];
+        if tool.composes() {
+            return Dispatch::Compose;
+        }
+        if tool.asks_human() {
+            return Dispatch::AskHuman;
+        }
+        match self.approvals.get(i) {
+            Some(Some(ApprovalRule::Always)) => Dispatch::Approval,
+            Some(Some(ApprovalRule::When(predicate))) if predicate(input) => Dispatch::Approval,
+            _ => Dispatch::Run,
         }
     }
 

@@ -843,6 +843,32 @@ fn with_compose(def: &mut AgentDef) {
     def.tools = ToolSet::new(vec![add_tool(), echo_tool(), Arc::new(ComposeSpec(compose))]).unwrap();
 }
 
+/// One lookup answers how a call is carried out, with the precedence the machine gives it:
+/// compose, then a question, then an approval rule (evaluated on the input), else run.
+#[test]
+fn dispatch_names_how_each_call_is_carried_out() {
+    use crate::tool::{ApprovalRule, Dispatch};
+    let ask: Arc<dyn Tool> = Arc::new(Question(ToolSpec {
+        name: "ask_question".into(),
+        description: "Asks".into(),
+        input_schema: json!({"type": "object"}),
+    }));
+    let compose = ToolSpec { name: "compose".into(), description: "Runs".into(), input_schema: json!({}) };
+    let mut tools = ToolSet::new(vec![add_tool(), echo_tool(), ask, Arc::new(ComposeSpec(compose))]).unwrap();
+    let big = |input: &Value| input["a"].as_f64().is_some_and(|a| a > 100.0);
+    tools.require_approval("add", ApprovalRule::When(Arc::new(big))).unwrap();
+    tools.require_approval("echo", ApprovalRule::Always).unwrap();
+    // A rule on a question or on compose does not make them approvals.
+    tools.require_approval("ask_question", ApprovalRule::Always).unwrap();
+    tools.require_approval("compose", ApprovalRule::Always).unwrap();
+    assert_eq!(tools.dispatch("add", &json!({"a": 1})), Dispatch::Run);
+    assert_eq!(tools.dispatch("add", &json!({"a": 500})), Dispatch::Approval);
+    assert_eq!(tools.dispatch("echo", &json!({})), Dispatch::Approval);
+    assert_eq!(tools.dispatch("ask_question", &json!({})), Dispatch::AskHuman);
+    assert_eq!(tools.dispatch("compose", &json!({})), Dispatch::Compose);
+    assert_eq!(tools.dispatch("nope", &json!({})), Dispatch::Run);
+}
+
 #[test]
 fn compose_runs_its_steps_one_by_one_as_tool_steps() {
     let script = json!({ "steps": [
