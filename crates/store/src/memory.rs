@@ -4,7 +4,9 @@
 //! async one). Domain values are kept as they are, without encoding: this store is the
 //! baseline the runtime's overhead is measured on. The maps use foldhash: keys come from users,
 //! so the hasher is seeded per process (minimally DoS-resistant) yet much cheaper than SipHash.
-//! None of its writes can fail, which is what lets it run the rules without a rollback.
+//! None of the writes the rules make can fail, which is what lets it run them without a
+//! rollback (a journal append for a run it does not hold is refused, and the rules never make
+//! one).
 //!
 //! The store is bounded ([`MemoryLimits`]): a session nobody runs, whose last write is older
 //! than `max_idle` or that is the least recently written of more than `max_sessions`, is
