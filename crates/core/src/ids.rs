@@ -16,8 +16,9 @@ pub struct SessionId(Arc<str>);
 
 impl SessionId {
     /// Validates and wraps a session id.
-    pub fn new(id: impl Into<String>) -> Result<SessionId, RunFailure> {
-        let id = id.into();
+    pub fn new(id: impl AsRef<str>) -> Result<SessionId, RunFailure> {
+        // Borrowed: the shared text is the one allocation, whatever the caller passes.
+        let id = id.as_ref();
         let valid_chars = id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
         if id.is_empty() || id.len() > 128 || !valid_chars {
             return Err(RunFailure::new(
@@ -96,7 +97,18 @@ impl RunId {
 
     /// Builds a run id from a unique suffix (the runtime uses a time-ordered UUID).
     pub fn from_suffix(suffix: &str) -> RunId {
-        let mut id = String::with_capacity(Self::PREFIX.len() + suffix.len());
+        // Put together on the stack when it fits (a generated suffix always does): one
+        // allocation, the shared string's, rather than a `String` first.
+        let mut buffer = [0u8; 64];
+        let prefix = Self::PREFIX.len();
+        if let Some(id) = buffer.get_mut(..prefix + suffix.len()) {
+            id[..prefix].copy_from_slice(Self::PREFIX.as_bytes());
+            id[prefix..].copy_from_slice(suffix.as_bytes());
+            if let Ok(id) = std::str::from_utf8(id) {
+                return RunId(id.into());
+            }
+        }
+        let mut id = String::with_capacity(prefix + suffix.len());
         id.push_str(Self::PREFIX);
         id.push_str(suffix);
         RunId(id.into())
