@@ -418,10 +418,17 @@ impl Machine {
     /// Feeds one input and returns the actions it causes, in order.
     pub fn step(&mut self, input: Input) -> Vec<Action> {
         let mut actions = Vec::new();
+        self.step_into(input, &mut actions);
+        actions
+    }
+
+    /// [`Machine::step`], appending the actions to `actions`: a driver that keeps one vector
+    /// for the whole run allocates it once rather than at every step.
+    pub fn step_into(&mut self, input: Input, actions: &mut Vec<Action>) {
         match (self.phase, input) {
             (Phase::Finished, _) => {}
-            (_, Input::Cancel) => self.cancel(&mut actions),
-            (_, Input::Abort(failure)) => self.abort(failure, &mut actions),
+            (_, Input::Cancel) => self.cancel(actions),
+            (_, Input::Abort(failure)) => self.abort(failure, actions),
             (Phase::NotStarted, Input::Start) => {
                 if !self.events_muted {
                     actions.push(Action::Emit(Event::RunStart {
@@ -429,41 +436,40 @@ impl Machine {
                         session_id: self.session_id.clone(),
                     }));
                 }
-                self.persist_last(&mut actions, self.transcript.len() - self.run_start);
-                self.recall(&mut actions);
+                self.persist_last(actions, self.transcript.len() - self.run_start);
+                self.recall(actions);
             }
-            (Phase::Remembering, Input::MemoryDone(outcome)) => self.on_memory_done(outcome, &mut actions),
-            (Phase::AwaitingModel, Input::ModelReply(reply)) => self.on_reply(reply, &mut actions),
+            (Phase::Remembering, Input::MemoryDone(outcome)) => self.on_memory_done(outcome, actions),
+            (Phase::AwaitingModel, Input::ModelReply(reply)) => self.on_reply(reply, actions),
             (Phase::AwaitingModel, Input::ModelFailed(error)) => {
                 if error.kind == ProviderErrorKind::ContextTooLong
                     && !self.forced_compaction
                     && self.agent.loop_control.compaction.is_some()
                 {
                     self.forced_compaction = true;
-                    if self.start_compaction(true, &mut actions) {
-                        return actions;
+                    if self.start_compaction(true, actions) {
+                        return;
                     }
                 }
                 let failure = RunFailure::new(error.code(), format!("the model call failed: {error}"));
-                self.fail(failure, &mut actions);
+                self.fail(failure, actions);
             }
-            (Phase::Compacting, Input::ModelReply(reply)) => self.on_compacted(reply, &mut actions),
-            (Phase::Compacting, Input::ModelFailed(error)) => self.on_compaction_failed(&error, &mut actions),
+            (Phase::Compacting, Input::ModelReply(reply)) => self.on_compacted(reply, actions),
+            (Phase::Compacting, Input::ModelFailed(error)) => self.on_compaction_failed(&error, actions),
             (Phase::AwaitingTools, Input::ToolDone { call_id, outcome, duration }) => {
-                self.on_tool_done(&call_id, outcome, duration, &mut actions);
+                self.on_tool_done(&call_id, outcome, duration, actions);
             }
             (Phase::AwaitingTools, Input::Decision { call_id, decision }) => {
-                self.on_decision(&call_id, decision, &mut actions);
+                self.on_decision(&call_id, decision, actions);
             }
             (phase, input) => {
                 let failure = RunFailure::new(
                     ErrorCode::Internal,
                     format!("the run loop got {input:?} while in phase {phase:?}; please report this bug"),
                 );
-                self.fail(failure, &mut actions);
+                self.fail(failure, actions);
             }
         }
-        actions
     }
 
     fn persist_last(&self, actions: &mut Vec<Action>, count: usize) {

@@ -203,6 +203,29 @@ fn a_muted_machine_emits_nothing_and_does_the_same_work() {
 }
 
 #[test]
+fn step_into_appends_the_actions_step_returns() {
+    let scenario = || {
+        vec![
+            Input::Start,
+            calls(&[("c1", "add", json!({"a": 2, "b": 3}))]),
+            done("c1", Ok(json!(5))),
+            text("5", 20),
+        ]
+    };
+    let mut returning = machine(agent(|_| {}));
+    let mut appending = machine(agent(|_| {}));
+    // Never emptied: each step's actions must come after the ones already there.
+    let mut kept = Vec::new();
+    for (input, same) in scenario().into_iter().zip(scenario()) {
+        let returned = returning.step(input);
+        let before = kept.len();
+        appending.step_into(same, &mut kept);
+        assert_eq!(format!("{:?}", &kept[before..]), format!("{returned:?}"));
+    }
+    assert!(kept.iter().any(|action| matches!(action, Action::Finish(_))), "{kept:?}");
+}
+
+#[test]
 fn tool_loop_then_final_answer() {
     check(
         machine(agent(|_| {})),
