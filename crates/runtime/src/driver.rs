@@ -11,6 +11,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::{Pin, pin};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
 use foldhash::{HashMap, HashMapExt};
@@ -71,6 +72,44 @@ impl Plan {
 /// A tool call in flight: its step, call id, outcome and, when it succeeded and replaced the
 /// session's state object, the new state.
 type ToolFuture = BoxFuture<'static, ToolFinished>;
+
+/// A run's tool calls in flight. The set is made for the first call that does not finish at
+/// once: most calls do, and their runs never pay for it.
+#[derive(Default)]
+struct Running(Option<FuturesUnordered<ToolFuture>>);
+
+impl Running {
+    fn is_empty(&self) -> bool {
+        self.0.as_ref().is_none_or(FuturesUnordered::is_empty)
+    }
+
+    fn push(&mut self, call: ToolFuture) {
+        self.0.get_or_insert_with(FuturesUnordered::new).push(call);
+    }
+
+    /// Drops every call in flight (which aborts their tasks).
+    fn clear(&mut self) {
+        if let Some(set) = &mut self.0 {
+            set.clear();
+        }
+    }
+
+    /// The next call to finish; `None` when none is in flight.
+    async fn next(&mut self) -> Option<ToolFinished> {
+        match &mut self.0 {
+            Some(set) => set.next().await,
+            None => None,
+        }
+    }
+}
+
+/// A finished call as the run loop takes it: the machine's input, the journal entry committed
+/// with what the machine makes of it, and the session state the call set.
+fn tool_done(done: ToolFinished) -> (Input, Option<Arc<JournalEntry>>, Option<Value>) {
+    let ToolFinished { step, call_id, outcome, state, duration } = done;
+    let entry = Arc::new(JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) });
+    (Input::ToolDone { call_id, outcome, duration: Some(duration) }, Some(entry), state)
+}
 
 /// A tool call that ran.
 struct ToolFinished {
@@ -252,19 +291,23 @@ fn store_failure(error: StoreError) -> RunFailure {
 /// process that took the run over.
 const STORE_OUTAGE_PATIENCE: Duration = Duration::from_secs(60);
 
-/// Commits a step, trying again while the store is unreachable (up to
-/// [`STORE_OUTAGE_PATIENCE`], or until the process stops).
+/// Commits a step, trying again while the store is unreachable (for up to
+/// [`STORE_OUTAGE_PATIENCE`] from the first failure, or until the process stops).
 async fn commit_through_outages(
     shared: &Shared,
     commit: StepCommit<'_>,
 ) -> Result<keel_core::Committed, StoreError> {
-    let deadline = tokio::time::Instant::now() + STORE_OUTAGE_PATIENCE;
+    // Counted from the first failure: a commit that succeeds at once reads no clock.
+    let mut deadline = None;
     let mut wait = Duration::from_millis(100);
     loop {
         match shared.store.commit_step(commit).await {
-            Err(error @ (StoreError::Unavailable(_) | StoreError::Locked(_)))
-                if tokio::time::Instant::now() + wait < deadline && !shared.stopping.is_cancelled() =>
-            {
+            Err(error @ (StoreError::Unavailable(_) | StoreError::Locked(_))) => {
+                let now = tokio::time::Instant::now();
+                let deadline = *deadline.get_or_insert(now + STORE_OUTAGE_PATIENCE);
+                if now + wait >= deadline || shared.stopping.is_cancelled() {
+                    return Err(error);
+                }
                 tracing::warn!(run = %commit.run, %error, retry_in = ?wait, "the store is unreachable: the run waits for it");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(2));
@@ -641,15 +684,24 @@ impl<'a> Driver<'a> {
 impl Driver<'_> {
     async fn drive(&mut self, machine: &mut Machine) -> Result<RunResult, RunFailure> {
         let mut inputs: VecDeque<(Input, Option<Arc<JournalEntry>>)> = VecDeque::from([(Input::Start, None)]);
-        let mut tools: FuturesUnordered<ToolFuture> = FuturesUnordered::new();
+        // Tool calls in flight, and those that finished at once (in the order they started).
+        let mut tools = Running::default();
+        let mut finished: VecDeque<ToolFinished> = VecDeque::new();
         // The calls waiting for a human, with no decision journaled yet.
         let mut waiting: Vec<PendingInput> = Vec::new();
         // The session state a finished tool call set, committed with its result.
         let mut session_state: Option<Value> = None;
+        // What the machine asks for at each step, one vector for the whole run.
+        let mut actions: Vec<Action> = Vec::new();
         loop {
             // An input with a journal entry is a fresh result: the entry is committed with what
             // the machine makes of it, before any new model call or tool call starts.
-            let (input, entry) = match inputs.pop_front() {
+            let next = inputs.pop_front().or_else(|| {
+                let (input, entry, state) = tool_done(finished.pop_front()?);
+                session_state = state;
+                Some((input, entry))
+            });
+            let (input, entry) = match next {
                 Some(next) => next,
                 // Nothing runs and only humans can move the run on: cancel or pause.
                 None if tools.is_empty() && self.cancel.is_cancelled() => (Input::Cancel, None),
@@ -669,17 +721,19 @@ impl Driver<'_> {
                     ));
                 }
                 None => {
+                    // A finished call first: its result is kept even when the run was
+                    // cancelled meanwhile (the cancellation is seen before any new step starts),
+                    // and a call done at once never registers with the cancellation token.
                     let woken = tokio::select! {
                         biased;
+                        Some(done) = tools.next() => {
+                            let (input, entry, state) = tool_done(done);
+                            Wake::Input(input, entry, state)
+                        }
                         () = self.cancel.cancelled() => {
                             // Dropping the futures aborts the tool tasks.
                             tools.clear();
                             Wake::Input(Input::Cancel, None, None)
-                        }
-                        Some(ToolFinished { step, call_id, outcome, state, duration }) = tools.next() => {
-                            let entry = Arc::new(JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) });
-                            let input = Input::ToolDone { call_id, outcome, duration: Some(duration) };
-                            Wake::Input(input, Some(entry), state)
                         }
                         // After the work: a call done at once never starts the heartbeat's timer.
                         () = next_beat(&mut self.beat) => Wake::Heartbeat,
@@ -703,7 +757,8 @@ impl Driver<'_> {
             // A caller that only awaits the outcome closed the event channel: the machine then
             // builds no events (each would clone what it shows, for nobody).
             machine.mute_events(self.events.is_closed());
-            for action in machine.step(input) {
+            machine.step_into(input, &mut actions);
+            for action in actions.drain(..) {
                 match action {
                     Action::Emit(event) => self.emit(event),
                     Action::Persist { first_position, count } => {
@@ -731,7 +786,14 @@ impl Driver<'_> {
                                 None => {
                                     self.stop_if_shutting_down().await?;
                                     self.go_live();
-                                    tools.push(self.spawn_tool(step, call, machine.limits().tool_timeout));
+                                    let mut call = self.spawn_tool(step, call, machine.limits().tool_timeout);
+                                    // A call done at once (a pure function, a cached answer)
+                                    // is taken as it is: no set of calls in flight to join.
+                                    match std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await
+                                    {
+                                        Poll::Ready(done) => finished.push_back(done),
+                                        Poll::Pending => tools.push(call),
+                                    }
                                 }
                             },
                         }
@@ -1137,10 +1199,13 @@ impl Driver<'_> {
     /// its future (the argument, and the local it is moved into), and a model call is large.
     async fn while_leased<T>(&mut self, mut work: Pin<&mut impl Future<Output = T>>) -> Option<T> {
         loop {
+            // The work first: finished work is kept even when the run was cancelled meanwhile
+            // (the cancellation is seen before any new step starts), and work done at once
+            // never registers with the cancellation token.
             let finished = tokio::select! {
                 biased;
-                () = self.cancel.cancelled() => return None,
                 done = work.as_mut() => Some(done),
+                () = self.cancel.cancelled() => return None,
                 () = next_beat(&mut self.beat) => None,
             };
             match finished {
@@ -1225,13 +1290,13 @@ impl Driver<'_> {
             };
             let first = std::future::poll_fn(|cx| {
                 let poll = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.as_mut().poll(cx)));
-                std::task::Poll::Ready(poll)
+                Poll::Ready(poll)
             })
             .await;
             let outcome = match first {
-                Ok(std::task::Poll::Ready(outcome)) => outcome,
+                Ok(Poll::Ready(outcome)) => outcome,
                 Err(panic) => crashed(format!("it panicked: {}", panic_text(&*panic))),
-                Ok(std::task::Poll::Pending) => {
+                Ok(Poll::Pending) => {
                     let mut task = AbortOnDrop(tokio::spawn(work));
                     match tokio::time::timeout_at(started + timeout, &mut task.0).await {
                         Ok(Ok(outcome)) => outcome,
