@@ -8,11 +8,34 @@ use std::sync::Arc;
 
 use crate::error::{ErrorCode, RunFailure};
 
+/// Equality and hashing of an id that shares its text: two clones of one id are equal without
+/// reading the text. (`Arc`'s own `==` skips the read only for sized values, not for `str`; ids
+/// are compared on every store write and map lookup, and most compare a clone with itself.)
+macro_rules! shared_text_identity {
+    ($id:ty) => {
+        impl PartialEq for $id {
+            fn eq(&self, other: &Self) -> bool {
+                Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+            }
+        }
+
+        impl Eq for $id {}
+
+        impl std::hash::Hash for $id {
+            fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+                self.0.hash(state);
+            }
+        }
+    };
+}
+
 /// A session (conversation) id: 1 to 128 characters of `A-Za-z0-9_-`.
 ///
 /// The restriction keeps ids safe in URLs, file names and log lines.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialOrd, Ord)]
 pub struct SessionId(Arc<str>);
+
+shared_text_identity!(SessionId);
 
 impl SessionId {
     /// Validates and wraps a session id.
@@ -88,8 +111,10 @@ impl fmt::Display for SessionId {
 }
 
 /// A run id, `run_` followed by a unique suffix chosen by the runtime.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialOrd, Ord)]
 pub struct RunId(Arc<str>);
+
+shared_text_identity!(RunId);
 
 impl RunId {
     /// The prefix every run id starts with.
@@ -266,6 +291,23 @@ pub fn stable_hash(parts: &[&str]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_are_equal_by_their_text_whether_clones_or_not() {
+        use std::hash::BuildHasher;
+        let hasher = std::hash::RandomState::new();
+        let session = SessionId::new("s1").unwrap();
+        let same_text = SessionId::new(String::from("s1")).unwrap();
+        assert_eq!(session, session.clone());
+        assert_eq!(session, same_text);
+        assert_ne!(session, SessionId::new("s2").unwrap());
+        assert_eq!(hasher.hash_one(&session), hasher.hash_one(&same_text));
+        let run = RunId::from_suffix("x");
+        assert_eq!(run, run.clone());
+        assert_eq!(run, RunId::from_suffix("x"));
+        assert_ne!(run, RunId::from_suffix("y"));
+        assert_eq!(hasher.hash_one(&run), hasher.hash_one(RunId::from_suffix("x")));
+    }
 
     #[test]
     fn scoped_session_ids_keep_owners_apart_and_read_back() {
