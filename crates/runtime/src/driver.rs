@@ -786,13 +786,13 @@ impl Driver<'_> {
                                 None => {
                                     self.stop_if_shutting_down().await?;
                                     self.go_live();
-                                    let mut call = self.spawn_tool(step, call, machine.limits().tool_timeout);
+                                    let mut work = self.spawn_tool(step, call, machine.limits().tool_timeout);
                                     // A call done at once (a pure function, a cached answer)
                                     // is taken as it is: no set of calls in flight to join.
-                                    match std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await
+                                    match std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await
                                     {
                                         Poll::Ready(done) => finished.push_back(done),
-                                        Poll::Pending => tools.push(call),
+                                        Poll::Pending => tools.push(work),
                                     }
                                 }
                             },
