@@ -10,6 +10,7 @@
 //! [`SessionClaim`] drops.
 
 use std::collections::VecDeque;
+use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use foldhash::HashMap;
@@ -72,10 +73,20 @@ impl Sessions {
         mode: Concurrency,
     ) -> Result<Admission, RunFailure> {
         let mut busy = self.lock();
-        let Some(slot) = busy.get_mut(session) else {
-            let slot = SessionSlot { run: run.clone(), cancel: cancel.clone(), waiting: VecDeque::new() };
-            busy.insert(session.clone(), slot);
-            return Ok(Admission::Now(SessionClaim { sessions: Arc::clone(self), session: session.clone() }));
+        // One lookup, whether the session is free (nearly always) or not.
+        let slot = match busy.entry(session.clone()) {
+            Entry::Vacant(free) => {
+                free.insert(SessionSlot {
+                    run: run.clone(),
+                    cancel: cancel.clone(),
+                    waiting: VecDeque::new(),
+                });
+                return Ok(Admission::Now(SessionClaim {
+                    sessions: Arc::clone(self),
+                    session: session.clone(),
+                }));
+            }
+            Entry::Occupied(taken) => taken.into_mut(),
         };
         let busy_error = |why: &str| {
             RunFailure::new(

@@ -683,7 +683,9 @@ impl<'a> Driver<'a> {
 
 impl Driver<'_> {
     async fn drive(&mut self, machine: &mut Machine) -> Result<RunResult, RunFailure> {
-        let mut inputs: VecDeque<(Input, Option<Arc<JournalEntry>>)> = VecDeque::from([(Input::Start, None)]);
+        // Room for a few: made with one, it would grow at the first model call.
+        let mut inputs: VecDeque<(Input, Option<Arc<JournalEntry>>)> = VecDeque::with_capacity(4);
+        inputs.push_back((Input::Start, None));
         // Tool calls in flight, and those that finished at once (in the order they started).
         let mut tools = Running::default();
         let mut finished: VecDeque<ToolFinished> = VecDeque::new();
@@ -773,7 +775,7 @@ impl Driver<'_> {
                     }
                     Action::CallTool { step, call } => {
                         self.commit(machine, &mut pending, None).await?;
-                        match self.journal.remove(&step) {
+                        match self.replayed(&step) {
                             Some(JournalRecord::ToolResult(outcome)) => {
                                 let input =
                                     Input::ToolDone { call_id: call.call_id, outcome, duration: None };
@@ -800,7 +802,7 @@ impl Driver<'_> {
                     }
                     Action::AwaitHuman { step, id, call_id, kind } => {
                         self.commit(machine, &mut pending, None).await?;
-                        match self.journal.remove(&step) {
+                        match self.replayed(&step) {
                             Some(JournalRecord::Decision(decision)) => {
                                 inputs.push_back((Input::Decision { call_id, decision }, None));
                             }
@@ -823,6 +825,12 @@ impl Driver<'_> {
             }
             self.commit(machine, &mut pending, None).await?;
         }
+    }
+
+    /// The journaled outcome of `step`, taken out of what is left to replay. A new run has
+    /// nothing to replay, and then nothing is hashed.
+    fn replayed(&mut self, step: &StepName) -> Option<JournalRecord> {
+        if self.journal.is_empty() { None } else { self.journal.remove(step) }
     }
 
     /// A commit of this run under its lease that writes nothing yet, to fill in.
@@ -1132,7 +1140,7 @@ impl Driver<'_> {
         machine: &Machine,
         step: StepName,
     ) -> Result<(Input, Option<Arc<JournalEntry>>), RunFailure> {
-        match self.journal.remove(&step) {
+        match self.replayed(&step) {
             Some(JournalRecord::ModelFailed(error)) => {
                 tracing::debug!(run = %self.run_id, %step, "a failed call replayed from the journal");
                 return Ok((Input::ModelFailed(error), None));
@@ -1223,7 +1231,7 @@ impl Driver<'_> {
         step: StepName,
         request: MemoryRequest,
     ) -> Result<(Input, Option<Arc<JournalEntry>>), RunFailure> {
-        match self.journal.remove(&step) {
+        match self.replayed(&step) {
             Some(JournalRecord::Memory(outcome)) => return Ok((Input::MemoryDone(outcome), None)),
             Some(_) => return Err(self.corrupt(&step).await),
             None => {
