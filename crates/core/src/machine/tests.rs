@@ -159,19 +159,22 @@ fn render(mut machine: Machine, inputs: Vec<Input>) -> String {
     out
 }
 
+/// The tool loop: the model calls `add(2, 3)`, the tool answers 5, the model says "5".
+fn tool_loop() -> Vec<Input> {
+    vec![
+        Input::Start,
+        calls(&[("c1", "add", json!({"a": 2, "b": 3}))]),
+        done("c1", Ok(json!(5))),
+        text("5", 20),
+    ]
+}
+
 /// A muted machine (nobody listens to the run's events) builds no event, and does everything
 /// else exactly as an unmuted one: the same steps, messages, calls and outcome.
 #[test]
 fn a_muted_machine_emits_nothing_and_does_the_same_work() {
     let scenarios: Vec<fn() -> Vec<Input>> = vec![
-        || {
-            vec![
-                Input::Start,
-                calls(&[("c1", "add", json!({"a": 2, "b": 3}))]),
-                done("c1", Ok(json!(5))),
-                text("5", 20),
-            ]
-        },
+        tool_loop,
         || {
             vec![
                 Input::Start,
@@ -204,19 +207,11 @@ fn a_muted_machine_emits_nothing_and_does_the_same_work() {
 
 #[test]
 fn step_into_appends_the_actions_step_returns() {
-    let scenario = || {
-        vec![
-            Input::Start,
-            calls(&[("c1", "add", json!({"a": 2, "b": 3}))]),
-            done("c1", Ok(json!(5))),
-            text("5", 20),
-        ]
-    };
     let mut returning = machine(agent(|_| {}));
     let mut appending = machine(agent(|_| {}));
     // Never emptied: each step's actions must come after the ones already there.
     let mut kept = Vec::new();
-    for (input, same) in scenario().into_iter().zip(scenario()) {
+    for (input, same) in tool_loop().into_iter().zip(tool_loop()) {
         let returned = returning.step(input);
         let before = kept.len();
         appending.step_into(same, &mut kept);
@@ -229,12 +224,7 @@ fn step_into_appends_the_actions_step_returns() {
 fn tool_loop_then_final_answer() {
     check(
         machine(agent(|_| {})),
-        vec![
-            Input::Start,
-            calls(&[("c1", "add", json!({"a": 2, "b": 3}))]),
-            done("c1", Ok(json!(5))),
-            text("5", 20),
-        ],
+        tool_loop(),
         expect![[r#"
             > start
               emit {"type":"run.start","runId":"run_1","sessionId":"s1"}
