@@ -103,12 +103,35 @@ impl Running {
     }
 }
 
-/// A finished call as the run loop takes it: the machine's input, the journal entry committed
-/// with what the machine makes of it, and the session state the call set.
-fn tool_done(done: ToolFinished) -> (Input, Option<Arc<JournalEntry>>, Option<Value>) {
-    let ToolFinished { step, call_id, outcome, state, duration } = done;
-    let entry = Arc::new(JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) });
-    (Input::ToolDone { call_id, outcome, duration: Some(duration) }, Some(entry), state)
+/// The machine's next input. A fresh result comes with its journal entry, committed with what
+/// the machine makes of it; a tool call's, with the session state the call set.
+struct Next {
+    input: Input,
+    entry: Option<Arc<JournalEntry>>,
+    state: Option<Value>,
+}
+
+impl Next {
+    /// An input with nothing to commit: the run's start, a replayed result, a decision, a stop.
+    fn bare(input: Input) -> Next {
+        Next { input, entry: None, state: None }
+    }
+
+    /// A fresh result, journaled as `entry`.
+    fn fresh((input, entry): (Input, Option<Arc<JournalEntry>>)) -> Next {
+        Next { input, entry, state: None }
+    }
+
+    /// A tool call that ran.
+    fn tool(done: ToolFinished) -> Next {
+        let ToolFinished { step, call_id, outcome, state, duration } = done;
+        let entry = Arc::new(JournalEntry { step, record: JournalRecord::ToolResult(outcome.clone()) });
+        Next {
+            input: Input::ToolDone { call_id, outcome, duration: Some(duration) },
+            entry: Some(entry),
+            state,
+        }
+    }
 }
 
 /// A tool call that ran.
@@ -120,6 +143,75 @@ struct ToolFinished {
     state: Option<Value>,
     /// How long it ran.
     duration: Duration,
+}
+
+/// A tool call started by the run. It is polled first in the run's own task: a call that
+/// finishes at once (a pure function, a cached answer) costs no task, no wake-up of another
+/// thread and no future of its own. One that waits goes on in a task of its own, which the run
+/// awaits with the tool's timeout. A panic in either is the call's failure
+/// (`KEEL_TOOL_PANICKED`), not the run's. A tool that blocks its thread in that first poll holds
+/// the run up meanwhile; async tools (every built-in one) never do, and blocking work belongs in
+/// `spawn_blocking`.
+struct StartedTool {
+    step: StepName,
+    call_id: String,
+    name: String,
+    /// The tool's own future, boxed to be moved into a task if it waits.
+    work: BoxFuture<'static, ToolOutcome>,
+    span: Option<opentelemetry::Context>,
+    /// The call's view of the session state, holding what the call staged.
+    state: SessionState,
+    started: tokio::time::Instant,
+}
+
+impl StartedTool {
+    /// The first poll, in the run's task.
+    fn poll_first(&mut self, cx: &mut std::task::Context<'_>) -> Poll<ToolOutcome> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.work.as_mut().poll(cx))) {
+            Ok(poll) => poll,
+            Err(panic) => Poll::Ready(crashed(&self.name, format!("it panicked: {}", panic_text(&*panic)))),
+        }
+    }
+
+    /// The rest of a call that did not finish at its first poll, in a task of its own.
+    async fn finish_in_task(mut self, timeout: Duration) -> ToolFinished {
+        let work = std::mem::replace(&mut self.work, Box::pin(std::future::pending()));
+        let mut task = AbortOnDrop(tokio::spawn(work));
+        let outcome = match tokio::time::timeout_at(self.started + timeout, &mut task.0).await {
+            Ok(Ok(outcome)) => outcome,
+            // The run aborts a tool's task only by dropping it, so a cancelled task that the run
+            // still awaits means the runtime is shutting down (the process is going away). The
+            // call did not finish: nothing about it may be journaled, and a re-driven run calls it
+            // again. Wait to be dropped.
+            Ok(Err(join_error)) if join_error.is_cancelled() => {
+                return std::future::pending::<ToolFinished>().await;
+            }
+            Ok(Err(join_error)) => crashed(&self.name, panic_message(join_error)),
+            Err(_elapsed) => Err(ToolError::with_code(
+                ErrorCode::ToolTimeout,
+                format!(
+                    "tool `{}` did not finish within {timeout:?} (`limits.tool_timeout`) and was stopped",
+                    self.name
+                ),
+                true,
+            )),
+        };
+        self.finish(outcome)
+    }
+
+    /// The call's end: its span closed, and the state it staged taken when it succeeded (a
+    /// failed call's state replacement is dropped with it).
+    fn finish(self, outcome: ToolOutcome) -> ToolFinished {
+        let StartedTool { step, call_id, span, state, started, .. } = self;
+        spans::end_tool(span, &outcome);
+        let state = if outcome.is_ok() { state.commit_staged() } else { None };
+        ToolFinished { step, call_id, outcome, state, duration: started.elapsed() }
+    }
+}
+
+/// A tool call's crash (a panic, an aborted task) as its outcome.
+fn crashed(name: &str, why: String) -> ToolOutcome {
+    Err(ToolError::with_code(ErrorCode::ToolPanicked, format!("tool `{name}` crashed: {why}"), false))
 }
 
 /// Runs a run to its end and returns its result, like [`run`], but a panic in the run's task
@@ -684,34 +776,28 @@ impl<'a> Driver<'a> {
 impl Driver<'_> {
     async fn drive(&mut self, machine: &mut Machine) -> Result<RunResult, RunFailure> {
         // Room for a few: made with one, it would grow at the first model call.
-        let mut inputs: VecDeque<(Input, Option<Arc<JournalEntry>>)> = VecDeque::with_capacity(4);
-        inputs.push_back((Input::Start, None));
-        // Tool calls in flight, and those that finished at once (in the order they started).
+        // Results of this step's calls (a tool call done at once among them, in the order the
+        // calls started), replayed ones and decisions.
+        let mut inputs: VecDeque<Next> = VecDeque::with_capacity(4);
+        inputs.push_back(Next::bare(Input::Start));
+        // Tool calls in flight.
         let mut tools = Running::default();
-        let mut finished: VecDeque<ToolFinished> = VecDeque::new();
         // The calls waiting for a human, with no decision journaled yet.
         let mut waiting: Vec<PendingInput> = Vec::new();
-        // The session state a finished tool call set, committed with its result.
-        let mut session_state: Option<Value> = None;
         // What the machine asks for at each step, one vector for the whole run.
         let mut actions: Vec<Action> = Vec::new();
         loop {
             // An input with a journal entry is a fresh result: the entry is committed with what
             // the machine makes of it, before any new model call or tool call starts.
-            let next = inputs.pop_front().or_else(|| {
-                let (input, entry, state) = tool_done(finished.pop_front()?);
-                session_state = state;
-                Some((input, entry))
-            });
-            let (input, entry) = match next {
+            let Next { input, entry, state } = match inputs.pop_front() {
                 Some(next) => next,
                 // Nothing runs and only humans can move the run on: cancel or pause.
-                None if tools.is_empty() && self.cancel.is_cancelled() => (Input::Cancel, None),
+                None if tools.is_empty() && self.cancel.is_cancelled() => Next::bare(Input::Cancel),
                 None if tools.is_empty() && !waiting.is_empty() => {
                     match Box::pin(self.pause(&mut waiting)).await? {
                         Pause::Paused(pending) => return Ok(self.paused_result(machine, pending)),
                         Pause::Decided(decisions) => {
-                            inputs.extend(decisions.into_iter().map(|input| (input, None)));
+                            inputs.extend(decisions.into_iter().map(Next::bare));
                             continue;
                         }
                     }
@@ -728,14 +814,11 @@ impl Driver<'_> {
                     // and a call done at once never registers with the cancellation token.
                     let woken = tokio::select! {
                         biased;
-                        Some(done) = tools.next() => {
-                            let (input, entry, state) = tool_done(done);
-                            Wake::Input(input, entry, state)
-                        }
+                        Some(done) = tools.next() => Wake::Input(Next::tool(done)),
                         () = self.cancel.cancelled() => {
                             // Dropping the futures aborts the tool tasks.
                             tools.clear();
-                            Wake::Input(Input::Cancel, None, None)
+                            Wake::Input(Next::bare(Input::Cancel))
                         }
                         // After the work: a call done at once never starts the heartbeat's timer.
                         () = next_beat(&mut self.beat) => Wake::Heartbeat,
@@ -745,14 +828,11 @@ impl Driver<'_> {
                             self.renew_lease().await;
                             continue;
                         }
-                        Wake::Input(input, entry, state) => {
-                            session_state = state;
-                            (input, entry)
-                        }
+                        Wake::Input(next) => next,
                     }
                 }
             };
-            let mut pending = PendingCommit { entry, messages: None, session_state: session_state.take() };
+            let mut pending = PendingCommit { entry, messages: None, session_state: state };
             if let (Some(_), Input::Decision { call_id, .. }) = (&self.replay, &input) {
                 self.decided_in_replay.push(call_id.clone());
             }
@@ -771,7 +851,7 @@ impl Driver<'_> {
                     }
                     Action::CallModel { step } => {
                         self.commit(machine, &mut pending, None).await?;
-                        inputs.push_back(self.model_step(machine, step).await?);
+                        inputs.push_back(Next::fresh(self.model_step(machine, step).await?));
                     }
                     Action::CallTool { step, call } => {
                         self.commit(machine, &mut pending, None).await?;
@@ -779,22 +859,26 @@ impl Driver<'_> {
                             Some(JournalRecord::ToolResult(outcome)) => {
                                 let input =
                                     Input::ToolDone { call_id: call.call_id, outcome, duration: None };
-                                inputs.push_back((input, None));
+                                inputs.push_back(Next::bare(input));
                             }
                             Some(_) => return Err(self.corrupt(&step).await),
                             None if self.epoch.is_none() => return Err(self.finished(&step)),
                             None => match self.stop_before(&step) {
-                                Some(stop) => inputs.push_back((stop, None)),
+                                Some(stop) => inputs.push_back(Next::bare(stop)),
                                 None => {
                                     self.stop_if_shutting_down().await?;
                                     self.go_live();
-                                    let mut work = self.spawn_tool(step, call, machine.limits().tool_timeout);
+                                    let mut tool = self.start_tool(step, call);
                                     // A call done at once (a pure function, a cached answer)
                                     // is taken as it is: no set of calls in flight to join.
-                                    match std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await
-                                    {
-                                        Poll::Ready(done) => finished.push_back(done),
-                                        Poll::Pending => tools.push(work),
+                                    match std::future::poll_fn(|cx| Poll::Ready(tool.poll_first(cx))).await {
+                                        Poll::Ready(outcome) => {
+                                            inputs.push_back(Next::tool(tool.finish(outcome)))
+                                        }
+                                        Poll::Pending => {
+                                            let timeout = machine.limits().tool_timeout;
+                                            tools.push(Box::pin(tool.finish_in_task(timeout)));
+                                        }
                                     }
                                 }
                             },
@@ -804,12 +888,12 @@ impl Driver<'_> {
                         self.commit(machine, &mut pending, None).await?;
                         match self.replayed(&step) {
                             Some(JournalRecord::Decision(decision)) => {
-                                inputs.push_back((Input::Decision { call_id, decision }, None));
+                                inputs.push_back(Next::bare(Input::Decision { call_id, decision }));
                             }
                             Some(_) => return Err(self.corrupt(&step).await),
                             None if self.epoch.is_none() => return Err(self.finished(&step)),
                             None => match self.stop_before(&step) {
-                                Some(stop) => inputs.push_back((stop, None)),
+                                Some(stop) => inputs.push_back(Next::bare(stop)),
                                 // Boxed, like the pause: rare paths that should not grow every
                                 // run's future.
                                 None => waiting.push(Box::pin(self.ask_human(id, call_id, kind)).await?),
@@ -818,7 +902,7 @@ impl Driver<'_> {
                     }
                     Action::Memory { step, request } => {
                         self.commit(machine, &mut pending, None).await?;
-                        inputs.push_back(Box::pin(self.memory_step(step, request)).await?);
+                        inputs.push_back(Next::fresh(Box::pin(self.memory_step(step, request)).await?));
                     }
                     Action::Finish(outcome) => return self.finish(machine, &mut pending, outcome).await,
                 }
@@ -1258,22 +1342,17 @@ impl Driver<'_> {
         Ok((Input::MemoryDone(outcome), Some(entry)))
     }
 
-    /// A tool call, polled first in the run's own task: a call that finishes at once (a pure
-    /// function, a cached answer) costs no task and no wake-up of another thread. One that waits
-    /// goes on in a task of its own, which the run awaits with the tool's timeout. A panic in
-    /// either is the call's failure (`KEEL_TOOL_PANICKED`), not the run's. A tool that blocks its
-    /// thread in that first poll holds the run up meanwhile; async tools (every built-in one)
-    /// never do, and blocking work belongs in `spawn_blocking`.
-    fn spawn_tool(&self, step: StepName, call: ToolCall, timeout: Duration) -> ToolFuture {
+    /// Starts a tool call: [`StartedTool::poll_first`] polls it in the run's own task.
+    fn start_tool(&self, step: StepName, call: ToolCall) -> StartedTool {
         let ToolCall { call_id, name, input } = call;
+        let state = self.state.for_call();
+        let started = tokio::time::Instant::now();
         let Some(tool) = self.agent.tools.get(&name).cloned() else {
             // The machine checked the name; this is a bug, reported to the model as a failure.
             let error = ToolError::with_code(ErrorCode::Internal, format!("tool `{name}` vanished"), false);
-            let finished =
-                ToolFinished { step, call_id, outcome: Err(error), state: None, duration: Duration::ZERO };
-            return Box::pin(std::future::ready(finished));
+            let work = Box::pin(std::future::ready(Err(error)));
+            return StartedTool { step, call_id, name, work, span: None, state, started };
         };
-        let state = self.state.for_call();
         let ctx = ToolContext {
             run_id: self.run_id.clone(),
             session_id: self.session.clone(),
@@ -1283,54 +1362,11 @@ impl Driver<'_> {
         };
         let span = spans::execute_tool(&name, &call_id, &input);
         let work = async move { tool.call(input, &ctx).await };
-        let mut work: BoxFuture<'static, ToolOutcome> = match span.clone() {
+        let work: BoxFuture<'static, ToolOutcome> = match span.clone() {
             Some(context) => Box::pin(opentelemetry::trace::FutureExt::with_context(work, context)),
             None => Box::pin(work),
         };
-        Box::pin(async move {
-            let started = tokio::time::Instant::now();
-            let crashed = |why: String| {
-                Err(ToolError::with_code(
-                    ErrorCode::ToolPanicked,
-                    format!("tool `{name}` crashed: {why}"),
-                    false,
-                ))
-            };
-            let first = std::future::poll_fn(|cx| {
-                let poll = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.as_mut().poll(cx)));
-                Poll::Ready(poll)
-            })
-            .await;
-            let outcome = match first {
-                Ok(Poll::Ready(outcome)) => outcome,
-                Err(panic) => crashed(format!("it panicked: {}", panic_text(&*panic))),
-                Ok(Poll::Pending) => {
-                    let mut task = AbortOnDrop(tokio::spawn(work));
-                    match tokio::time::timeout_at(started + timeout, &mut task.0).await {
-                        Ok(Ok(outcome)) => outcome,
-                        // The run aborts a tool's task only by dropping it, so a cancelled task
-                        // that the run still awaits means the runtime is shutting down (the
-                        // process is going away). The call did not finish: nothing about it may
-                        // be journaled, and a re-driven run calls it again. Wait to be dropped.
-                        Ok(Err(join_error)) if join_error.is_cancelled() => {
-                            return std::future::pending::<ToolFinished>().await;
-                        }
-                        Ok(Err(join_error)) => crashed(panic_message(join_error)),
-                        Err(_elapsed) => Err(ToolError::with_code(
-                            ErrorCode::ToolTimeout,
-                            format!(
-                                "tool `{name}` did not finish within {timeout:?} (`limits.tool_timeout`) and was stopped"
-                            ),
-                            true,
-                        )),
-                    }
-                }
-            };
-            spans::end_tool(span, &outcome);
-            // A failed call's state replacement is dropped with it.
-            let state = if outcome.is_ok() { state.commit_staged() } else { None };
-            ToolFinished { step, call_id, outcome, state, duration: started.elapsed() }
-        })
+        StartedTool { step, call_id, name, work, span, state, started }
     }
 
     async fn finish(
@@ -1376,9 +1412,8 @@ enum Pause {
 enum Wake {
     /// Time to renew the lease.
     Heartbeat,
-    /// The next input, with its journal entry when it is a fresh result, and the session state
-    /// a finished tool call set.
-    Input(Input, Option<Arc<JournalEntry>>, Option<Value>),
+    /// The next input.
+    Input(Next),
 }
 
 /// What a step has produced and not yet committed.
