@@ -56,7 +56,7 @@ pub use provider::{
 pub use store::{
     Claim, Committed, DecidedInput, DelayedRun, DelayedRunRecord, DelayedState, Fence, LeaseStatus, OpenRun,
     RunRecord, RunState, SessionFilter, SessionScope, SessionSnapshot, SessionSummary, StepCommit, Store,
-    StoreError,
+    StoreError, StoreFuture,
 };
 pub use tool::{ApprovalRule, SessionState, Tool, ToolContext, ToolError, ToolOutcome, ToolSet, ToolSpec};
 

@@ -507,6 +507,42 @@ pub struct SessionSnapshot {
     pub open_run: Option<OpenRun>,
 }
 
+/// What the calls every run makes ([`Store::commit_step`], [`Store::load_session`]) return: the
+/// answer itself when the store gave it in the caller's thread (a store in memory does), else a
+/// boxed future for a store that waits on I/O. A run commits at every step, and a boxed future
+/// for an answer already in hand would cost an allocation each time.
+pub enum StoreFuture<'a, T> {
+    /// Answered at once.
+    Ready(std::future::Ready<T>),
+    /// To be awaited.
+    Boxed(BoxFuture<'a, T>),
+}
+
+impl<'a, T> StoreFuture<'a, T> {
+    /// An answer in hand.
+    pub fn ready(value: T) -> StoreFuture<'a, T> {
+        StoreFuture::Ready(std::future::ready(value))
+    }
+}
+
+impl<'a, T> From<BoxFuture<'a, T>> for StoreFuture<'a, T> {
+    fn from(future: BoxFuture<'a, T>) -> StoreFuture<'a, T> {
+        StoreFuture::Boxed(future)
+    }
+}
+
+impl<T> std::future::Future for StoreFuture<'_, T> {
+    type Output = T;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<T> {
+        // Both variants are `Unpin` (a `Ready`, a pinned box), and so is the enum.
+        match self.get_mut() {
+            StoreFuture::Ready(ready) => std::pin::Pin::new(ready).poll(cx),
+            StoreFuture::Boxed(future) => future.as_mut().poll(cx),
+        }
+    }
+}
+
 /// Persistence for sessions, runs and journals.
 ///
 /// Implemented once, in `keel-store`, over storage backends; the runtime, the server and the CLI
@@ -526,7 +562,7 @@ pub trait Store: Send + Sync {
     fn load_session<'a>(
         &'a self,
         session: &'a SessionId,
-    ) -> BoxFuture<'a, Result<SessionSnapshot, StoreError>>;
+    ) -> StoreFuture<'a, Result<SessionSnapshot, StoreError>>;
 
     /// The session's state object (`None` when no tool ever set one).
     fn load_session_state<'a>(
@@ -547,7 +583,7 @@ pub trait Store: Send + Sync {
     /// one written by another run, or a gap, is a [`StoreError::Conflict`]) and the state change.
     /// With a [`Fence`], nothing is written unless the lease still matches, and the lease is
     /// extended. This is the only way runs, messages and journals are written.
-    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<Committed, StoreError>>;
+    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> StoreFuture<'a, Result<Committed, StoreError>>;
 
     /// Claims a run's lease for `owner`, for `ttl` from now, when the run is not finished and its
     /// lease is free, expired, already `owner`'s, or held by `takeover` (an owner the caller

@@ -63,7 +63,8 @@ pub use keel_core::{
     Event, LimitOverrides, Limits, ManualClock, Message, MockEntry, MockFailure, MockScript, MockToolCall,
     ModelReply, ModelRequest, OpenRun, Part, PendingInput, PendingKind, Provider, ProviderError, RetryPolicy,
     Role, RunFailure, RunId, RunState, SessionId, SessionState, SessionSummary, StopReason, Store,
-    StoreError, SystemClock, Tool, ToolChoice, ToolContext, ToolError, ToolOutcome, ToolSpec, Usage,
+    StoreError, StoreFuture, SystemClock, Tool, ToolChoice, ToolContext, ToolError, ToolOutcome, ToolSpec,
+    Usage,
 };
 pub use keel_providers::MockProvider;
 pub use keel_runtime::{RunHandle, RunOptions, RunResult, Triggers, record_decision, who};

@@ -13,7 +13,7 @@ use keel_core::journal::JournalEntry;
 use keel_core::memory::{MemoryItem, MemoryOwner};
 use keel_core::{
     BoxFuture, Clock, DecidedInput, DelayedRunRecord, DelayedState, Message, PendingInput, RunId, RunRecord,
-    RunState, SessionFilter, SessionId, SessionSummary, StepName, StoreError, Usage,
+    RunState, SessionFilter, SessionId, SessionSummary, StepName, StoreError, StoreFuture, Usage,
 };
 
 /// What a backend keeps about a run besides its [`RunRecord`]: where it is, who drives it, and
@@ -222,11 +222,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Reads what a new run of `session` starts from, in one consistent snapshot: every run
     /// reads it once. By default one read of three storage operations; a backend may read it
     /// at once.
-    fn read_session(&self, session: SessionId) -> BoxFuture<'static, Result<SessionRows, StoreError>> {
+    fn read_session(&self, session: SessionId) -> StoreFuture<'static, Result<SessionRows, StoreError>> {
         let work = move |tx: &mut dyn Tx| session_rows(tx, &session);
         match self.read_here(work) {
-            Ok(result) => Box::pin(std::future::ready(result)),
-            Err(work) => self.read(Box::new(work)),
+            Ok(result) => StoreFuture::ready(result),
+            Err(work) => self.read(Box::new(work)).into(),
         }
     }
 

@@ -51,7 +51,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keel_core::{BoxFuture, Clock, RunId, SessionId, StoreError};
+use keel_core::{BoxFuture, Clock, RunId, SessionId, StoreError, StoreFuture};
 use postgres::error::SqlState;
 use postgres::types::ToSql;
 use postgres::{Client, IsolationLevel, NoTls, Row, Statement};
@@ -251,8 +251,8 @@ impl Backend for Postgres {
         self.send(Queued::Commit(Box::new(TypedCommit { subject, work, outcome: None, reply })), answer)
     }
 
-    fn read_session(&self, session: SessionId) -> BoxFuture<'static, Result<SessionRows, StoreError>> {
-        submit_raw(&self.jobs, Box::new(move |connection| tx::read_session(connection, &session)))
+    fn read_session(&self, session: SessionId) -> StoreFuture<'static, Result<SessionRows, StoreError>> {
+        submit_raw(&self.jobs, Box::new(move |connection| tx::read_session(connection, &session))).into()
     }
 
     fn event_log(&self) -> Option<Arc<dyn keel_core::EventLog>> {

@@ -31,10 +31,10 @@ use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, decision_outcome};
 use keel_core::{
     BoxFuture, Claim, Committed, DecidedInput, Decision, DelayedRun, DelayedRunRecord, DelayedState, Fence,
     LeaseStatus, Message, OpenRun, PendingInput, RunId, RunRecord, RunState, SessionFilter, SessionId,
-    SessionSnapshot, SessionSummary, StepCommit, Store, StoreError,
+    SessionSnapshot, SessionSummary, StepCommit, Store, StoreError, StoreFuture,
 };
 
-use crate::backend::{Backend, CommitSubject, Ruled, RunControl, Tx};
+use crate::backend::{Backend, CommitSubject, Ruled, RunControl, SessionRows, Tx};
 
 /// A [`StepCommit`] with its data owned, so that it can travel to a backend's writer.
 struct OwnedCommit {
@@ -582,16 +582,16 @@ impl<B: Backend> Store for Ruled<B> {
     fn load_session<'a>(
         &'a self,
         session: &'a SessionId,
-    ) -> BoxFuture<'a, Result<SessionSnapshot, StoreError>> {
-        let rows = self.backend.read_session(session.clone());
-        Box::pin(async move {
-            let rows = rows.await?;
-            Ok(SessionSnapshot {
-                messages: rows.messages,
-                state: rows.state,
-                open_run: rows.open_run.map(|(run, control)| open_run(run, control)),
-            })
-        })
+    ) -> StoreFuture<'a, Result<SessionSnapshot, StoreError>> {
+        let snapshot = |rows: SessionRows| SessionSnapshot {
+            messages: rows.messages,
+            state: rows.state,
+            open_run: rows.open_run.map(|(run, control)| open_run(run, control)),
+        };
+        match self.backend.read_session(session.clone()) {
+            StoreFuture::Ready(rows) => StoreFuture::ready(rows.into_inner().map(snapshot)),
+            StoreFuture::Boxed(rows) => StoreFuture::Boxed(Box::pin(async move { rows.await.map(snapshot) })),
+        }
     }
 
     fn load_session_state<'a>(
@@ -615,12 +615,12 @@ impl<B: Backend> Store for Ruled<B> {
         self.read(move |tx| tx.journal(&run))
     }
 
-    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> BoxFuture<'a, Result<Committed, StoreError>> {
+    fn commit_step<'a>(&'a self, commit: StepCommit<'a>) -> StoreFuture<'a, Result<Committed, StoreError>> {
         // A backend in memory runs the rules on the caller's data; one with a writer thread
         // gets a copy.
         let here = |tx: &mut dyn Tx| commit_step(tx, &commit, self.clock.now_ms());
         match self.backend.write_here(here) {
-            Ok(result) => Box::pin(std::future::ready(result)),
+            Ok(result) => StoreFuture::ready(result),
             Err(_) => {
                 let owned = OwnedCommit::new(&commit);
                 let subject = CommitSubject {
@@ -628,7 +628,7 @@ impl<B: Backend> Store for Ruled<B> {
                     run: owned.run.clone(),
                     step: owned.entry.as_ref().map(|entry| entry.step.clone()),
                 };
-                self.write_commit(subject, move |tx, now| commit_step(tx, &owned.view(), now))
+                self.write_commit(subject, move |tx, now| commit_step(tx, &owned.view(), now)).into()
             }
         }
     }
