@@ -944,6 +944,31 @@ fn version_completions_and_the_manual_come_from_the_cli_itself() {
     assert_eq!(bad.status.code(), Some(2));
 }
 
+/// Where the machine that built it supports packed relative relocations (glibc's DT_RELR), the
+/// binary uses them: the table the loader reads at every start is then kilobytes, not the two
+/// megabytes of one entry per pointer. The build script says whether it asked for them.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn the_binary_packs_its_relative_relocations_where_the_machine_supports_it() {
+    let output =
+        std::process::Command::new("readelf").arg("--dynamic").arg(crate::support::keel_binary()).output();
+    let output = output.expect("readelf (binutils, which links the binary) runs");
+    let dynamic = String::from_utf8(output.stdout).unwrap();
+    // `0x...8 (RELASZ)  5088 (bytes)`: the size of the unpacked table.
+    let rela_bytes = |dynamic: &str| -> u64 {
+        let line = dynamic.lines().find(|line| line.contains("(RELASZ)")).unwrap_or_default();
+        line.split_whitespace().rev().nth(1).and_then(|n| n.parse().ok()).unwrap_or(0)
+    };
+    match env!("KEEL_RELOCS_PACKED") {
+        "yes" => {
+            assert!(dynamic.contains("(RELR)"), "{dynamic}");
+            assert!(rela_bytes(&dynamic) < 64 * 1024, "{dynamic}");
+        }
+        _ => assert!(!dynamic.contains("(RELR)"), "{dynamic}"),
+    }
+    assert!(keel().arg("--version").output().unwrap().status.success());
+}
+
 #[test]
 fn a_retried_turn_is_announced_on_the_terminal_and_in_json() {
     let dir = agent_dir(&[(
