@@ -775,9 +775,9 @@ impl<'a> Driver<'a> {
 
 impl Driver<'_> {
     async fn drive(&mut self, machine: &mut Machine) -> Result<RunResult, RunFailure> {
-        // Room for a few: made with one, it would grow at the first model call.
-        // Results of this step's calls (a tool call done at once among them, in the order the
-        // calls started), replayed ones and decisions.
+        // The machine's next inputs, in order: the results in hand (a model reply, a replayed
+        // result, tool calls done at once in the order they started), decisions, stops. Room
+        // for a few: made with one, it would grow at the first model call.
         let mut inputs: VecDeque<Next> = VecDeque::with_capacity(4);
         inputs.push_back(Next::bare(Input::Start));
         // Tool calls in flight.
