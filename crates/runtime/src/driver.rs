@@ -173,10 +173,16 @@ impl StartedTool {
         }
     }
 
-    /// The rest of a call that did not finish at its first poll, in a task of its own.
-    async fn finish_in_task(mut self, timeout: Duration) -> ToolFinished {
+    /// The rest of a call that did not finish at its first poll: its task is spawned now, so
+    /// that it runs while the run carries on with the step; the future awaits it.
+    fn finish_in_task(mut self, timeout: Duration) -> impl Future<Output = ToolFinished> + Send + 'static {
         let work = std::mem::replace(&mut self.work, Box::pin(std::future::pending()));
-        let mut task = AbortOnDrop(tokio::spawn(work));
+        let task = AbortOnDrop(tokio::spawn(work));
+        self.await_task(task, timeout)
+    }
+
+    /// Waits for the call's task, at most until its timeout from the call's start.
+    async fn await_task(self, mut task: AbortOnDrop<ToolOutcome>, timeout: Duration) -> ToolFinished {
         let outcome = match tokio::time::timeout_at(self.started + timeout, &mut task.0).await {
             Ok(Ok(outcome)) => outcome,
             // The run aborts a tool's task only by dropping it, so a cancelled task that the run
