@@ -364,7 +364,7 @@ impl Backend {
 }
 
 /// `--count BACKEND N`: 200 runs to warm up, then `N` runs one at a time on a current-thread
-/// runtime, and nothing else: what [`instructions_per_run`] runs under callgrind, twice.
+/// runtime, and nothing else: what [`print_instructions`] runs under callgrind, twice.
 fn count_runs(backend: Backend, runs: usize) {
     let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let dir = tempfile::tempdir().expect("a temporary directory");
@@ -412,42 +412,7 @@ fn session_name(name: &mut String, prefix: char, n: usize) -> &str {
     name
 }
 
-/// Instructions per run under callgrind: the difference between a process doing `small` runs
-/// and one doing `large` (everything else, start-up and warm-up included, is the same in both
-/// and cancels out), divided by `large - small`. Counts every thread of the process (SQLite's
-/// writer too), not the PostgreSQL server's. `None` without valgrind.
-fn instructions_per_run(backend: Backend, small: usize, large: usize) -> Option<f64> {
-    let exe = std::env::current_exe().ok()?;
-    let dir = tempfile::tempdir().ok()?;
-    let mut totals = Vec::new();
-    for runs in [small, large] {
-        let out = dir.path().join(format!("callgrind.{runs}"));
-        let status = std::process::Command::new("valgrind")
-            .arg("--tool=callgrind")
-            .arg(format!("--callgrind-out-file={}", out.display()))
-            .arg(&exe)
-            .args(["--count", backend.name(), &runs.to_string()])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .ok()?;
-        if !status.success() {
-            return None;
-        }
-        let text = std::fs::read_to_string(&out).ok()?;
-        // "totals:" (or "summary:" in older valgrinds) is the whole process's count.
-        let total = text
-            .lines()
-            .find_map(|l| l.strip_prefix("totals:").or_else(|| l.strip_prefix("summary:")))?
-            .trim()
-            .parse::<f64>()
-            .ok()?;
-        totals.push(total);
-    }
-    Some((totals[1] - totals[0]) / (large - small) as f64)
-}
-
-/// `instructions_per_run` for each backend, printed.
+/// Instructions per run for each backend (`--count BACKEND N` under callgrind, twice), printed.
 fn print_instructions(backends: &[Backend], quick: bool) {
     for &backend in backends {
         let (small, large) = match (backend, quick) {
@@ -455,7 +420,8 @@ fn print_instructions(backends: &[Backend], quick: bool) {
             (_, false) => (1_000, 3_000),
             (_, true) => (200, 600),
         };
-        match instructions_per_run(backend, small, large) {
+        match keel_testkit::callgrind::instructions_per_iteration(&["--count", backend.name()], small, large)
+        {
             Some(count) => println!(
                 "instructions per run, {} store (callgrind, {large} runs less {small}, one at a time, current-thread runtime): {count:.0}",
                 backend.name()

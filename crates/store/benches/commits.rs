@@ -4,8 +4,13 @@
 //! --bench tool_loop`): the session is read, then four steps are committed (the new run with its
 //! input, the model's tool call, the tool's result, the answer ending the run), each under the
 //! run's lease, each awaited before the next as the runtime does. A tenth of the runs go one at a
-//! time, then all of them 1000 at a time on a multi-thread runtime. What is left of the tool-loop figure beside this one
-//! is the runtime's own cost.
+//! time, then all of them 1000 at a time on a multi-thread runtime. What is left of the tool-loop
+//! figure beside this one is the runtime's own cost.
+//!
+//! `-- --instructions` counts instructions per run with callgrind instead (valgrind installed),
+//! for the SQLite store and for the SQLite floor: the same rows written by SQLite alone (see
+//! [`floor_runs`]). The difference between the two is the store's own work (its reads, checks,
+//! statement cache and writer hand-off); the floor is what no change to that work goes under.
 //!
 //! Run with `cargo bench -p keel-store --bench commits` (`-- --quick` for fewer runs,
 //! `-- --postgres` for PostgreSQL alone). PostgreSQL is the local server of the tests
@@ -18,82 +23,208 @@ use std::time::{Duration, Instant};
 
 use keel_core::journal::{JournalEntry, JournalRecord};
 use keel_core::message::{ToolCall, ToolResult};
+use keel_core::persist::{encode_message, encode_record};
 use keel_core::{
     Fence, LimitOverrides, Message, ModelReply, Part, Role, RunId, RunRecord, RunState, SessionId,
     StepCommit, StepName, Store, Usage,
 };
+use rusqlite::params;
 use serde_json::json;
 
 const OWNER: &str = "keel/bench/machine/1/1/bench";
 const LEASE: Duration = Duration::from_secs(60);
 
+/// What one tool-loop run commits: its record and, per step, the journal entry and messages.
+struct Steps {
+    session: SessionId,
+    run: RunId,
+    record: RunRecord,
+    input: [Arc<Message>; 1],
+    turn: Arc<JournalEntry>,
+    asked: [Arc<Message>; 1],
+    tool: Arc<JournalEntry>,
+    answered: [Arc<Message>; 1],
+    last: Arc<JournalEntry>,
+    answer: [Arc<Message>; 1],
+}
+
+impl Steps {
+    fn new(session: &str) -> Steps {
+        let session = SessionId::new(session).expect("a session id");
+        let run = RunId::from_suffix(&format!("{}-{}", session.as_str(), fastrand::u32(..)));
+        let record = RunRecord {
+            run_id: run.clone(),
+            session_id: session.clone(),
+            input: Arc::new(Message::user("What is 2 + 3?")),
+            history_len: 0,
+            call_base: 0,
+            state: RunState::Running,
+            limits: LimitOverrides::default(),
+        };
+        let input = [Arc::clone(&record.input)];
+        let call =
+            ToolCall { call_id: "call_0_0".into(), name: "add".into(), input: json!({"a": 2, "b": 3}) };
+        let reply = ModelReply { parts: vec![Part::ToolCall(call)], usage: USAGE };
+        let asked = [Arc::new(Message { role: Role::Assistant, parts: reply.parts.clone() })];
+        let turn =
+            Arc::new(JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply) });
+        let result =
+            ToolResult { call_id: "call_0_0".into(), name: "add".into(), output: json!(5), is_error: false };
+        let answered = [Arc::new(Message { role: Role::Tool, parts: vec![Part::ToolResult(result)] })];
+        let tool = Arc::new(JournalEntry {
+            step: StepName::Tool { name: "add".into(), call_id: "call_0_0".into() },
+            record: JournalRecord::ToolResult(Ok(json!(5))),
+        });
+        let reply = ModelReply { parts: vec![Part::Text("5".into())], usage: USAGE };
+        let answer = [Arc::new(Message::assistant("5"))];
+        let last =
+            Arc::new(JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ModelReply(reply) });
+        Steps { session, run, record, input, turn, asked, tool, answered, last, answer }
+    }
+}
+
+const USAGE: Usage = Usage { input_tokens: 12, output_tokens: 5 };
+
 /// One run's store traffic, as the tool-loop run makes it.
 async fn one_run(store: &dyn Store, session: &str) {
-    let session = SessionId::new(session).expect("a session id");
-    let snapshot = store.load_session(&session).await.expect("the session reads");
+    let steps = Steps::new(session);
+    let (session, run) = (&steps.session, &steps.run);
+    let snapshot = store.load_session(session).await.expect("the session reads");
     assert!(snapshot.open_run.is_none());
-    let run = RunId::from_suffix(&format!("{}-{}", session.as_str(), fastrand::u32(..)));
     let fence = Some(Fence { owner: OWNER, epoch: 1, ttl: LEASE });
-    let record = RunRecord {
-        run_id: run.clone(),
-        session_id: session.clone(),
-        input: Arc::new(Message::user("What is 2 + 3?")),
-        history_len: 0,
-        call_base: 0,
-        state: RunState::Running,
-        limits: LimitOverrides::default(),
-    };
-    let input = [Arc::clone(&record.input)];
-    let commit = StepCommit::new(&session, &run);
+    let commit = StepCommit::new(session, run);
     store
-        .commit_step(StepCommit { new_run: Some(&record), messages: &input, fence, ..commit })
+        .commit_step(StepCommit { new_run: Some(&steps.record), messages: &steps.input, fence, ..commit })
         .await
         .expect("the run starts");
-
-    let call = ToolCall { call_id: "call_0_0".into(), name: "add".into(), input: json!({"a": 2, "b": 3}) };
-    let usage = Usage { input_tokens: 12, output_tokens: 5 };
-    let reply = ModelReply { parts: vec![Part::ToolCall(call)], usage };
-    let asked = [Arc::new(Message { role: Role::Assistant, parts: reply.parts.clone() })];
-    let turn =
-        Arc::new(JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply) });
-    store
-        .commit_step(StepCommit { entry: Some(&turn), first_position: 1, messages: &asked, fence, ..commit })
-        .await
-        .expect("the model's call commits");
-
-    let result =
-        ToolResult { call_id: "call_0_0".into(), name: "add".into(), output: json!(5), is_error: false };
-    let answered = [Arc::new(Message { role: Role::Tool, parts: vec![Part::ToolResult(result)] })];
-    let tool = Arc::new(JournalEntry {
-        step: StepName::Tool { name: "add".into(), call_id: "call_0_0".into() },
-        record: JournalRecord::ToolResult(Ok(json!(5))),
-    });
     store
         .commit_step(StepCommit {
-            entry: Some(&tool),
+            entry: Some(&steps.turn),
+            first_position: 1,
+            messages: &steps.asked,
+            fence,
+            ..commit
+        })
+        .await
+        .expect("the model's call commits");
+    store
+        .commit_step(StepCommit {
+            entry: Some(&steps.tool),
             first_position: 2,
-            messages: &answered,
+            messages: &steps.answered,
             fence,
             ..commit
         })
         .await
         .expect("the tool's result commits");
-
-    let reply = ModelReply { parts: vec![Part::Text("5".into())], usage };
-    let answer = [Arc::new(Message::assistant("5"))];
-    let last =
-        Arc::new(JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ModelReply(reply) });
     store
         .commit_step(StepCommit {
-            entry: Some(&last),
+            entry: Some(&steps.last),
             first_position: 3,
-            messages: &answer,
+            messages: &steps.answer,
             state: Some(RunState::Done),
             fence,
             ..commit
         })
         .await
         .expect("the answer commits");
+}
+
+/// The SQLite floor: the rows the SQLite store writes for `runs` runs (its tables, its
+/// statements' SQL, the bodies it encodes), written in the same four transactions per run with
+/// nothing else: the statements prepared once and held, no reads, no checks, no lease, on this
+/// thread. What SQLite itself costs for those rows, so the floor under the store's figure for
+/// as long as a run writes them.
+fn floor_runs(path: &std::path::Path, runs: usize) {
+    // The store creates the file, its schema and WAL mode; dropping it ends its threads.
+    drop(keel_store::SqliteStore::open(path).expect("the database opens"));
+    let c = rusqlite::Connection::open(path).expect("the database opens");
+    c.execute_batch("PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA temp_store = MEMORY;")
+        .expect("the store's pragmas");
+    let prepare = |sql: &str| c.prepare(sql).expect("a statement of the store");
+    let (mut begin, mut commit) = (prepare("BEGIN IMMEDIATE"), prepare("COMMIT"));
+    let mut insert_run = prepare(
+        "INSERT INTO runs (id, session_id, input, history_len, call_base, state, created_at, updated_at,
+           lease_owner, lease_expires_at, lease_epoch, attempts, cancel_requested_by, limits)
+         VALUES (?1, ?2, ?3, 0, 0, 'running', ?4, ?4, ?5, ?6, 1, 0, NULL, NULL)",
+    );
+    let mut journal = prepare(
+        "INSERT INTO journal (run_id, step, seq, body)
+         VALUES (?1, ?2, (SELECT COUNT(*) FROM journal WHERE run_id = ?1), ?3)
+         ON CONFLICT (run_id, step) DO NOTHING",
+    );
+    let mut message =
+        prepare("INSERT INTO messages (session_id, position, run_id, body) VALUES (?1, ?2, ?3, ?4)");
+    let mut count = prepare(
+        "INSERT INTO sessions (id, message_count, created_at, updated_at) VALUES (?1, ?2, ?3, ?3)
+         ON CONFLICT (id) DO UPDATE SET message_count = excluded.message_count, updated_at = excluded.updated_at",
+    );
+    let mut usage = prepare(
+        "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
+         VALUES (?1, 0, ?2, ?2, ?3, ?4)
+         ON CONFLICT (id) DO UPDATE SET input_tokens = input_tokens + excluded.input_tokens,
+           output_tokens = output_tokens + excluded.output_tokens",
+    );
+    let mut end_run = prepare(
+        "UPDATE runs SET state = 'done', lease_owner = ?2, lease_expires_at = 0, lease_epoch = 1,
+           attempts = 0, cancel_requested_by = NULL, updated_at = ?3 WHERE id = ?1",
+    );
+    let now = 1_800_000_000_000_i64;
+    for i in 0..runs {
+        let steps = Steps::new(&format!("f{i}"));
+        let (session, run) = (steps.session.as_str(), steps.run.as_str());
+        let tokens = (USAGE.input_tokens as i64, USAGE.output_tokens as i64);
+        let mut step = |entry: Option<&JournalEntry>, position: i64, said: &Message, last: bool| {
+            begin.execute([]).expect("BEGIN");
+            match entry {
+                None => {
+                    let input = encode_message(said);
+                    insert_run
+                        .execute(params![run, session, input, now, OWNER, now + 60_000])
+                        .expect("a run");
+                }
+                Some(entry) => {
+                    let body = encode_record(&entry.record);
+                    journal.execute(params![run, entry.step.to_string(), body]).expect("a journal entry");
+                    if matches!(entry.record, JournalRecord::ModelReply(_)) {
+                        usage.execute(params![session, now, tokens.0, tokens.1]).expect("tokens");
+                    }
+                }
+            }
+            message.execute(params![session, position, run, encode_message(said)]).expect("a message");
+            count.execute(params![session, position + 1, now]).expect("the message count");
+            if last {
+                end_run.execute(params![run, OWNER, now]).expect("the run ends");
+            }
+            commit.execute([]).expect("COMMIT");
+        };
+        step(None, 0, &steps.input[0], false);
+        step(Some(&steps.turn), 1, &steps.asked[0], false);
+        step(Some(&steps.tool), 2, &steps.answered[0], false);
+        step(Some(&steps.last), 3, &steps.answer[0], true);
+    }
+}
+
+/// `--count sqlite|floor N`: 200 runs to warm up, then `N` runs one at a time, the SQLite
+/// store's (on a current-thread runtime) or the floor's ([`floor_runs`]); what `--instructions`
+/// runs under callgrind, twice.
+fn count_runs(what: &str, runs: usize) {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = dir.path().join("count.db");
+    match what {
+        "floor" => floor_runs(&path, 200 + runs),
+        "sqlite" => {
+            let runtime =
+                tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+            let store = keel_store::SqliteStore::open(&path).expect("the database opens");
+            runtime.block_on(async {
+                for i in 0..200 + runs {
+                    one_run(&store, &format!("c{i}")).await;
+                }
+            });
+        }
+        other => panic!("--count sqlite|floor N, not {other:?}"),
+    }
 }
 
 /// Runs per second: `runs / 10` one at a time, then `runs` 1000 at a time, spread over
@@ -132,6 +263,31 @@ fn measure(
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    if let Some(at) = args.iter().position(|a| a == "--count") {
+        let what = args.get(at + 1).expect("--count sqlite|floor N");
+        let runs = args.get(at + 2).and_then(|n| n.parse().ok()).expect("--count sqlite|floor N");
+        count_runs(what, runs);
+        return;
+    }
+    if args.iter().any(|a| a == "--instructions") {
+        let (small, large) = if quick { (200, 600) } else { (1_000, 3_000) };
+        for (what, said) in
+            [("sqlite", "the SQLite store"), ("floor", "the SQLite floor (the same rows, SQLite alone)")]
+        {
+            match keel_testkit::callgrind::instructions_per_iteration(&["--count", what], small, large) {
+                Some(count) => println!(
+                    "instructions per run, {said} (callgrind, {large} runs less {small}): {count:.0}"
+                ),
+                None => {
+                    println!(
+                        "instructions per run: valgrind is not installed (or failed); `apt install valgrind`"
+                    );
+                    return;
+                }
+            }
+        }
+        return;
+    }
     let postgres_only = args.iter().any(|a| a == "--postgres");
     let runs = if quick { 5000 } else { 20_000 };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a runtime");

@@ -1,5 +1,6 @@
-//! keel-testkit: a scripted HTTP/1.1 server that plays model providers' wire formats, and
-//! scratch PostgreSQL databases ([`postgres`]), for keel's tests (not published).
+//! keel-testkit: a scripted HTTP/1.1 server that plays model providers' wire formats and scratch
+//! PostgreSQL databases ([`postgres`]) for keel's tests, and callgrind's instruction counts for
+//! its benchmarks ([`callgrind`]); not published.
 //!
 //! A [`WireServer`] answers each request with the next [`Reply`] of its script, byte for byte:
 //! status, headers, and a body sent in the pieces the test chooses (each piece is one HTTP
@@ -9,6 +10,7 @@
 //! keel sent. Transcripts recorded from real servers and written from the providers' API
 //! references live in `transcripts/` ([`transcript`]).
 
+pub mod callgrind;
 pub mod postgres;
 
 use std::sync::{Arc, Mutex};
