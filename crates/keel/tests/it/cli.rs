@@ -969,6 +969,29 @@ fn the_binary_packs_its_relative_relocations_where_the_machine_supports_it() {
     assert!(keel().arg("--version").output().unwrap().status.success());
 }
 
+/// Where the linker takes `crates/keel/startup.ld`, the functions keel runs while it starts are
+/// laid out in a section of their own before the rest of its code (an idle `keel serve` then
+/// keeps a fraction of its code resident). The build script says whether it asked for it; the
+/// patterns come from the `dist` build, of which this (debug) build has fewer functions, but
+/// still far more than a section of a few pages.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_binary_lays_out_its_start_up_code_together_where_the_linker_can() {
+    let output = std::process::Command::new("readelf").arg("-SW").arg(crate::support::keel_binary()).output();
+    let output = output.expect("readelf (binutils, which links the binary) runs");
+    let sections = String::from_utf8(output.stdout).unwrap();
+    // `[16] .text.keel_startup PROGBITS 00000000005f7d90 5f6d90 41ea06 00 AX 0 0 16`
+    let startup_bytes = sections.lines().find(|line| line.contains(" .text.keel_startup ")).map(|line| {
+        let size = line.split_whitespace().skip_while(|field| *field != "PROGBITS").nth(3);
+        u64::from_str_radix(size.unwrap_or("0"), 16).unwrap_or(0)
+    });
+    match env!("KEEL_STARTUP_LAYOUT") {
+        "yes" => assert!(startup_bytes.is_some_and(|bytes| bytes > 256 * 1024), "{sections}"),
+        _ => assert_eq!(startup_bytes, None, "{sections}"),
+    }
+    assert!(keel().arg("--version").output().unwrap().status.success());
+}
+
 #[test]
 fn a_retried_turn_is_announced_on_the_terminal_and_in_json() {
     let dir = agent_dir(&[(

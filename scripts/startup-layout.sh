@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Regenerates crates/keel/startup.ld, the layout of the code keel runs while it starts.
+#
+# Builds the `dist` binary with its symbols, records which of its functions run under callgrind
+# (`keel --version`, `keel run` of the example agent, `keel serve` of it up to a health check and
+# a chat), and writes them as the linker script's patterns (scripts/startup-layout.py). Run it
+# when start-up changes a lot (a new subsystem, a new dependency in the path of every start);
+# a stale script only lays out less of the code together. Needs valgrind and python3; takes
+# about half an hour on 2 cores from a cold build.
+#
+#   scripts/startup-layout.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v valgrind >/dev/null || { echo "valgrind is not installed: apt install valgrind" >&2; exit 1; }
+CARGO_PROFILE_DIST_STRIP=false cargo build --profile dist -p keel
+binary="$PWD/target/dist/keel"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+record() { valgrind --tool=callgrind --demangle=no --callgrind-out-file="$work/$1.cg" "${@:2}"; }
+
+record version "$binary" --version >/dev/null 2>&1
+record run "$binary" run examples/assistant hello >/dev/null 2>&1
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+record serve "$binary" serve examples/assistant --store memory --port "$port" >/dev/null 2>&1 &
+server=$!
+for _ in $(seq 1 600); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  sleep 0.1
+done
+curl -sf "http://127.0.0.1:$port/chat" -H 'content-type: application/json' \
+  -d '{"sessionId": "layout", "input": "hello"}' >/dev/null
+# Told to stop, keel serve shuts down and callgrind writes its profile. (SIGTERM: a background
+# job of a script ignores SIGINT.)
+kill -TERM "$server"
+wait "$server" || true
+
+python3 scripts/startup-layout.py "$binary" "$work/version.cg" "$work/run.cg" "$work/serve.cg" \
+  > crates/keel/startup.ld
+echo "crates/keel/startup.ld written; rebuild keel to use it" >&2
