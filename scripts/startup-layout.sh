@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Regenerates crates/keel/startup.ld, the layout of the code keel runs while it starts.
 #
-# Builds the `dist` binary with its symbols, records which of its functions run under callgrind
-# (`keel --version`, `keel run` of the example agent, `keel serve` of it up to a health check and
-# a chat), and writes them as the linker script's patterns (scripts/startup-layout.py). Run it
+# Builds the `dist` binary with its symbols and without the layout, records which of its functions run under callgrind
+# (`keel --version`, `keel run` of the example agent, `keel serve` of it up to a health check,
+# then up to a chat), and writes them as the linker script's patterns (scripts/startup-layout.py). Run it
 # when start-up changes a lot (a new subsystem, a new dependency in the path of every start);
 # a stale script only lays out less of the code together. Needs valgrind and python3; takes
 # about half an hour on 2 cores from a cold build.
@@ -12,7 +12,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "valgrind is not installed: apt install valgrind" >&2; exit 1; }
-CARGO_PROFILE_DIST_STRIP=false cargo build --profile dist -p keel
+# With its symbols, and laid out as the compiler emits it: valgrind names no function in a code
+# section other than `.text`. (Building keel again afterwards lays it out.)
+KEEL_STARTUP_LAYOUT=off CARGO_PROFILE_DIST_STRIP=false cargo build --profile dist -p keel
 binary="$PWD/target/dist/keel"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -20,20 +22,30 @@ record() { valgrind --tool=callgrind --demangle=no --callgrind-out-file="$work/$
 
 record version "$binary" --version >/dev/null 2>&1
 record run "$binary" run examples/assistant hello >/dev/null 2>&1
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-record serve "$binary" serve examples/assistant --store memory --port "$port" >/dev/null 2>&1 &
-server=$!
-for _ in $(seq 1 600); do
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-  sleep 0.1
-done
-curl -sf "http://127.0.0.1:$port/chat" -H 'content-type: application/json' \
-  -d '{"sessionId": "layout", "input": "hello"}' >/dev/null
-# Told to stop, keel serve shuts down and callgrind writes its profile. (SIGTERM: a background
-# job of a script ignores SIGINT.)
-kill -TERM "$server"
-wait "$server" || true
+# keel serve up to its first health check (what an idle server has run), then again up to a
+# chat: the functions of each are laid out in that order, so that the chat's come after what an
+# idle server touches.
+serve() {
+  local port
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  record "$1" "$binary" serve examples/assistant --store memory --port "$port" >/dev/null 2>&1 &
+  local server=$!
+  for _ in $(seq 1 600); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+    sleep 0.1
+  done
+  if [ "$1" = chat ]; then
+    curl -sf "http://127.0.0.1:$port/chat" -H 'content-type: application/json' \
+      -d '{"sessionId": "layout", "input": "hello"}' >/dev/null
+  fi
+  # Told to stop, keel serve shuts down and callgrind writes its profile. (SIGTERM: a
+  # background job of a script ignores SIGINT.)
+  kill -TERM "$server"
+  wait "$server" || true
+}
+serve serve
+serve chat
 
-python3 scripts/startup-layout.py "$binary" "$work/version.cg" "$work/run.cg" "$work/serve.cg" \
+python3 scripts/startup-layout.py "$binary" "$work/version.cg" "$work/run.cg" "$work/serve.cg" "$work/chat.cg" \
   > crates/keel/startup.ld
 echo "crates/keel/startup.ld written; rebuild keel to use it" >&2

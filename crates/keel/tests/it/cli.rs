@@ -985,7 +985,7 @@ fn the_binary_lays_out_its_start_up_code_together_where_the_linker_can() {
         let size = line.split_whitespace().skip_while(|field| *field != "PROGBITS").nth(3);
         u64::from_str_radix(size.unwrap_or("0"), 16).unwrap_or(0)
     });
-    match env!("KEEL_STARTUP_LAYOUT") {
+    match env!("KEEL_STARTUP_LAID_OUT") {
         "yes" => assert!(startup_bytes.is_some_and(|bytes| bytes > 256 * 1024), "{sections}"),
         _ => assert_eq!(startup_bytes, None, "{sections}"),
     }
