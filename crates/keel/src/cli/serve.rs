@@ -196,25 +196,35 @@ fn raise_open_file_limit() {
     }
 }
 
-/// SIGINT (Ctrl-C) or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(term) => term,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
+/// SIGINT (Ctrl-C) or SIGTERM. The handlers are installed by this call, before the server
+/// accepts a connection. Installed at the future's first poll instead (in the accept loop,
+/// whose `select!` may take a ready connection first), a SIGTERM sent once a first request was
+/// being served could, on a busy machine, come before them and kill the process mid-step (seen
+/// once in CI: the server of a test died of the signal).
+#[cfg(unix)]
+fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
+    use tokio::signal::unix::{SignalKind, signal};
+    let interrupt = signal(SignalKind::interrupt());
+    let terminate = signal(SignalKind::terminate());
+    async move {
+        match (interrupt, terminate) {
+            (Ok(mut interrupt), Ok(mut terminate)) => {
+                tokio::select! {
+                    _ = interrupt.recv() => {}
+                    _ = terminate.recv() => {}
+                }
             }
-        };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
         }
     }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
+}
+
+/// Ctrl-C.
+#[cfg(not(unix))]
+fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
+    async {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
