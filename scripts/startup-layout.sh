@@ -28,7 +28,10 @@ record run "$binary" run examples/assistant hello >/dev/null 2>&1
 serve() {
   local port
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  record "$1" "$binary" serve examples/assistant --store memory --port "$port" >/dev/null 2>&1 &
+  # valgrind itself in the background (not `record`: `$!` would be a subshell's, which a signal
+  # does not reach past).
+  valgrind --tool=callgrind --demangle=no --callgrind-out-file="$work/$1.cg" \
+    "$binary" serve examples/assistant --store memory --port "$port" >/dev/null 2>&1 &
   local server=$!
   for _ in $(seq 1 600); do
     curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
