@@ -49,6 +49,8 @@ serve() {
 serve serve
 serve chat
 
-python3 scripts/startup-layout.py "$binary" "$work/version.cg" "$work/run.cg" "$work/serve.cg" "$work/chat.cg" \
+# An idle server's functions first, then a chat's, then the CLI's: what an idle `keel serve`
+# runs then lies in as few pages as it can, and the kernel's fault-around maps little else.
+python3 scripts/startup-layout.py "$binary" "$work/serve.cg" "$work/chat.cg" "$work/run.cg" "$work/version.cg" \
   > crates/keel/startup.ld
 echo "crates/keel/startup.ld written; rebuild keel to use it" >&2

@@ -56,7 +56,7 @@ fn pack_relative_relocations() {
 
 /// Links the executable with `startup.ld` (see its header), which puts the functions keel runs
 /// while it starts into one output section before the rest of its code: an idle `keel serve`
-/// then holds about 10 MB RSS instead of 17.6 (docs/deploy.md). GNU ld and LLD both take such a
+/// then holds about 9 MB RSS instead of 17 (docs/deploy.md). GNU ld and LLD both take such a
 /// script (`INSERT BEFORE .text` adds to their default layout); it is used after the probe has
 /// linked and run with it. Not for a cross build (the probe could not run) nor a path holding a
 /// comma (the linker driver's `-Wl,` would split it).
