@@ -10,8 +10,8 @@
 //!   (`Agent::run`) and inline runs (`Agent::run_inline`, driven by the loop's task);
 //! - 1000 concurrent runs: wall time, and peak heap (counted by a tracking allocator) and peak
 //!   RSS growth during the burst;
-//! - runs per second with the SQLite store (every step committed), sequentially and 1000 at a
-//!   time, and the bytes stored per run;
+//! - runs per second with the SQLite store (every step committed), sequentially (spawned runs,
+//!   then inline ones) and 1000 at a time, and the bytes stored per run;
 //! - the same with the PostgreSQL store on a scratch database of the local server: one instance,
 //!   then three on one database (with `KEEL_STORE_POOL` connections each, then half as many), with
 //!   the statements and bytes per run (`-- --postgres` for these alone).
@@ -178,6 +178,8 @@ fn sequential(
 
 struct Durable {
     sequential_per_second: f64,
+    /// The same, each run driven by the loop's task (`Agent::run_inline`).
+    inline_per_second: f64,
     concurrent_per_second: f64,
     bytes_per_run: f64,
     compacted_bytes_per_run: f64,
@@ -202,6 +204,11 @@ fn durable(runtime: &tokio::runtime::Runtime, runs: usize) -> Durable {
         }
         let sequential_per_second = runs as f64 / start.elapsed().as_secs_f64();
         let start = Instant::now();
+        for i in 0..runs {
+            one_run_driven(&agent, &format!("i{i}"), Drive::Inline).await;
+        }
+        let inline_per_second = runs as f64 / start.elapsed().as_secs_f64();
+        let start = Instant::now();
         let mut done = 0;
         let mut heaps = Vec::new();
         for round in 0..runs.div_ceil(1000) {
@@ -218,7 +225,7 @@ fn durable(runtime: &tokio::runtime::Runtime, runs: usize) -> Durable {
         }
         let concurrent_per_second = done as f64 / start.elapsed().as_secs_f64();
         let peak_heap_per_run = median(heaps);
-        let total_runs = 200 + runs + done;
+        let total_runs = 200 + 2 * runs + done;
         let bytes_per_run = store.size_bytes().expect("the size") as f64 / total_runs as f64;
         keel::Store::compact_journals(&*store).await.expect("compaction");
         // Freed pages are reused, not returned: VACUUM shows the smaller file.
@@ -226,6 +233,7 @@ fn durable(runtime: &tokio::runtime::Runtime, runs: usize) -> Durable {
         let compacted_bytes_per_run = store.size_bytes().expect("the size") as f64 / total_runs as f64;
         Durable {
             sequential_per_second,
+            inline_per_second,
             concurrent_per_second,
             bytes_per_run,
             compacted_bytes_per_run,
@@ -546,10 +554,12 @@ fn main() {
     let sqlite = durable(&current, durable_runs);
     let sqlite_multi = durable(&multi, durable_runs);
     println!(
-        "sqlite store (WAL, synchronous=NORMAL), {durable_runs} runs: {:.0} runs/s sequential, {:.0} runs/s 1000 at a time (current-thread runtime); {:.0} and {:.0} runs/s (multi-thread); memory store: {memory_per_second:.0} runs/s sequential",
+        "sqlite store (WAL, synchronous=NORMAL), {durable_runs} runs: {:.0} runs/s sequential ({:.0} inline), {:.0} runs/s 1000 at a time (current-thread runtime); {:.0} ({:.0} inline) and {:.0} runs/s (multi-thread); memory store: {memory_per_second:.0} runs/s sequential",
         sqlite.sequential_per_second,
+        sqlite.inline_per_second,
         sqlite.concurrent_per_second,
         sqlite_multi.sequential_per_second,
+        sqlite_multi.inline_per_second,
         sqlite_multi.concurrent_per_second,
     );
     println!(
