@@ -62,4 +62,5 @@ profile "-lean" --no-default-features
 python3 scripts/startup-layout.py "$binary" \
   "$work"/{serve,serve-lean,chat,chat-lean,run,run-lean,version,version-lean}.cg \
   > crates/keel/startup.ld
-echo "crates/keel/startup.ld written; rebuild keel to use it" >&2
+# target/dist/keel is now the lean build without the layout.
+echo "crates/keel/startup.ld written; build keel again (cargo build --profile dist -p keel) to use it" >&2
