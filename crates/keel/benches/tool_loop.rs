@@ -14,7 +14,8 @@
 //!   then inline ones) and 1000 at a time, and the bytes stored per run;
 //! - the same with the PostgreSQL store on a scratch database of the local server: one instance,
 //!   then three on one database (with `KEEL_STORE_POOL` connections each, then half as many), with
-//!   the statements and bytes per run (`-- --postgres` for these alone).
+//!   the statements and bytes per run (`-- --postgres` for these alone; `-- --sqlite` for the
+//!   SQLite figures alone).
 //!
 //! - 1,000,000 runs one at a time on the default (bounded) memory store, with the process's RSS
 //!   every 100,000;
@@ -485,6 +486,21 @@ fn main() {
         let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let durable = durable(&current, 3_000);
         println!("{:.0} runs/s", durable.sequential_per_second);
+        return;
+    }
+    if args.iter().any(|a| a == "--sqlite") {
+        // Only the SQLite figures, on both runtimes.
+        let runs = if quick { 1_000 } else { 10_000 };
+        for (name, runtime) in [
+            ("current-thread", tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()),
+            ("multi-thread", tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap()),
+        ] {
+            let figures = durable(&runtime, runs);
+            println!(
+                "sqlite store ({name} runtime), {runs} runs: {:.0} runs/s sequential ({:.0} inline), {:.0} runs/s 1000 at a time",
+                figures.sequential_per_second, figures.inline_per_second, figures.concurrent_per_second,
+            );
+        }
         return;
     }
     if args.iter().any(|a| a == "--postgres") {

@@ -99,7 +99,7 @@ async fn append_journal(
 }
 
 /// Moves a run to a new state.
-async fn set_run_state(
+pub async fn set_run_state(
     store: &dyn Store,
     session: &SessionId,
     run: &RunId,
