@@ -1558,58 +1558,57 @@ mod tests {
         assert!(parked < commits / 10, "{parked} parks of the workers for {commits} commits one at a time");
     }
 
-    /// Makes `writes` schedule-tick writes at once, each in a task of its own, and returns how
-    /// many frames they appended to the write-ahead log.
-    async fn frames_for_writes_made_together(store: &Arc<SqliteStore>, log: &Path, writes: u64) -> u64 {
+    /// Makes 100 schedule-tick writes at once on a new store, each in a task of its own, and
+    /// checks that they shared commits.
+    async fn writes_made_together_share_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(SqliteStore::open(&dir.path().join("keel.db")).unwrap());
+        let writes = 100;
         // Each commit appends the pages it changed to the write-ahead log: one commit per write
-        // would append at least one frame (a page and its 24-byte header) per write.
+        // would append at least one frame (a page and its 24-byte header) per write. The log
+        // already holds the schema's pages.
         let frame = 24
             + store.backend().lock().query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0)).unwrap()
                 as u64;
-        // The log already holds the schema's pages.
-        let frames = || std::fs::metadata(log).unwrap().len().saturating_sub(32) / frame;
+        let log = dir.path().join("keel.db-wal");
+        let frames = || std::fs::metadata(&log).unwrap().len().saturating_sub(32) / frame;
         let before = frames();
         // One task spawns them all before any of them runs: a task spawned in a worker waits in
         // that worker's queue until the spawning task lets go of the thread. (Spawned from the
         // test's own thread, the worker would start the first ones while the rest are spawned.)
-        let spawner = {
-            let store = Arc::clone(store);
-            tokio::spawn(async move {
-                let tasks: Vec<_> = (0..writes)
-                    .map(|n| {
-                        let store = Arc::clone(&store);
-                        tokio::spawn(async move {
-                            store.claim_schedule_tick(&format!("schedule-{n}"), 60_000, None).await
-                        })
+        // (The test keeps its store: the last connection to close deletes the log.)
+        let shared = Arc::clone(&store);
+        let spawner = tokio::spawn(async move {
+            let tasks: Vec<_> = (0..writes)
+                .map(|n| {
+                    let store = Arc::clone(&shared);
+                    tokio::spawn(async move {
+                        store.claim_schedule_tick(&format!("schedule-{n}"), 60_000, None).await
                     })
-                    .collect();
-                for task in tasks {
-                    assert!(task.await.unwrap().unwrap());
-                }
-            })
-        };
+                })
+                .collect();
+            for task in tasks {
+                assert!(task.await.unwrap().unwrap());
+            }
+        });
         spawner.await.unwrap();
-        frames() - before
+        let appended = frames() - before;
+        assert!(
+            appended < writes / 10,
+            "{appended} frames appended to the log by {writes} writes made together"
+        );
     }
 
     #[tokio::test]
     async fn writes_in_flight_together_share_commits_on_a_current_thread_runtime() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(SqliteStore::open(&dir.path().join("keel.db")).unwrap());
-        let writes = 100;
-        let frames = frames_for_writes_made_together(&store, &dir.path().join("keel.db-wal"), writes).await;
-        assert!(frames < writes / 10, "{frames} frames appended to the log by {writes} writes made together");
+        writes_made_together_share_commits().await;
     }
 
     // One worker: every task the test spawns waits for it, so none can queue its write while
     // another commits unless the one committing first lets them run.
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
     async fn writes_in_flight_together_share_commits_on_a_one_worker_multi_thread_runtime() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(SqliteStore::open(&dir.path().join("keel.db")).unwrap());
-        let writes = 100;
-        let frames = frames_for_writes_made_together(&store, &dir.path().join("keel.db-wal"), writes).await;
-        assert!(frames < writes / 10, "{frames} frames appended to the log by {writes} writes made together");
+        writes_made_together_share_commits().await;
     }
 
     #[test]
