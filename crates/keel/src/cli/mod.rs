@@ -374,7 +374,20 @@ pub(crate) const EXIT_GRACE: std::time::Duration = std::time::Duration::from_sec
 /// Runs `work` to its end on a new runtime, then stops the runtime within [`EXIT_GRACE`]: a
 /// blocking task left behind never holds up the exit (dropping a runtime would wait for it).
 pub(crate) fn run_async<T>(work: impl std::future::Future<Output = T>) -> std::io::Result<T> {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    finish_on(tokio::runtime::Builder::new_multi_thread().enable_all().build()?, work)
+}
+
+/// [`run_async`] on this thread alone: for a command that drives one run, whose steps follow
+/// one another, so that no step waits for another thread to wake up to run it. (Tools' blocking
+/// work and the stores' own threads are unaffected.)
+pub(crate) fn run_on_this_thread<T>(work: impl std::future::Future<Output = T>) -> std::io::Result<T> {
+    finish_on(tokio::runtime::Builder::new_current_thread().enable_all().build()?, work)
+}
+
+fn finish_on<T>(
+    runtime: tokio::runtime::Runtime,
+    work: impl std::future::Future<Output = T>,
+) -> std::io::Result<T> {
     let outcome = runtime.block_on(work);
     runtime.shutdown_timeout(EXIT_GRACE);
     Ok(outcome)

@@ -29,7 +29,7 @@ pub(crate) fn run(mut args: RunArgs) -> std::io::Result<u8> {
     if args.after.is_some() || args.at.is_some() {
         return super::triggers::run_later(&args);
     }
-    super::run_async(async {
+    super::run_on_this_thread(async {
         let agent = match load_agent(&args.agent, args.model.as_deref(), &args.store).await? {
             Ok(agent) => agent,
             Err(code) => return Ok(code),
