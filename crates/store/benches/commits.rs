@@ -155,15 +155,12 @@ fn floor_runs(path: &std::path::Path, runs: usize) {
     );
     let mut message =
         prepare("INSERT INTO messages (session_id, position, run_id, body) VALUES (?1, ?2, ?3, ?4)");
-    let mut count = prepare(
-        "INSERT INTO sessions (id, message_count, created_at, updated_at) VALUES (?1, ?2, ?3, ?3)
-         ON CONFLICT (id) DO UPDATE SET message_count = excluded.message_count, updated_at = excluded.updated_at",
-    );
-    let mut usage = prepare(
+    // The message count and a model step's tokens, in one statement as the store writes them.
+    let mut session_row = prepare(
         "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
-         VALUES (?1, 0, ?2, ?2, ?3, ?4)
-         ON CONFLICT (id) DO UPDATE SET input_tokens = input_tokens + excluded.input_tokens,
-           output_tokens = output_tokens + excluded.output_tokens",
+         VALUES (?1, ?2, ?3, ?3, ?4, ?5)
+         ON CONFLICT (id) DO UPDATE SET message_count = excluded.message_count, updated_at = excluded.updated_at,
+           input_tokens = input_tokens + excluded.input_tokens, output_tokens = output_tokens + excluded.output_tokens",
     );
     let mut end_run = prepare(
         "UPDATE runs SET state = 'done', lease_owner = ?2, lease_expires_at = 0, lease_epoch = 1,
@@ -173,9 +170,10 @@ fn floor_runs(path: &std::path::Path, runs: usize) {
     for i in 0..runs {
         let steps = Steps::new(&format!("f{i}"));
         let (session, run) = (steps.session.as_str(), steps.run.as_str());
-        let tokens = (USAGE.input_tokens as i64, USAGE.output_tokens as i64);
+        let usage = (USAGE.input_tokens as i64, USAGE.output_tokens as i64);
         let mut step = |entry: Option<&JournalEntry>, position: i64, said: &Message, last: bool| {
             begin.execute([]).expect("BEGIN");
+            let mut tokens = (0, 0);
             match entry {
                 None => {
                     let input = encode_message(said);
@@ -187,12 +185,14 @@ fn floor_runs(path: &std::path::Path, runs: usize) {
                     let body = encode_record(&entry.record);
                     journal.execute(params![run, entry.step.to_string(), body]).expect("a journal entry");
                     if matches!(entry.record, JournalRecord::ModelReply(_)) {
-                        usage.execute(params![session, now, tokens.0, tokens.1]).expect("tokens");
+                        tokens = usage;
                     }
                 }
             }
             message.execute(params![session, position, run, encode_message(said)]).expect("a message");
-            count.execute(params![session, position + 1, now]).expect("the message count");
+            session_row
+                .execute(params![session, position + 1, now, tokens.0, tokens.1])
+                .expect("the message count and tokens");
             if last {
                 end_run.execute(params![run, OWNER, now]).expect("the run ends");
             }

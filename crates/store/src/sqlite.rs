@@ -20,7 +20,8 @@
 //! clears bindings between uses, so SQLite re-prepared such a statement at every execution (a
 //! third of a run's work, measured). Those statements compare with `CAST(?1 AS TEXT)`, which
 //! keeps the index and the order and drops the tie; per-step reads are primary-key lookups (a
-//! session's message count lives in `sessions`). Two more shapes make SQLite build a temporary
+//! session's message count lives in `sessions`, and a model step's tokens are written with it,
+//! in one statement: see [`SqliteTx`]). Two more shapes make SQLite build a temporary
 //! B-tree at every execution, even for no rows: an index seek through `IN (...)`, and an `ORDER
 //! BY` the index does not give. Per-run queries use one lookup per value (`UNION ALL`) and are
 //! sorted in Rust instead (10% of a durable run's instructions, measured).
@@ -208,7 +209,8 @@ struct TypedJob<T> {
 impl<T: Send + 'static> Job for TypedJob<T> {
     fn run(&mut self, connection: &Connection) -> Result<(), StoreError> {
         let Some(mut work) = self.work.take() else { return Ok(()) };
-        let result = work(&mut SqliteTx { c: connection });
+        let mut tx = SqliteTx::new(connection);
+        let result = work(&mut tx).and_then(|value| tx.flush_usage().map(|()| value));
         let outcome = result.as_ref().map(drop).map_err(Clone::clone);
         self.result = Some(result);
         outcome
@@ -755,7 +757,9 @@ impl Sqlite {
         let exec =
             |sql: &str| connection.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(map_error);
         exec("BEGIN")?;
-        let result = work(&mut SqliteTx { c: &connection });
+        let mut tx = SqliteTx::new(&connection);
+        let result = work(&mut tx);
+        debug_assert!(tx.usage.is_none(), "a read holds tokens to write");
         // A read transaction has nothing to commit; ending it cannot lose anything.
         if exec("COMMIT").is_err() {
             let _ = exec("ROLLBACK");
@@ -767,11 +771,56 @@ impl Sqlite {
 /// Storage operations on one connection (inside the writer's transaction, or a read).
 struct SqliteTx<'c> {
     c: &'c Connection,
+    /// Tokens added to a session and not written yet: a model step's commit adds them and then
+    /// appends its messages, and both go to the session's row in one statement
+    /// ([`Tx::append_messages`]), one statement fewer per model step. Written before any other
+    /// write and before the session summaries are read, so that the order of the writes and
+    /// what reads see stay the rules'; and at the end of the work, before its commit.
+    usage: Option<(SessionId, Usage, u64)>,
 }
 
-impl SqliteTx<'_> {
-    fn execute(&self, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
+/// The session row of a commit: its message count, with the tokens held for it.
+const SESSION_WRITE: &str = "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
+     VALUES (?1, ?2, ?3, ?3, ?4, ?5)
+     ON CONFLICT (id) DO UPDATE SET message_count = excluded.message_count, updated_at = excluded.updated_at,
+       input_tokens = input_tokens + excluded.input_tokens, output_tokens = output_tokens + excluded.output_tokens";
+
+/// Tokens as stored (SQLite integers are signed).
+fn stored_tokens(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl<'c> SqliteTx<'c> {
+    fn new(c: &'c Connection) -> SqliteTx<'c> {
+        SqliteTx { c, usage: None }
+    }
+
+    fn execute(&mut self, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
+        self.flush_usage()?;
+        self.execute_now(sql, params)
+    }
+
+    /// [`SqliteTx::execute`] without writing the held tokens first.
+    fn execute_now(&self, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
         self.c.prepare_cached(sql).and_then(|mut s| s.execute(params)).map_err(map_error)
+    }
+
+    /// Writes the held tokens, if any, to their session's totals.
+    fn flush_usage(&mut self) -> Result<(), StoreError> {
+        let Some((session, usage, now_ms)) = self.usage.take() else { return Ok(()) };
+        self.execute_now(
+            "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
+             VALUES (?1, 0, ?2, ?2, ?3, ?4)
+             ON CONFLICT (id) DO UPDATE SET input_tokens = input_tokens + excluded.input_tokens,
+               output_tokens = output_tokens + excluded.output_tokens",
+            params![
+                session.as_str(),
+                now_ms as i64,
+                stored_tokens(usage.input_tokens),
+                stored_tokens(usage.output_tokens)
+            ],
+        )
+        .map(drop)
     }
 }
 
@@ -832,8 +881,17 @@ impl Tx for SqliteTx<'_> {
         messages: &[Arc<Message>],
         now_ms: u64,
     ) -> Result<(), StoreError> {
+        // The tokens held for this session go into its row with the new count (those of another
+        // session are written first).
+        let usage = match self.usage.take_if(|(held, _, _)| held == session) {
+            Some((_, usage, _)) => usage,
+            None => {
+                self.flush_usage()?;
+                Usage::default()
+            }
+        };
         for (offset, message) in messages.iter().enumerate() {
-            self.execute(
+            self.execute_now(
                 "INSERT INTO messages (session_id, position, run_id, body) VALUES (?1, ?2, ?3, ?4)",
                 params![
                     session.as_str(),
@@ -844,10 +902,15 @@ impl Tx for SqliteTx<'_> {
             )?;
         }
         let count = first_position + messages.len() as u64;
-        self.execute(
-            "INSERT INTO sessions (id, message_count, created_at, updated_at) VALUES (?1, ?2, ?3, ?3)
-             ON CONFLICT (id) DO UPDATE SET message_count = excluded.message_count, updated_at = excluded.updated_at",
-            params![session.as_str(), count as i64, now_ms as i64],
+        self.execute_now(
+            SESSION_WRITE,
+            params![
+                session.as_str(),
+                count as i64,
+                now_ms as i64,
+                stored_tokens(usage.input_tokens),
+                stored_tokens(usage.output_tokens)
+            ],
         )
         .map(drop)
     }
@@ -863,15 +926,14 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn add_usage(&mut self, session: &SessionId, usage: Usage, now_ms: u64) -> Result<(), StoreError> {
-        let tokens = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-        self.execute(
-            "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
-             VALUES (?1, 0, ?2, ?2, ?3, ?4)
-             ON CONFLICT (id) DO UPDATE SET input_tokens = input_tokens + excluded.input_tokens,
-               output_tokens = output_tokens + excluded.output_tokens",
-            params![session.as_str(), now_ms as i64, tokens(usage.input_tokens), tokens(usage.output_tokens)],
-        )
-        .map(drop)
+        match &mut self.usage {
+            Some((held, total, _)) if held == session => total.add(usage),
+            _ => {
+                self.flush_usage()?;
+                self.usage = Some((session.clone(), usage, now_ms));
+            }
+        }
+        Ok(())
     }
 
     fn set_session_state(
@@ -901,6 +963,7 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn session_summary(&mut self, session: &SessionId) -> Result<Option<SessionSummary>, StoreError> {
+        self.flush_usage()?;
         self.c
             .prepare_cached(&format!("{SUMMARY_SELECT} WHERE s.id = ?1"))
             .and_then(|mut s| s.query_row([session.as_str()], summary_row).optional())
@@ -911,6 +974,7 @@ impl Tx for SqliteTx<'_> {
     fn sessions(&mut self, filter: &SessionFilter) -> Result<Vec<SessionSummary>, StoreError> {
         let (kind, prefix) = scope_parameters(&filter.scope);
         let limit = filter.limit.map_or(-1, |limit| i64::try_from(limit).unwrap_or(i64::MAX));
+        self.flush_usage()?;
         let mut statement = self
             .c
             .prepare_cached(&format!(
