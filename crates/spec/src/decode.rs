@@ -32,7 +32,8 @@ impl Decoder<'_> {
     }
 
     fn wrong_type(&mut self, node: &Node, what: &str, expected: &str) {
-        self.error(node.pos, format!("`{what}` must be {expected}, not {}", node.kind.describe()));
+        let what = quoted(what);
+        self.error(node.pos, format!("{what} must be {expected}, not {}", node.kind.describe()));
     }
 
     /// Opens a mapping for key-by-key reading.
@@ -204,7 +205,7 @@ impl<'n> MapReader<'n> {
             if used {
                 continue;
             }
-            let place = if section.is_empty() { String::new() } else { format!(" in `{section}`") };
+            let place = if section.is_empty() { String::new() } else { format!(" in {}", quoted(section)) };
             let message = format!("unknown key `{key}`{place}");
             let diagnostic = if lenient {
                 let file = decoder.file.clone();
@@ -239,6 +240,12 @@ pub fn did_you_mean<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
         .filter(|(score, _)| *score > 0.8)
         .max_by(|a, b| a.0.total_cmp(&b.0))
         .map(|(_, candidate)| candidate)
+}
+
+/// How a message names `what`: a key path in backticks (`limits.max_turns`), a description of a
+/// whole document as it is (the front matter, the channel).
+fn quoted(what: &str) -> String {
+    if what.starts_with("the ") { what.to_owned() } else { format!("`{what}`") }
 }
 
 #[cfg(test)]

@@ -412,7 +412,7 @@ fn read_skill_file(
         map.take(key);
     }
     // Skills are shared between tools that add their own keys: an unknown one is a warning.
-    map.finish_leniently(&mut d, "front matter", SKILL_KEYS);
+    map.finish_leniently(&mut d, "the front matter", SKILL_KEYS);
     match &name {
         Some((name, pos)) if name != dir_name => {
             d.error(*pos, format!("the skill is named `{name}` but lives in skills/{dir_name}/")).hint =

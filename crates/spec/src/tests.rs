@@ -409,7 +409,7 @@ fn skills_problems() {
     let warnings: Vec<String> = loaded.diagnostics.iter().map(|d| d.to_string()).collect();
     assert!(
         warnings.len() == 1
-            && warnings[0].starts_with("warning: unknown key `x-team` in `front matter`: ignored"),
+            && warnings[0].starts_with("warning: unknown key `x-team` in the front matter: ignored"),
         "{warnings:?}"
     );
     check(
@@ -417,16 +417,19 @@ fn skills_problems() {
             ("a/agent.yaml", "model: mock\n"),
             ("a/skills/shipping/SKILL.md", "---\nname: shipping\ndescriptoin: Ships.\n---\nBody.\n"),
             ("a/skills/broken/SKILL.md", "no front matter\n"),
+            ("a/skills/listed/SKILL.md", "---\n- name: listed\n---\nBody.\n"),
         ],
         "a",
         expect![[r#"
             error[KEEL_SPEC_INVALID]: SKILL.md must start with YAML front matter
               --> a/skills/broken/SKILL.md:1:1
               hint: begin the file with `---`, then `name:` and `description:` lines, then `---`
+            error[KEEL_SPEC_INVALID]: the front matter must be a mapping, not a list
+              --> a/skills/listed/SKILL.md:2:1
             error[KEEL_SPEC_INVALID]: the front matter has no `description`
               --> a/skills/shipping/SKILL.md:2:1
               hint: say in one line what the skill is for
-            warning: unknown key `descriptoin` in `front matter`: ignored
+            warning: unknown key `descriptoin` in the front matter: ignored
               --> a/skills/shipping/SKILL.md:3:1
               hint: did you mean `description`?
         "#]],
