@@ -66,6 +66,9 @@ const LOCALTIME: &str = "/etc/localtime";
 fn linked_zone(path: &Path) -> Option<TimeZone> {
     let target = std::fs::read_link(path).ok()?;
     let (_, name) = target.to_str()?.rsplit_once("zoneinfo/")?;
+    // `posix/` holds the same zones under the same names (`right/`, with leap seconds, differs
+    // and keeps its prefix).
+    let name = name.strip_prefix("posix/").unwrap_or(name);
     if name.eq_ignore_ascii_case("UTC") {
         return Some(TimeZone::UTC);
     }
@@ -228,6 +231,16 @@ mod tests {
         let utc = dir.path().join("utc");
         std::os::unix::fs::symlink("/usr/share/zoneinfo/UTC", &utc).unwrap();
         assert_eq!(linked_zone(&utc).unwrap(), TimeZone::UTC);
+
+        // A link into `posix/` names the zone by its IANA name, without the prefix.
+        std::fs::create_dir_all(dir.path().join("zoneinfo/posix/Europe")).unwrap();
+        std::fs::copy("/usr/share/zoneinfo/Europe/Paris", dir.path().join("zoneinfo/posix/Europe/Paris"))
+            .unwrap();
+        let posix = dir.path().join("posix");
+        std::os::unix::fs::symlink(dir.path().join("zoneinfo/posix/Europe/Paris"), &posix).unwrap();
+        let zone = linked_zone(&posix).unwrap();
+        assert_eq!(zone.iana_name(), Some("Europe/Paris"));
+        assert_eq!(offsets(&zone), [3600, 7200]);
     }
 
     #[test]
