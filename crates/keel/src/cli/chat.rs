@@ -40,7 +40,7 @@ async fn converse(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
     let context = Context { agent, args, by: keel::who("keel chat") };
     // A turn nobody drives (its process died, or it was decided since) completes first, as
     // with `keel run`.
-    if context.recover().await? == 2 {
+    if context.recover().await?.0 == 2 {
         return Ok(2);
     }
     let definition = agent.definition();

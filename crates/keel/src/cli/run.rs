@@ -90,13 +90,13 @@ async fn drive(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
     // A turn of this session that nobody drives (its process died, or its approvals were
     // decided since) completes first, from its journal, so the new input sees a whole
     // conversation.
-    let code = context.recover().await?;
+    let (code, resumed) = context.recover().await?;
     if code != exit::OK {
         return Ok(code);
     }
     let Some(input) = &args.input else {
         // Only continuing: say what the session still waits for, if anything.
-        return context.explain_unfinished().await;
+        return context.explain_unfinished(resumed).await;
     };
     let handle = match agent.run(&args.session, input.as_str()) {
         Ok(handle) => handle,
@@ -128,14 +128,16 @@ enum Next {
 impl Context<'_> {
     /// Finishes the session's runs that nobody drives, showing them. Returns the exit code of
     /// the first that did not end well, else [`exit::OK`].
-    pub(crate) async fn recover(&self) -> std::io::Result<u8> {
+    /// Its exit code, and whether it resumed a run.
+    pub(crate) async fn recover(&self) -> std::io::Result<(u8, bool)> {
         let handles = match self.agent.recover(Some(&self.args.session)).await {
             Ok(handles) => handles,
             Err(failure) => {
                 eprintln!("error[{}]: {}", failure.code, failure.message);
-                return Ok(exit::for_failure(&failure));
+                return Ok((exit::for_failure(&failure), false));
             }
         };
+        let resumed = !handles.is_empty();
         for handle in handles {
             eprintln!("resuming run {} of session {}", handle.run_id(), self.args.session);
             let code = self.follow_through(handle).await?;
@@ -143,15 +145,16 @@ impl Context<'_> {
             // one the person here stopped with Ctrl-C stops the command.
             let cancelled_elsewhere = code == exit::INTERRUPTED && !CTRL_C.load(Ordering::SeqCst);
             if code != exit::OK && !cancelled_elsewhere {
-                return Ok(code);
+                return Ok((code, resumed));
             }
         }
-        Ok(exit::OK)
+        Ok((exit::OK, resumed))
     }
 
     /// After recovery, without a new input: says what the session's unfinished run waits for
-    /// (a human, or another process), if it has one.
-    async fn explain_unfinished(&self) -> std::io::Result<u8> {
+    /// (a human, or another process), if it has one, and that there was nothing to do when
+    /// nothing was `resumed` either (`keel run agent` with the question forgotten).
+    async fn explain_unfinished(&self, resumed: bool) -> std::io::Result<u8> {
         let session = self.args.session.as_str();
         let pending = match self.agent.pending(Some(session)).await {
             Ok(pending) => pending,
@@ -175,7 +178,16 @@ impl Context<'_> {
                     eprintln!("error[{}]: {}", ErrorCode::SessionBusy, run.busy_message(now));
                     Ok(exit::BUSY)
                 }
-                None => Ok(exit::OK),
+                None => {
+                    if !resumed {
+                        eprintln!(
+                            "nothing to continue in session {session}: give an input to start a turn \
+                             (keel run {} \"...\", or `-` to read it from stdin)",
+                            self.args.agent.display()
+                        );
+                    }
+                    Ok(exit::OK)
+                }
             },
             Err(failure) => {
                 eprintln!("error[{}]: {}", failure.code, failure.message);

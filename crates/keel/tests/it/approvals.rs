@@ -214,6 +214,8 @@ fn a_rejected_call_is_shown_as_failed_by_the_run_that_continues() {
     }
     let resumed = keel(dir2, &["run"]).arg(dir2).args(["--session", "s", "--json"]).output().unwrap();
     assert!(resumed.status.success(), "{resumed:?}");
+    let said = String::from_utf8_lossy(&resumed.stderr);
+    assert!(!said.contains("nothing to continue"), "a run was continued: {said}");
     let events = events(&resumed);
     let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
     let errors: Vec<&Value> = events.iter().filter(|e| e["type"] == "tool.error").collect();

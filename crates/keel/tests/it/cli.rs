@@ -125,6 +125,20 @@ fn the_input_comes_from_stdin_when_piped_or_given_as_a_dash() {
     let out = keel().arg("run").arg(&assistant).arg("-").write_stdin("").output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("stdin was empty"), "{out:?}");
+    // No input at all only continues the session, and says so when there was nothing to
+    // continue (the question forgotten), rather than ending without a word.
+    let store = tempfile::tempdir().unwrap();
+    let out = keel()
+        .arg("run")
+        .arg(&assistant)
+        .arg("--store")
+        .arg(format!("sqlite:{}", store.path().join("keel.db").display()))
+        .write_stdin("")
+        .output()
+        .unwrap();
+    assert!(out.status.success() && out.stdout.is_empty(), "{out:?}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("nothing to continue in session default: give an input"), "{said}");
 }
 
 /// `keel init`: every template makes an agent `keel check` accepts, the offline ones answer at
