@@ -402,8 +402,36 @@ pub(crate) fn load_options() -> keel_spec::LoadOptions<'static> {
 /// Opens a store, off the async threads (opening may block: the PostgreSQL driver runs its own
 /// runtime), printing why it cannot.
 pub(crate) async fn open_store(url: &str) -> Option<std::sync::Arc<dyn keel_core::Store>> {
+    open_store_with(url, keel_store::open).await
+}
+
+/// [`open_store`] for a command that only looks at a store or tidies it: see [`inspect_store`].
+pub(crate) async fn open_store_to_inspect(url: &str) -> Option<std::sync::Arc<dyn keel_core::Store>> {
+    open_store_with(url, inspect_store).await
+}
+
+/// Opens the store of a command that looks at it or tidies it (`keel sessions`, `approvals`,
+/// `memory`, `cancel`, `runs`): a SQLite file that does not exist is read as an empty store
+/// instead of being created, directories and all, by a command that writes nothing into it (a
+/// mistyped `--store`, or the default `.keel/keel.db` asked from another directory).
+pub(crate) fn inspect_store(
+    url: &str,
+) -> Result<std::sync::Arc<dyn keel_core::Store>, keel_core::StoreError> {
+    if let Some(path) = url.strip_prefix("sqlite:")
+        && !path.is_empty()
+        && matches!(std::path::Path::new(path).try_exists(), Ok(false))
+    {
+        return Ok(std::sync::Arc::new(keel_store::MemoryStore::new()));
+    }
+    keel_store::open(url)
+}
+
+async fn open_store_with(
+    url: &str,
+    open: fn(&str) -> Result<std::sync::Arc<dyn keel_core::Store>, keel_core::StoreError>,
+) -> Option<std::sync::Arc<dyn keel_core::Store>> {
     let target = url.to_owned();
-    match tokio::task::spawn_blocking(move || keel_store::open(&target)).await {
+    match tokio::task::spawn_blocking(move || open(&target)).await {
         Ok(Ok(store)) => Some(store),
         Ok(Err(error)) => {
             eprintln!("error[{}]: {error}", error.code());

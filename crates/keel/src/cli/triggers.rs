@@ -138,7 +138,9 @@ pub(crate) fn runs(command: RunsCommand) -> std::io::Result<u8> {
         return Ok(2);
     };
     super::run_async(async {
-        let Some(store) = super::open_store(store_url).await else { return Ok(exit::INVALID_AGENT) };
+        let Some(store) = super::open_store_to_inspect(store_url).await else {
+            return Ok(exit::INVALID_AGENT);
+        };
         let failed = |error: keel_core::StoreError| {
             eprintln!("error[{}]: {error}", error.code());
             Ok(exit::RUN_FAILED)

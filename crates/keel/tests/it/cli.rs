@@ -83,6 +83,17 @@ fn a_named_session_is_kept_in_the_default_store_and_an_unnamed_turn_is_not() {
     let run = |args: &[&str]| {
         keel().current_dir(dir.path()).arg("run").arg(&assistant).args(args).output().unwrap()
     };
+    // Commands that only look at the store find nothing, and create no database to say so.
+    let look = |args: &[&str]| keel().current_dir(dir.path()).args(args).output().unwrap();
+    for args in [&["sessions", "list"][..], &["approvals", "list"], &["memory", "list"]] {
+        let out = look(args);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+    }
+    let out = look(&["sessions", "show", "mine"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("KEEL_SESSION_NOT_FOUND"), "{out:?}");
+    let out = look(&["cancel", "mine"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no unfinished run"), "{out:?}");
+    assert!(!dir.path().join(".keel").exists(), "looking created the default store");
     let out = run(&["a one-off"]);
     assert!(out.status.success(), "{out:?}");
     assert!(!dir.path().join(".keel").exists(), "a turn without --session keeps nothing");
