@@ -66,9 +66,10 @@ pub(crate) fn build(args: &BuildArgs) -> std::io::Result<u8> {
         format!("{files} file{}, {}", if files == 1 { "" } else { "s" }, size(archive.len() as u64));
     match args.target {
         BuildTarget::Native => {
-            std::fs::create_dir_all(&out)?;
+            std::fs::create_dir_all(&out).map_err(super::at_path("create", &out))?;
             let artifact = out.join(&spec.name);
-            bundle::write_executable(&program, &archive, &artifact)?;
+            bundle::write_executable(&program, &archive, &artifact)
+                .map_err(super::at_path("write", &artifact))?;
             let shown = shown(&artifact);
             let mut stdout = std::io::stdout().lock();
             writeln!(
@@ -128,7 +129,7 @@ fn docker(
     }
     libraries.sort();
     libraries.dedup();
-    std::fs::create_dir_all(out)?;
+    std::fs::create_dir_all(out).map_err(super::at_path("create", out))?;
     let rootfs = out.join("rootfs");
     let _ = std::fs::remove_dir_all(&rootfs);
     std::fs::create_dir_all(rootfs.join("etc/ssl/certs"))?;

@@ -84,9 +84,9 @@ pub(crate) fn init(args: &InitArgs) -> std::io::Result<u8> {
             writeln!(stderr, "replacing {}", target.display())?;
         }
         if let Some(parent) = target.parent() {
-            std::fs::create_dir_all(parent)?;
+            std::fs::create_dir_all(parent).map_err(super::at_path("create", parent))?;
         }
-        std::fs::write(&target, content.replace("NAME", &name))?;
+        std::fs::write(&target, content.replace("NAME", &name)).map_err(super::at_path("write", &target))?;
         written.push(*path);
     }
     let shown = shown(dir);

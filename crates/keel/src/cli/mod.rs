@@ -444,6 +444,16 @@ async fn open_store_with(
     }
 }
 
+/// A file system error that names the path it happened at (`cannot create /x/y: Permission
+/// denied`): what `keel init` and `keel build` say when they cannot write where they were told.
+pub(crate) fn at_path(
+    doing: &'static str,
+    path: &std::path::Path,
+) -> impl FnOnce(std::io::Error) -> std::io::Error {
+    let path = path.display().to_string();
+    move |error| std::io::Error::new(error.kind(), format!("cannot {doing} {path}: {error}"))
+}
+
 fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     humantime::parse_duration(text).map_err(|e| format!("{e} (write durations like `30d`, `12h`, `90m`)"))
 }

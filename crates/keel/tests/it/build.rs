@@ -438,6 +438,18 @@ fn an_invalid_agent_or_one_reading_outside_its_folder_builds_nothing() {
     assert!(said.contains("does not load from its own folder alone"), "{said}");
     assert!(said.contains("workspace directory"), "the reason, from the packed copy: {said}");
     assert!(!out.exists(), "{:?}", std::fs::read_dir(&out).map(|d| d.count()));
+
+    // An output folder that cannot be made is named.
+    let agent = agent_dir(&[("agent.yaml", "model: mock\n")]);
+    std::fs::write(parent.path().join("a-file"), "").unwrap();
+    let out = parent.path().join("a-file/out");
+    for target in ["native", "docker"] {
+        let output =
+            keel_build(agent.path(), &["--target", target, "--out", out.to_str().unwrap()], home.path());
+        assert!(!output.status.success(), "{output:?}");
+        let said = text(&output.stderr);
+        assert!(said.contains(&format!("cannot create {}: ", out.display())), "{target}: {said}");
+    }
 }
 
 #[test]

@@ -227,6 +227,14 @@ fn keel_init_makes_agents_that_run_offline_and_never_overwrites_silently() {
         "{out:?}"
     );
     assert!(std::fs::read_to_string(used.join("agent.yaml")).unwrap().contains("model: mock"));
+
+    // Where nothing can be written, the error names the place.
+    let blocked = dir.path().join("a-file").join("agent");
+    std::fs::write(dir.path().join("a-file"), "").unwrap();
+    let out = keel().arg("init").arg(&blocked).output().unwrap();
+    assert!(!out.status.success(), "{out:?}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.starts_with(&format!("error: cannot create {}: ", blocked.display())), "{said}");
 }
 
 #[test]
