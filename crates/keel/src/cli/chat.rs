@@ -45,7 +45,7 @@ async fn converse(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
     }
     let definition = agent.definition();
     eprintln!(
-        "keel chat: agent `{}` ({}), session {}; /exit or Ctrl-D to leave, Ctrl-C stops a reply",
+        "keel chat: agent `{}` ({}), session {}; /exit or Ctrl-D to leave, Ctrl-C stops a reply, /help",
         definition.name, definition.model, args.session
     );
     loop {
@@ -69,11 +69,23 @@ async fn converse(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
             return Ok(exit::OK);
         };
         let line = line.trim();
-        match line {
+        let line = match line {
             "" => continue,
             "/exit" | "/quit" => return Ok(exit::OK),
-            _ => {}
-        }
+            "/help" => {
+                eprintln!("{COMMANDS}");
+                continue;
+            }
+            // `//...` sends the line from its second `/` on.
+            _ if line.starts_with("//") => &line[1..],
+            _ if is_command(line) => {
+                eprintln!(
+                    "unknown command {line}; /help lists them (begin a line with // to send it as text)"
+                );
+                continue;
+            }
+            _ => line,
+        };
         let handle = match agent.run(&args.session, line) {
             Ok(handle) => handle,
             Err(failure) => {
@@ -87,4 +99,18 @@ async fn converse(agent: &Agent, args: &RunArgs) -> std::io::Result<u8> {
             return Ok(exit::AWAITING_INPUT);
         }
     }
+}
+
+/// What `/help` prints.
+const COMMANDS: &str = "/exit, /quit  leave (so does Ctrl-D)
+/help        this list
+Ctrl-C       stops the reply in progress
+A line like /word is a command: begin it with // to send it as text.";
+
+/// Whether a line is meant as a command (`/word`), not as text that happens to begin with a
+/// slash (`/etc/hosts has what?`).
+fn is_command(line: &str) -> bool {
+    line.strip_prefix('/').is_some_and(|word| {
+        !word.is_empty() && word.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    })
 }

@@ -800,6 +800,23 @@ fn chat_runs_a_turn_per_line_in_one_session() {
         "and now?\n",
         "the script is spent: the mock echoes"
     );
+    // `/help` and unknown `/word`s are answered here, not sent; `//` and a path are sent.
+    let commands = keel()
+        .args(["chat"])
+        .arg(dir.path())
+        .args(["--session", "talk", "--store", &store])
+        .write_stdin("/help\n/nope\n//nope\n/etc/hosts?\n")
+        .output()
+        .unwrap();
+    assert!(commands.status.success(), "{commands:?}");
+    assert_eq!(
+        String::from_utf8(commands.stdout).unwrap(),
+        "/nope\n/etc/hosts?\n",
+        "the mock echoes what is sent"
+    );
+    let stderr = String::from_utf8(commands.stderr).unwrap();
+    assert!(stderr.contains("/exit, /quit  leave"), "{stderr}");
+    assert!(stderr.contains("unknown command /nope; /help lists them"), "{stderr}");
 }
 
 #[test]
