@@ -37,6 +37,36 @@ pub fn client() -> &'static reqwest::Client {
     })
 }
 
+/// The proxy variables the client reads, upper and lower case as curl accepts them.
+const PROXY_VARIABLES: [&str; 6] =
+    ["HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"];
+
+/// Checks the proxy variables ([`client`]): reqwest skips a value it cannot parse, and requests
+/// then go out directly, past the proxy that was meant to carry them. An error names the
+/// variable, never its value (a proxy URL may hold a password).
+pub fn check_proxy_environment() -> Result<(), String> {
+    check_proxies(|variable| std::env::var_os(variable))
+}
+
+fn check_proxies(lookup: impl Fn(&str) -> Option<std::ffi::OsString>) -> Result<(), String> {
+    for variable in PROXY_VARIABLES {
+        let Some(value) = lookup(variable).filter(|value| !value.is_empty()) else { continue };
+        let Some(value) = value.to_str() else {
+            return Err(format!("{variable} is not UTF-8 text"));
+        };
+        if let Err(error) = reqwest::Proxy::all(value) {
+            // reqwest says only "builder error"; the URL parser says what is wrong (without
+            // the value), reading it as reqwest does: `host:port` is `http://host:port`.
+            let url = if value.contains("://") { value.to_owned() } else { format!("http://{value}") };
+            let reason = reqwest::Url::parse(&url).err().map_or_else(|| error.to_string(), |e| e.to_string());
+            return Err(format!(
+                "{variable} is not a proxy URL ({reason}): write `http://host:port` (the value is not shown: it may hold a password)"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The extra root certificates `KEEL_CA_BUNDLE` names (a PEM file), read once; none when it is
 /// not set. An error names the file and what is wrong with it.
 pub fn ca_bundle() -> Result<&'static [reqwest::Certificate], String> {
@@ -400,6 +430,23 @@ mod tests {
 
     fn map(pairs: &[(&str, &str)]) -> HeaderMap {
         headers("test", pairs, &[]).unwrap()
+    }
+
+    #[test]
+    fn a_proxy_variable_that_is_not_a_url_is_named_without_its_value() {
+        let only = |name: &'static str, value: &'static str| {
+            move |variable: &str| (variable == name).then(|| std::ffi::OsString::from(value))
+        };
+        assert_eq!(check_proxies(|_| None), Ok(()));
+        for good in
+            ["http://proxy.corp:3128", "proxy.corp:3128", "socks5://127.0.0.1:1080", "http://u:p@proxy:8080"]
+        {
+            assert_eq!(check_proxies(only("HTTPS_PROXY", good)), Ok(()), "{good}");
+        }
+        let error = check_proxies(only("http_proxy", "http://us:hunter2@[::bad")).unwrap_err();
+        assert!(error.starts_with("http_proxy is not a proxy URL ("), "{error}");
+        assert!(!error.contains("hunter2"), "the password shows: {error}");
+        assert!(check_proxies(only("ALL_PROXY", "::bad")).is_err());
     }
 
     #[test]

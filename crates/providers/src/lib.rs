@@ -17,7 +17,7 @@ pub mod embed;
 pub mod framing;
 mod http;
 
-pub use http::{ca_bundle, client as http_client};
+pub use http::{ca_bundle, check_proxy_environment, client as http_client};
 mod mock;
 pub mod ollama;
 pub mod openai;

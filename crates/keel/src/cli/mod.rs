@@ -662,7 +662,9 @@ pub(crate) fn main() -> ExitCode {
     persist_named_sessions(&mut cli, &matches);
     init_logging(if matches!(cli.command, Command::Serve(_)) { "info" } else { "warn" });
     hide_from_tools();
-    if let Err(error) = keel_providers::ca_bundle() {
+    if let Err(error) =
+        keel_providers::ca_bundle().map(drop).and_then(|()| keel_providers::check_proxy_environment())
+    {
         eprintln!("error[{}]: {error}", keel_core::ErrorCode::ConfigInvalid.as_str());
         return ExitCode::from(exit::INVALID_AGENT);
     }

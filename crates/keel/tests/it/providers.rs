@@ -750,4 +750,17 @@ fn a_private_ca_is_trusted_through_keel_ca_bundle_and_providers_go_through_the_h
     );
     let out = run(&[("KEEL_CA_BUNDLE", "/nonexistent/ca.pem".to_owned())]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/ca.pem cannot be read"), "{out:?}");
+
+    // So does a proxy that is not a URL (requests would have gone out directly), named without
+    // its value, which may hold a password.
+    let out = run(&[("https_proxy", "http://me:hunter2@[::1".to_owned())]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr
+            .starts_with("error[KEEL_CONFIG_INVALID]: https_proxy is not a proxy URL (invalid IPv6 address)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&proxy_log).unwrap().lines().count(), 2, "nothing went out");
 }
