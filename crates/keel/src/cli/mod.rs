@@ -747,8 +747,17 @@ const PERSISTENT_STORE: &str = "sqlite:.keel/keel.db";
 fn init_logging(default: &str) {
     // rmcp logs, as errors, what keel reports itself with a code (an MCP server that did not
     // start, a line it dropped): unless asked for (`KEEL_LOG=rmcp=debug`), it stays quiet.
-    let filter = tracing_subscriber::EnvFilter::try_from_env(keel_core::env::LOG.name)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},rmcp=off")));
+    let variable = keel_core::env::LOG.name;
+    let filter = tracing_subscriber::EnvFilter::try_from_env(variable).unwrap_or_else(|error| {
+        // Unset is the default; a value that does not parse is said, not silently dropped.
+        if let Ok(value) = std::env::var(variable) {
+            eprintln!(
+                "warning: {variable}={value:?} is not a log filter ({error}); logging at `{default}` \
+                 (write a level, `debug`, or targets, `keel_runtime=debug,info`)"
+            );
+        }
+        tracing_subscriber::EnvFilter::new(format!("{default},rmcp=off"))
+    });
     // Colours only for a terminal: `keel serve 2> serve.log` writes plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder =

@@ -959,6 +959,15 @@ fn a_provider_that_is_not_running_is_named_once_per_retry_with_what_to_check_and
     );
     assert!(!request.contains("hi\""), "{request}");
     assert!(!stderr.contains('\u{1b}'), "{stderr:?}");
+
+    // A filter that does not parse is said, and the default level is used.
+    let out = run("keel_runtime==debug");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with("warning: KEEL_LOG=\"keel_runtime==debug\" is not a log filter ("),
+        "{stderr}"
+    );
+    assert!(stderr.contains("is Ollama running?") && !stderr.contains("model request"), "{stderr}");
 }
 
 #[test]
