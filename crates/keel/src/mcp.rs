@@ -8,28 +8,50 @@ use keel_core::{ErrorCode, RunFailure};
 
 /// Connects to `servers` in parallel (each within its `startup_timeout`) and checks their
 /// tools' names against each other and against `taken` (the agent's other tools): a name two
-/// sources share is `KEEL_MCP_TOOL_CONFLICT`, naming both.
+/// sources share is `KEEL_MCP_TOOL_CONFLICT`, naming both. The first failure, if any.
 pub async fn connect_all(servers: Vec<McpServerDef>, taken: &[String]) -> Result<Vec<McpServer>, RunFailure> {
+    let (servers, failures) = connect_each(servers, taken).await;
+    match failures.into_iter().next() {
+        Some(failure) => Err(failure),
+        None => Ok(servers),
+    }
+}
+
+/// [`connect_all`], keeping every failure (what `keel check` reports): the servers that
+/// connected with tools of their own names, and why each of the others is left out.
+pub async fn connect_each(servers: Vec<McpServerDef>, taken: &[String]) -> (Vec<McpServer>, Vec<RunFailure>) {
     let connected = futures::future::join_all(servers.into_iter().map(McpServer::connect)).await;
     let mut owners: std::collections::HashMap<String, String> =
         taken.iter().map(|name| (name.clone(), format!("the agent's tool `{name}`"))).collect();
     let mut servers = Vec::with_capacity(connected.len());
-    for server in connected {
-        let server = server.map_err(|error| RunFailure::new(error.code, error.message))?;
+    let mut failures = Vec::new();
+    'servers: for server in connected {
+        let server = match server {
+            Ok(server) => server,
+            Err(error) => {
+                failures.push(RunFailure::new(error.code, error.message));
+                continue;
+            }
+        };
+        let mut named = Vec::new();
         for remote in server.remote_tools() {
             let owner = format!("tool `{}` of MCP server `{}`", remote.remote_name, server.name());
-            if let Some(other) = owners.get(&remote.spec.name) {
-                return Err(RunFailure::new(
+            // Against the other sources, and against this server's own tools so far.
+            let same = named.iter().find(|(name, _): &&(String, String)| *name == remote.spec.name);
+            if let Some(other) = owners.get(&remote.spec.name).or(same.map(|(_, owner)| owner)) {
+                failures.push(RunFailure::new(
                     ErrorCode::McpToolConflict,
                     format!(
                         "two tools would be named `{}`: {owner} and {other}; give the server another `prefix`, or pick its tools with `only`",
                         remote.spec.name
                     ),
                 ));
+                continue 'servers;
             }
-            owners.insert(remote.spec.name.clone(), owner);
+            named.push((remote.spec.name.clone(), owner));
         }
+        owners.extend(named);
         servers.push(server);
     }
-    Ok(servers)
+    (servers, failures)
 }

@@ -332,14 +332,18 @@ async fn open(def: &McpServerDef, shared: &Arc<Shared>) -> Result<Connection, Mc
             cmd.stdin(std::process::Stdio::piped())
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped());
-            let mut child = cmd.spawn().map_err(|error| {
+            let child = cmd.spawn().map_err(|error| {
                 McpError::new(
                     ErrorCode::McpStartFailed,
                     format!("MCP server `{name}`: cannot start {program:?}: {error}"),
                 )
             })?;
+            // Guarded from here: a server that does not answer `initialize` in time, or
+            // fails it, is killed with its whole group (the `kill_on_drop` of its `Child`
+            // would kill only the supervisor that leads the group, and leave the server).
+            let mut child = ChildGuard(child);
             let (Some(stdout), Some(stdin), Some(stderr)) =
-                (child.stdout.take(), child.stdin.take(), child.stderr.take())
+                (child.0.stdout.take(), child.0.stdin.take(), child.0.stderr.take())
             else {
                 return Err(McpError::new(
                     ErrorCode::McpStartFailed,
@@ -350,7 +354,7 @@ async fn open(def: &McpServerDef, shared: &Arc<Shared>) -> Result<Connection, Mc
             let stdout = LineLimit::new(stdout, Arc::clone(shared));
             let serving = handler.serve((stdout, stdin));
             match tokio::time::timeout(def.startup_timeout, serving).await {
-                Ok(Ok(running)) => Ok(Ok(Connection { running, child: Some(ChildGuard(child)) })),
+                Ok(Ok(running)) => Ok(Ok(Connection { running, child: Some(child) })),
                 Ok(Err(error)) => Ok(Err(error.to_string())),
                 Err(elapsed) => Err(elapsed),
             }

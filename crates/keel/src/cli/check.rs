@@ -160,30 +160,33 @@ async fn mcp_tools(
         spec.builtin_tools.iter().map(|name| keel_tools::tool_name(name).to_owned()).collect();
     taken.extend(spec.command_tools.iter().map(|tool| tool.def.name.clone()));
     taken.extend(spec.subagents.iter().map(|sub| sub.name.clone()));
-    let servers = match keel::mcp::connect_all(spec.mcp.clone(), &taken).await {
-        Ok(servers) => servers,
-        Err(failure) => return (Vec::new(), vec![(failure.code, failure.message)]),
-    };
+    // Every server's failure, not only the first.
+    let (servers, failures) = keel::mcp::connect_each(spec.mcp.clone(), &taken).await;
+    let mut errors: Vec<(keel::ErrorCode, String)> =
+        failures.into_iter().map(|failure| (failure.code, failure.message)).collect();
     let listed: Vec<(String, Vec<String>)> = servers
         .iter()
         .map(|server| {
             (server.name().to_owned(), server.remote_tools().into_iter().map(|tool| tool.spec.name).collect())
         })
         .collect();
-    let errors = spec
-        .approval_tools
-        .iter()
-        .filter(|name| {
-            spec.mcp.iter().any(|server| name.starts_with(&server.tool_prefix()))
-                && !listed.iter().any(|(_, tools)| tools.contains(name))
+    // An approval for a server's tool is judged only when that server answered.
+    let answered = |name: &str| {
+        spec.mcp.iter().any(|server| {
+            name.starts_with(&server.tool_prefix()) && listed.iter().any(|(listed, _)| *listed == server.name)
         })
-        .map(|name| {
-            (
-                keel::ErrorCode::SpecInvalid,
-                format!("`approvals.tools` names `{name}`, which no MCP server of the agent offers"),
-            )
-        })
-        .collect();
+    };
+    errors.extend(
+        spec.approval_tools
+            .iter()
+            .filter(|name| answered(name) && !listed.iter().any(|(_, tools)| tools.contains(name)))
+            .map(|name| {
+                (
+                    keel::ErrorCode::SpecInvalid,
+                    format!("`approvals.tools` names `{name}`, which no MCP server of the agent offers"),
+                )
+            }),
+    );
     (listed, errors)
 }
 
@@ -210,6 +213,14 @@ async fn check_mcp(spec: keel_spec::AgentSpec) -> std::io::Result<u8> {
     }
     for (code, message) in &errors {
         eprintln!("error[{}]: {message}", code.as_str());
+    }
+    if !errors.is_empty() {
+        eprintln!(
+            "{} error{} with the MCP servers of {} (the spec itself is valid)",
+            errors.len(),
+            plural(errors.len()),
+            spec.name
+        );
     }
     Ok(if errors.is_empty() { exit::OK } else { exit::INVALID_AGENT })
 }

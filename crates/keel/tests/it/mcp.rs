@@ -349,6 +349,34 @@ fn keel_check_lists_each_servers_tools_and_offline_skips_them() {
     let online = Command::new(keel_binary()).arg("check").arg(broken.path()).output().unwrap();
     assert!(!online.status.success());
     assert!(String::from_utf8_lossy(&online.stderr).contains("error[KEEL_MCP_START_FAILED]"));
+    // Every server that fails is named, not only the first, and the one that answers is listed.
+    let several = tempfile::tempdir().unwrap();
+    let pid_file = several.path().join("mute.pid");
+    let spec = format!(
+        "model: mock\nmcp:\n  - {{ name: ghost, command: [/nonexistent/server] }}\n  - {{ name: closed, url: 'http://127.0.0.1:1/mcp' }}\n  - {{ name: mute, command: [sh, -c, 'echo $$ > {}; exec sleep 60'], startup_timeout: 1s }}\n  - {{ name: everything, command: [{}, stdio], only: [echo] }}\n",
+        pid_file.display(),
+        everything()
+    );
+    std::fs::write(several.path().join("agent.yaml"), spec).unwrap();
+    let online = Command::new(keel_binary()).arg("check").arg(several.path()).output().unwrap();
+    assert_eq!(online.status.code(), Some(1), "{online:?}");
+    let stderr = String::from_utf8_lossy(&online.stderr);
+    for server in ["ghost", "closed", "mute"] {
+        assert!(stderr.contains(&format!("MCP server `{server}`")), "{server}: {stderr}");
+    }
+    assert!(stderr.contains("3 errors with the MCP servers"), "{stderr}");
+    assert!(String::from_utf8_lossy(&online.stdout).contains("mcp `everything`: 1 tool: everything_echo"));
+    // The server that never answered was killed, not left running after keel.
+    let pid = std::fs::read_to_string(&pid_file).unwrap();
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{}/stat", pid.trim()))
+            .is_ok_and(|stat| stat.rsplit(") ").next().is_some_and(|rest| !rest.starts_with('Z')))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while alive() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(!alive(), "the MCP server {} outlived keel check", pid.trim());
 }
 
 #[test]
