@@ -215,12 +215,7 @@ async fn check_mcp(spec: keel_spec::AgentSpec) -> std::io::Result<u8> {
         eprintln!("error[{}]: {message}", code.as_str());
     }
     if !errors.is_empty() {
-        eprintln!(
-            "{} error{} with the MCP servers of {} (the spec itself is valid)",
-            errors.len(),
-            plural(errors.len()),
-            spec.name
-        );
+        eprintln!("{} error{} with the MCP servers of {}", errors.len(), plural(errors.len()), spec.name);
     }
     Ok(if errors.is_empty() { exit::OK } else { exit::INVALID_AGENT })
 }

@@ -127,8 +127,7 @@ enum Next {
 
 impl Context<'_> {
     /// Finishes the session's runs that nobody drives, showing them. Returns the exit code of
-    /// the first that did not end well, else [`exit::OK`].
-    /// Its exit code, and whether it resumed a run.
+    /// the first that did not end well (else [`exit::OK`]), and whether it resumed any run.
     pub(crate) async fn recover(&self) -> std::io::Result<(u8, bool)> {
         let handles = match self.agent.recover(Some(&self.args.session)).await {
             Ok(handles) => handles,
