@@ -767,13 +767,16 @@ fn chat_runs_a_turn_per_line_in_one_session() {
         "model: mock\ntools: [day_name]\nmock:\n  script:\n    - text: 'Hello!'\n    - tool_calls: [{ name: day_name, input: {} }]\n    - text: 'Today is {{last_tool_output}}.'\n",
     )]);
     let store = format!("sqlite:{}", dir.path().join("keel.db").display());
-    let output = keel()
-        .args(["chat"])
-        .arg(dir.path())
-        .args(["--session", "talk", "--store", &store])
-        .write_stdin("hi\n\nwhat day is it?\n/exit\nnot read\n")
-        .output()
-        .unwrap();
+    let chat = |lines: &str| {
+        keel()
+            .args(["chat"])
+            .arg(dir.path())
+            .args(["--session", "talk", "--store", &store])
+            .write_stdin(lines)
+            .output()
+            .unwrap()
+    };
+    let output = chat("hi\n\nwhat day is it?\n/exit\nnot read\n");
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let stdout = String::from_utf8(output.stdout).unwrap();
     let day = weekdays_now();
@@ -787,13 +790,7 @@ fn chat_runs_a_turn_per_line_in_one_session() {
     let show = keel().args(["sessions", "show", "talk", "--store", &store]).output().unwrap();
     let transcript = String::from_utf8(show.stdout).unwrap();
     assert!(transcript.starts_with("user: hi\nassistant: Hello!\nuser: what day is it?\n"), "{transcript}");
-    let again = keel()
-        .args(["chat"])
-        .arg(dir.path())
-        .args(["--session", "talk", "--store", &store])
-        .write_stdin("and now?\n")
-        .output()
-        .unwrap();
+    let again = chat("and now?\n");
     assert!(again.status.success());
     assert_eq!(
         String::from_utf8(again.stdout).unwrap(),
@@ -801,13 +798,7 @@ fn chat_runs_a_turn_per_line_in_one_session() {
         "the script is spent: the mock echoes"
     );
     // `/help` and unknown `/word`s are answered here, not sent; `//` and a path are sent.
-    let commands = keel()
-        .args(["chat"])
-        .arg(dir.path())
-        .args(["--session", "talk", "--store", &store])
-        .write_stdin("/help\n/nope\n//nope\n/etc/hosts?\n")
-        .output()
-        .unwrap();
+    let commands = chat("/help\n/nope\n//nope\n/etc/hosts?\n");
     assert!(commands.status.success(), "{commands:?}");
     assert_eq!(
         String::from_utf8(commands.stdout).unwrap(),
