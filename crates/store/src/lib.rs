@@ -11,8 +11,8 @@
 //! - [`PostgresStore`]: a PostgreSQL database, shared by any number of instances (the
 //!   `postgres` cargo feature, on by default).
 //!
-//! [`open`] picks one from a `--store` value. Every backend must pass [`conformance`], the same
-//! tests for all, one or more per rule.
+//! [`open`] picks one from a `--store` value ([`open_existing`] without creating a SQLite
+//! file). Every backend must pass [`conformance`], the same tests for all, one or more per rule.
 
 pub mod backend;
 pub mod conformance;
@@ -63,6 +63,19 @@ pub fn open(spec: &str) -> Result<Arc<dyn Store>, StoreError> {
     Err(StoreError::Unavailable(format!(
         "unknown store {spec:?}: use `memory`, `sqlite:<path>` or `postgres://user@host:port/database`"
     )))
+}
+
+/// [`open`] for a caller that only looks at a store or tidies it: a SQLite file that does not
+/// exist is read as an empty store, and nothing is created (no file, no directory), so that a
+/// mistyped path or the default one asked from another directory leaves nothing behind.
+pub fn open_existing(spec: &str) -> Result<Arc<dyn Store>, StoreError> {
+    if let Some(path) = spec.strip_prefix("sqlite:")
+        && !path.is_empty()
+        && matches!(std::path::Path::new(path).try_exists(), Ok(false))
+    {
+        return Ok(Arc::new(MemoryStore::new()));
+    }
+    open(spec)
 }
 
 /// [`PostgresOptions`] from the environment (`KEEL_STORE_POOL`, `KEEL_STORE_STATEMENT_TIMEOUT`).
@@ -121,5 +134,22 @@ mod without_postgres {
             assert!(message.contains("sqlite:<path>"), "{message}");
             assert!(!message.contains("hunter2"), "{message}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn open_existing_reads_a_missing_sqlite_file_as_empty_and_creates_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("not/yet/keel.db");
+        let spec = format!("sqlite:{}", path.display());
+        let store = open_existing(&spec).unwrap();
+        assert!(store.list_sessions(keel_core::SessionFilter::default()).await.unwrap().is_empty());
+        assert!(!dir.path().join("not").exists(), "a directory was created");
+        assert!(!path.exists());
+        assert!(open_existing("sqlite:").is_err(), "an empty path is still refused");
     }
 }

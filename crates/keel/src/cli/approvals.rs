@@ -70,7 +70,7 @@ async fn list(session: Option<&str>, json: bool, args: &StoreArgs) -> std::io::R
             return Ok(2);
         }
     };
-    let store = match super::inspect_store(&args.store) {
+    let store = match keel_store::open_existing(&args.store) {
         Ok(store) => store,
         Err(error) => {
             eprintln!("error[{}]: {error}", error.code());
@@ -109,7 +109,7 @@ async fn list(session: Option<&str>, json: bool, args: &StoreArgs) -> std::io::R
 }
 
 async fn decide(id: Option<String>, decision: Decision, target: &DecisionTarget) -> std::io::Result<u8> {
-    let store = match super::inspect_store(&target.store.store) {
+    let store = match keel_store::open_existing(&target.store.store) {
         Ok(store) => store,
         Err(error) => {
             eprintln!("error[{}]: {error}", error.code());

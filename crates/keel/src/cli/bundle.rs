@@ -231,7 +231,7 @@ fn cache_root() -> io::Result<PathBuf> {
                 Err(error) => last = error,
             },
             Err(error) => {
-                last = io::Error::new(error.kind(), format!("cannot create {}: {error}", dir.display()));
+                last = super::at_path("create", &dir)(error);
             }
         }
     }

@@ -47,7 +47,7 @@ pub(crate) fn cancel(args: &CancelArgs) -> std::io::Result<u8> {
                 }
             });
         }
-        let store = match super::inspect_store(&args.store.store) {
+        let store = match keel_store::open_existing(&args.store.store) {
             Ok(store) => store,
             Err(error) => {
                 eprintln!("error[{}]: {error}", error.code());

@@ -52,7 +52,7 @@ fn check_kind(kind: Option<&str>) -> Result<(), String> {
 }
 
 fn open(args: &StoreArgs) -> Result<std::sync::Arc<dyn Store>, std::io::Result<u8>> {
-    super::inspect_store(&args.store).map_err(|error| fail(exit::INVALID_AGENT, error.code(), &error))
+    keel_store::open_existing(&args.store).map_err(|error| fail(exit::INVALID_AGENT, error.code(), &error))
 }
 
 fn when(ms: u64) -> String {

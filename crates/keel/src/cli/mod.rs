@@ -405,25 +405,10 @@ pub(crate) async fn open_store(url: &str) -> Option<std::sync::Arc<dyn keel_core
     open_store_with(url, keel_store::open).await
 }
 
-/// [`open_store`] for a command that only looks at a store or tidies it: see [`inspect_store`].
+/// [`open_store`] for a command that only looks at a store or tidies it
+/// ([`keel_store::open_existing`]: a missing SQLite file is empty, and not created).
 pub(crate) async fn open_store_to_inspect(url: &str) -> Option<std::sync::Arc<dyn keel_core::Store>> {
-    open_store_with(url, inspect_store).await
-}
-
-/// Opens the store of a command that looks at it or tidies it (`keel sessions`, `approvals`,
-/// `memory`, `cancel`, `runs`): a SQLite file that does not exist is read as an empty store
-/// instead of being created, directories and all, by a command that writes nothing into it (a
-/// mistyped `--store`, or the default `.keel/keel.db` asked from another directory).
-pub(crate) fn inspect_store(
-    url: &str,
-) -> Result<std::sync::Arc<dyn keel_core::Store>, keel_core::StoreError> {
-    if let Some(path) = url.strip_prefix("sqlite:")
-        && !path.is_empty()
-        && matches!(std::path::Path::new(path).try_exists(), Ok(false))
-    {
-        return Ok(std::sync::Arc::new(keel_store::MemoryStore::new()));
-    }
-    keel_store::open(url)
+    open_store_with(url, keel_store::open_existing).await
 }
 
 async fn open_store_with(

@@ -53,7 +53,7 @@ pub(crate) fn sessions(command: SessionsCommand) -> std::io::Result<u8> {
 }
 
 fn open(args: &StoreArgs) -> Outcome<Arc<dyn Store>> {
-    super::inspect_store(&args.store).map_err(|error| fail(exit::INVALID_AGENT, error.code(), &error))
+    keel_store::open_existing(&args.store).map_err(|error| fail(exit::INVALID_AGENT, error.code(), &error))
 }
 
 /// A session id as `keel sessions list` prints it: a client's id, or one scoped to a JWT
