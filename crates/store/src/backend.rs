@@ -264,6 +264,11 @@ impl<B: Backend> Ruled<B> {
 }
 
 /// Stored data that does not decode: `KEEL_STORE_CORRUPT`.
+/// A count as SQL stores it (a signed 64-bit integer), saturating.
+pub(crate) fn signed(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 pub(crate) fn corrupt(error: impl std::fmt::Display) -> StoreError {
     StoreError::Corrupt(error.to_string())
 }

@@ -50,7 +50,7 @@ use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
 
 use crate::backend::{
     Backend, Ruled, RunControl, Tx, Work, corrupt, memory_item, memory_owner_rows, read_limits,
-    scope_parameters, stored_delayed_state, stored_limits, stored_run_id, stored_state,
+    scope_parameters, signed, stored_delayed_state, stored_limits, stored_run_id, stored_state,
 };
 
 /// The schema, one migration per version (index 0 makes version 1).
@@ -785,11 +785,6 @@ const SESSION_WRITE: &str = "INSERT INTO sessions (id, message_count, created_at
      ON CONFLICT (id) DO UPDATE SET message_count = excluded.message_count, updated_at = excluded.updated_at,
        input_tokens = input_tokens + excluded.input_tokens, output_tokens = output_tokens + excluded.output_tokens";
 
-/// Tokens as stored (SQLite integers are signed).
-fn stored_tokens(n: u64) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
-}
-
 impl<'c> SqliteTx<'c> {
     fn new(c: &'c Connection) -> SqliteTx<'c> {
         SqliteTx { c, usage: None }
@@ -813,12 +808,7 @@ impl<'c> SqliteTx<'c> {
              VALUES (?1, 0, ?2, ?2, ?3, ?4)
              ON CONFLICT (id) DO UPDATE SET input_tokens = input_tokens + excluded.input_tokens,
                output_tokens = output_tokens + excluded.output_tokens",
-            params![
-                session.as_str(),
-                now_ms as i64,
-                stored_tokens(usage.input_tokens),
-                stored_tokens(usage.output_tokens)
-            ],
+            params![session.as_str(), now_ms as i64, signed(usage.input_tokens), signed(usage.output_tokens)],
         )
         .map(drop)
     }
@@ -908,8 +898,8 @@ impl Tx for SqliteTx<'_> {
                 session.as_str(),
                 count as i64,
                 now_ms as i64,
-                stored_tokens(usage.input_tokens),
-                stored_tokens(usage.output_tokens)
+                signed(usage.input_tokens),
+                signed(usage.output_tokens)
             ],
         )
         .map(drop)

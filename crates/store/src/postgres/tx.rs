@@ -35,8 +35,8 @@ use postgres::{Row, Statement};
 
 use super::{CommitSubject, Params, is_retryable, map_error};
 use crate::backend::{
-    RunControl, SessionRows, Tx, corrupt, memory_item, memory_owner_rows, read_limits, stored_delayed_state,
-    stored_limits, stored_run_id, stored_state,
+    RunControl, SessionRows, Tx, corrupt, memory_item, memory_owner_rows, read_limits, signed,
+    stored_delayed_state, stored_limits, stored_run_id, stored_state,
 };
 
 /// How many run-to-session entries a store remembers before it starts over.
@@ -655,10 +655,6 @@ pub(super) fn get<'r, T: FromSql<'r>>(row: &'r Row, index: usize) -> Result<T, S
 
 fn count(row: &Row, index: usize) -> Result<u64, StoreError> {
     Ok(get::<i64>(row, index)?.max(0) as u64)
-}
-
-fn signed(n: u64) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 fn session_id(id: String) -> Result<SessionId, StoreError> {
