@@ -7,7 +7,8 @@
 use std::path::Path;
 
 use keel_core::ErrorCode;
-use saphyr::{LoadableYamlNode, MarkedYaml, Scalar, YamlData};
+use saphyr::{MarkedYaml, Scalar, YamlData, YamlLoader};
+use saphyr_parser::{Event, Parser, SpannedEventReceiver};
 use serde_json::Value;
 
 use crate::diagnostic::{Diagnostic, Pos};
@@ -125,15 +126,14 @@ fn syntax(file: &Path, pos: Pos, message: String) -> Diagnostic {
     Diagnostic::error(ErrorCode::SpecSyntax, file, pos, message)
 }
 
+/// How deeply lists and mappings may nest in a YAML file: deeper than any spec needs (a tool's
+/// input schema nests a few levels), and as deep as serde_json lets JSON nest. The tree is
+/// converted and dropped recursively, so a file nested thousands of levels deep would
+/// overflow the stack and abort the process; it is refused instead.
+pub(crate) const MAX_DEPTH: usize = 128;
+
 pub(crate) fn parse_yaml(text: &str, file: &Path) -> Result<Node, Diagnostic> {
-    let docs = MarkedYaml::load_from_str(text).map_err(|error| {
-        let mark = error.marker();
-        syntax(
-            file,
-            Pos { line: mark.line(), col: mark.col() + 1 },
-            format!("invalid YAML: {}", error.info()),
-        )
-    })?;
+    let docs = load_yaml(text, file)?;
     match docs.len() {
         0 => Ok(Node { kind: Kind::Map(Vec::new()), pos: Pos { line: 1, col: 1 } }),
         1 => from_yaml(&docs[0], file),
@@ -143,6 +143,44 @@ pub(crate) fn parse_yaml(text: &str, file: &Path) -> Result<Node, Diagnostic> {
             "the file holds several YAML documents; a spec is one document".into(),
         )),
     }
+}
+
+/// saphyr's documents for `text`, nested at most [`MAX_DEPTH`] levels. The parser is driven
+/// event by event: its own `load` recurses once per level of block nesting, with no limit
+/// (only flow collections, `[[[`, have one), so it is not used.
+fn load_yaml<'a>(text: &'a str, file: &Path) -> Result<Vec<MarkedYaml<'a>>, Diagnostic> {
+    let invalid = |error: saphyr::ScanError| {
+        let mark = error.marker();
+        syntax(
+            file,
+            Pos { line: mark.line(), col: mark.col() + 1 },
+            format!("invalid YAML: {}", error.info()),
+        )
+    };
+    let mut loader = YamlLoader::<MarkedYaml<'a>>::default();
+    let mut depth = 0usize;
+    for event in Parser::new_from_str(text) {
+        let (event, span) = event.map_err(invalid)?;
+        match event {
+            Event::SequenceStart(..) | Event::MappingStart(..) => {
+                depth += 1;
+                if depth > MAX_DEPTH {
+                    return Err(syntax(
+                        file,
+                        Pos { line: span.start.line(), col: span.start.col() + 1 },
+                        format!("lists and mappings nest more than {MAX_DEPTH} levels deep here"),
+                    ));
+                }
+            }
+            Event::SequenceEnd | Event::MappingEnd => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        loader.on_event(event, span);
+        if let Some(error) = loader.error() {
+            return Err(invalid(error.clone()));
+        }
+    }
+    Ok(loader.into_documents())
 }
 
 fn yaml_pos(node: &MarkedYaml<'_>) -> Pos {
@@ -287,6 +325,40 @@ mod tests {
             positions(&json),
             [("name".into(), Pos { line: 2, col: 11 }), ("limits".into(), Pos { line: 3, col: 3 })]
         );
+    }
+
+    /// Lists and mappings nested `levels` deep: in block style (which saphyr's own loader
+    /// recurses on without a limit) one level per line and all on one line, and in flow style.
+    fn nested(levels: usize) -> [String; 4] {
+        let block: String = (0..levels).map(|i| format!("{}-\n", " ".repeat(i * 2))).collect();
+        let mapping: String = (0..levels).map(|i| format!("{}a:\n", " ".repeat(i))).collect();
+        let one_line = format!("{}x\n", "- ".repeat(levels));
+        let flow = format!("{}{}\n", "[".repeat(levels), "]".repeat(levels));
+        [block, mapping, one_line, flow]
+    }
+
+    #[test]
+    fn a_file_nested_too_deep_is_an_error_not_a_crash() {
+        let file = Path::new("agent.yaml");
+        // 20,000 levels overflowed the stack of the loader (a test thread's, and `keel check`'s
+        // main thread) and aborted the process.
+        for text in nested(20_000) {
+            let err = parse(&format!("model: mock\nx:\n{text}"), Format::Yaml, file).unwrap_err();
+            assert_eq!(err.code, ErrorCode::SpecSyntax);
+            // Flow style (`[[[`) meets the scanner's own limit first, further on.
+            assert!(
+                err.message.contains("nest more than 128 levels") || err.message.contains("recursion limit"),
+                "{err}"
+            );
+            assert!((3..140).contains(&err.pos.line) && err.pos.col < 260, "{err}");
+        }
+        // What a spec may need loads, at the limit too.
+        for text in nested(MAX_DEPTH - 1) {
+            let node = parse(&format!("x:\n{text}"), Format::Yaml, file);
+            assert!(node.is_ok() || !node.unwrap_err().message.contains("nest"), "refused at the limit");
+        }
+        let deep_schema = format!("x: {}1{}\n", "{a: ".repeat(MAX_DEPTH - 1), "}".repeat(MAX_DEPTH - 1));
+        assert!(parse(&deep_schema, Format::Yaml, file).is_ok());
     }
 
     #[test]

@@ -296,6 +296,14 @@ fn check_prints_every_problem_with_its_place() {
         assert!(stderr.contains(expected), "missing {expected:?} in:\n{stderr}");
     }
     assert!(!stderr.contains("panicked"));
+    // A file nested tens of thousands of levels deep overflowed the loader's stack and
+    // aborted keel (exit 134): it is one more error at its place.
+    let deep = format!("model: mock\nlimits:\n  x:\n  {}1\n", "- ".repeat(50_000));
+    std::fs::create_dir_all(dir.path().join("deep")).unwrap();
+    std::fs::write(dir.path().join("deep/agent.yaml"), deep).unwrap();
+    keel().current_dir(dir.path()).args(["check", "deep"]).assert().code(1).stderr(predicate::str::contains(
+        "error[KEEL_SPEC_SYNTAX]: lists and mappings nest more than 128 levels deep here\n  --> deep/agent.yaml:4:",
+    ));
     // `run` refuses the same agent, with the same diagnostics.
     keel()
         .current_dir(dir.path())
