@@ -17,6 +17,7 @@ mod clock;
 mod command;
 pub mod compose;
 mod function;
+pub mod html;
 pub mod http;
 #[cfg(feature = "js")]
 pub mod js;

@@ -53,8 +53,33 @@ impl WebFetch {
     }
 }
 
+/// A page's title and main content.
+#[derive(Debug)]
+pub struct Readable {
+    /// The title.
+    pub title: String,
+    /// The main content as Markdown.
+    pub markdown: String,
+    /// Whether only the start of the page was read: its elements nest deeper than
+    /// [`crate::html::MAX_NESTING`] further on.
+    pub cut_at_nesting: bool,
+}
+
+impl Readable {
+    /// What the tool's `truncated` says when the page was read only in part.
+    pub fn nesting_note(&self) -> Option<String> {
+        self.cut_at_nesting.then(|| {
+            format!(
+                "the page nests its elements more than {} levels deep; it was read up to there",
+                crate::html::MAX_NESTING
+            )
+        })
+    }
+}
+
 /// The page's title and main content as Markdown.
-pub fn readable_markdown(html: &str, url: &str) -> Result<(String, String), String> {
+pub fn readable_markdown(html: &str, url: &str) -> Result<Readable, String> {
+    let (html, cut_at_nesting) = crate::html::within_nesting(html);
     let config =
         Config { text_mode: TextMode::Markdown, max_elements_to_parse: MAX_ELEMENTS, ..Config::default() };
     let mut readability = Readability::new(html, Some(url), Some(config)).map_err(|e| e.to_string())?;
@@ -64,7 +89,7 @@ pub fn readable_markdown(html: &str, url: &str) -> Result<(String, String), Stri
         Ok(article) => article,
         Err(_) => readability.parse_with_policy(ParsePolicy::Raw).map_err(|e| e.to_string())?,
     };
-    Ok((article.title, article.text_content.to_string()))
+    Ok(Readable { title: article.title, markdown: article.text_content.to_string(), cut_at_nesting })
 }
 
 fn cut(text: &str, max_chars: usize) -> (String, bool) {
@@ -104,16 +129,18 @@ impl Tool for WebFetch {
                 .unwrap_or_default();
             let body = String::from_utf8_lossy(&page.body).into_owned();
             let final_url = page.url.to_string();
-            let (title, content) = match media_type.as_str() {
+            let (title, content, nesting_note) = match media_type.as_str() {
                 "text/html" | "application/xhtml+xml" | "" => {
                     let url = final_url.clone();
-                    tokio::task::spawn_blocking(move || readable_markdown(&body, &url))
+                    let page = tokio::task::spawn_blocking(move || readable_markdown(&body, &url))
                         .await
                         .map_err(|e| ToolError::failed(format!("reading the page stopped: {e}")))?
-                        .map_err(|e| ToolError::failed(format!("could not read the page: {e}")))?
+                        .map_err(|e| ToolError::failed(format!("could not read the page: {e}")))?;
+                    let note = page.nesting_note();
+                    (page.title, page.markdown, note)
                 }
                 t if t.starts_with("text/") || t.ends_with("json") || t.ends_with("xml") => {
-                    (String::new(), body)
+                    (String::new(), body, None)
                 }
                 other => {
                     return Err(ToolError::failed(format!(
@@ -125,6 +152,9 @@ impl Tool for WebFetch {
             let mut output = json!({ "url": final_url, "title": title, "content": content });
             if truncated || page.truncated {
                 output["truncated"] = json!(format!("the content was cut at {max_chars} characters"));
+            }
+            if let Some(note) = nesting_note {
+                output["truncated"] = json!(note);
             }
             Ok(output)
         })

@@ -94,3 +94,30 @@ async fn the_same_guard_as_http_request_applies() {
     }
     assert!(server.requests().is_empty());
 }
+
+/// A page built to wreck a parser: 20,000 nested tables (300 KB) overflowed the stack of the
+/// thread reading it and aborted the process; nested lists came out as hundreds of megabytes
+/// of indented Markdown. The page is read up to where it nests too deep.
+#[tokio::test]
+async fn a_page_nested_to_wreck_the_parser_is_read_up_to_where_it_does() {
+    let hostile = |nest: &str, levels: usize| {
+        ARTICLE.replace("<footer>", &format!("{}trap</footer>", nest.repeat(levels)))
+    };
+    let server = WireServer::start(vec![
+        Reply::new(200, "text/html", hostile("<table><tr><td>", 20_000)),
+        Reply::new(200, "text/html", hostile("<ul><li>x", 8_000)),
+        Reply::new(200, "text/html", hostile("<div>", 100_000)),
+    ])
+    .await;
+    let tool = tool(true);
+    for _ in 0..3 {
+        let page = fetch(&tool, json!({"url": server.url(), "max_chars": 200_000})).await.unwrap();
+        let content = page["content"].as_str().unwrap();
+        assert!(content.contains("should not pay for the same model call twice"), "{content}");
+        assert!(!content.contains("trap"), "{content}");
+        assert_eq!(
+            page["truncated"],
+            "the page nests its elements more than 256 levels deep; it was read up to there"
+        );
+    }
+}

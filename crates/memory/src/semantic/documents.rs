@@ -260,6 +260,13 @@ fn utf8_text(bytes: &[u8]) -> Result<String, String> {
 /// is not an article with navigation around it).
 fn html_text(html: &str) -> Result<(String, String), String> {
     use dom_smoothie::{Config, ParsePolicy, Readability, TextMode};
+    // A page nested that deep costs the parser minutes, or its stack (see `keel_tools::html`).
+    if keel_tools::html::within_nesting(html).1 {
+        return Err(format!(
+            "nests its elements more than {} levels deep, which no document needs: skipped",
+            keel_tools::html::MAX_NESTING
+        ));
+    }
     let config =
         Config { text_mode: TextMode::Markdown, max_elements_to_parse: 200_000, ..Config::default() };
     let mut readability = Readability::new(html, None, Some(config))

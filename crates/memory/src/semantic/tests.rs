@@ -181,8 +181,11 @@ async fn markdown_text_html_and_pdf_are_indexed_with_positions_and_found_by_thei
 async fn binary_junk_huge_files_broken_pdfs_and_copies_are_skipped_with_a_warning_each() {
     let mut junk = vec![0u8, 159, 146, 150, 255, 0, 1, 2];
     junk.extend(std::iter::repeat_n(7u8, 1000));
+    // 20,000 nested tables overflowed the parser's stack and aborted the process.
+    let nested = format!("<html><body>{}deep</body></html>", "<table><tr><td>".repeat(20_000));
     let docs = folder(&[
         ("good.md", REFUNDS.as_bytes()),
+        ("nested.html", nested.as_bytes()),
         ("z-copy.md", REFUNDS.as_bytes()),
         ("junk.txt", &junk),
         ("latin1.txt", b"caf\xe9 cr\xe8me"),
@@ -208,6 +211,7 @@ async fn binary_junk_huge_files_broken_pdfs_and_copies_are_skipped_with_a_warnin
         ("huge.txt", "is 200 MB, over the 32 MB"),
         ("junk.txt", "binary data"),
         ("latin1.txt", "not UTF-8"),
+        ("nested.html", "nests its elements more than 256 levels deep"),
         ("passwd.txt", "symbolic link"),
         ("photo.png", "not a document keel reads"),
         ("scanned.pdf", "no text"),

@@ -449,15 +449,18 @@ impl Page {
             self.evaluate("({ html: document.documentElement.outerHTML, url: location.href })").await?;
         let (html, url) =
             (page["html"].as_str().unwrap_or_default(), page["url"].as_str().unwrap_or_default());
-        let (title, markdown) = crate::web_fetch::readable_markdown(html, url)
+        let page = crate::web_fetch::readable_markdown(html, url)
             .map_err(|error| ToolError::failed(format!("cannot read the page: {error}")))?;
-        let mut output = json!({ "url": url, "title": title });
-        match markdown.char_indices().nth(max_chars) {
+        let mut output = json!({ "url": url, "title": page.title });
+        match page.markdown.char_indices().nth(max_chars) {
             Some((at, _)) => {
-                output["markdown"] = json!(&markdown[..at]);
+                output["markdown"] = json!(&page.markdown[..at]);
                 output["truncated"] = json!(format!("cut at {max_chars} characters (`max_chars`)"));
             }
-            None => output["markdown"] = json!(markdown),
+            None => output["markdown"] = json!(page.markdown),
+        }
+        if let Some(note) = page.nesting_note() {
+            output["truncated"] = json!(note);
         }
         Ok(output)
     }
