@@ -731,7 +731,9 @@ const PERSISTENT_STORE: &str = "sqlite:.keel/keel.db";
 /// text, or as one JSON object per line with `KEEL_LOG_FORMAT=json` (for log collectors).
 fn init_logging(default: &str) {
     // rmcp logs, as errors, what keel reports itself with a code (an MCP server that did not
-    // start, a line it dropped): unless asked for (`KEEL_LOG=rmcp=debug`), it stays quiet.
+    // start, a line it dropped), as the PDF parser (lopdf) logs the broken objects of a document
+    // keel skips with a warning of its own: unless asked for (`KEEL_LOG=rmcp=debug`), they stay
+    // quiet.
     let variable = keel_core::env::LOG.name;
     let filter = tracing_subscriber::EnvFilter::try_from_env(variable).unwrap_or_else(|error| {
         // Unset is the default; a value that does not parse is said, not silently dropped.
@@ -741,7 +743,7 @@ fn init_logging(default: &str) {
                  (write a level, `debug`, or targets, `keel_runtime=debug,info`)"
             );
         }
-        tracing_subscriber::EnvFilter::new(format!("{default},rmcp=off"))
+        tracing_subscriber::EnvFilter::new(format!("{default},rmcp=off,lopdf=off"))
     });
     // Colours only for a terminal: `keel serve 2> serve.log` writes plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());

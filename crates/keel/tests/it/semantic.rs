@@ -225,11 +225,20 @@ fn keel_check_names_each_bad_file_and_refuses_top_k_out_of_range() {
         ("memory/again.md", REFUNDS),
         ("memory/broken.pdf", "%PDF-1.7\n1 0 obj garbage"),
         ("memory/logo.svg", "<svg/>"),
+        // Its cross-reference table points past the end: the PDF parser logged an ERROR line
+        // of its own beside keel's warning.
+        (
+            "memory/bad-xref.pdf",
+            "%PDF-1.4\n1 0 obj\n<< /Type /Catalog /Pages 2 0 R >>\nendobj\nxref\n0 3\n0000000000 65535 f \n\
+             0000000009 00000 n \n0000000999 00000 n \ntrailer\n<< /Size 3 /Root 1 0 R >>\nstartxref\n58\n%%EOF\n",
+        ),
     ]);
     std::fs::write(dir.path().join("memory/junk.txt"), [0u8, 255, 254, 0, 13]).unwrap();
     let huge = std::fs::File::create(dir.path().join("memory/dump.txt")).unwrap();
     huge.set_len(200 * 1024 * 1024).unwrap();
-    let check = || keel().current_dir(dir.path()).args(["check", "."]).output().unwrap();
+    // Logging as a user's would be, by default.
+    let check =
+        || keel().env_remove("KEEL_LOG").current_dir(dir.path()).args(["check", "."]).output().unwrap();
     let out = check();
     let stderr = String::from_utf8_lossy(&out.stderr);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -240,13 +249,15 @@ fn keel_check_names_each_bad_file_and_refuses_top_k_out_of_range() {
         ("logo.svg", "is not a document keel reads"),
         ("junk.txt", "holds binary data"),
         ("dump.txt", "is 200 MB"),
+        ("bad-xref.pdf", "has no text to read"),
     ] {
         assert!(
             stderr.lines().any(|l| l.starts_with("warning: ") && l.contains(file) && l.contains(why)),
             "{file}: {stderr}"
         );
     }
-    assert!(stdout.contains("(5 warnings)") && stdout.contains("(1 document, 2 passages)"), "{stdout}");
+    assert!(stderr.lines().all(|l| l.starts_with("warning: ")), "only keel's warnings: {stderr}");
+    assert!(stdout.contains("(6 warnings)") && stdout.contains("(1 document, 2 passages)"), "{stdout}");
     // The agent starts all the same, and answers.
     let run = keel_on_store(dir.path(), &["run", ".", "refund?"]).output().unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
