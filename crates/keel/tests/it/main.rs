@@ -7,6 +7,7 @@ mod build;
 mod channels;
 mod cli;
 mod durability;
+mod hostile_requests;
 mod hostile_specs;
 mod instances;
 mod loop_control;
