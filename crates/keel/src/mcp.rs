@@ -8,11 +8,19 @@ use keel_core::{ErrorCode, RunFailure};
 
 /// Connects to `servers` in parallel (each within its `startup_timeout`) and checks their
 /// tools' names against each other and against `taken` (the agent's other tools): a name two
-/// sources share is `KEEL_MCP_TOOL_CONFLICT`, naming both. The first failure, if any.
+/// sources share is `KEEL_MCP_TOOL_CONFLICT`, naming both. On failure, the first one's code,
+/// and every failure in the message (one line each), so that one start names all that is
+/// wrong.
 pub async fn connect_all(servers: Vec<McpServerDef>, taken: &[String]) -> Result<Vec<McpServer>, RunFailure> {
     let (servers, failures) = connect_each(servers, taken).await;
-    match failures.into_iter().next() {
-        Some(failure) => Err(failure),
+    let mut failures = failures.into_iter();
+    match failures.next() {
+        Some(mut first) => {
+            for other in failures {
+                first.message.push_str(&format!("\nalso error[{}]: {}", other.code, other.message));
+            }
+            Err(first)
+        }
         None => Ok(servers),
     }
 }

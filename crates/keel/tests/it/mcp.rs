@@ -366,6 +366,20 @@ fn keel_check_lists_each_servers_tools_and_offline_skips_them() {
     }
     assert!(stderr.contains("3 errors with the MCP servers"), "{stderr}");
     assert!(String::from_utf8_lossy(&online.stdout).contains("mcp `everything`: 1 tool: everything_echo"));
+    // `keel run` refuses to start, naming all three too (it named only the first).
+    let run = Command::new(keel_binary())
+        .env("KEEL_LOG", "off")
+        .arg("run")
+        .arg(several.path())
+        .arg("hi")
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(1), "{run:?}");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    for server in ["ghost", "closed", "mute"] {
+        assert!(stderr.contains(&format!("MCP server `{server}`")), "{server}: {stderr}");
+    }
+    assert_eq!(stderr.matches("\nalso error[KEEL_MCP_").count(), 2, "{stderr}");
     // The server that never answered was killed, not left running after keel.
     let pid = std::fs::read_to_string(&pid_file).unwrap();
     let alive = || {
