@@ -136,6 +136,13 @@ fn describe<'js>(ctx: &Ctx<'js>, thrown: JsValue<'js>) -> String {
         let message = exception.message().unwrap_or_default();
         return format!("{name}: {message}");
     }
+    // QuickJS throws `null` when it runs out of memory making the error itself.
+    if thrown.is_null() {
+        return format!(
+            "the script threw null, or ran out of memory (the sandbox has {} MiB)",
+            MEMORY_LIMIT / (1024 * 1024)
+        );
+    }
     match ctx.json_stringify(thrown.clone()) {
         Ok(Some(text)) => format!("uncaught {}", text.to_string().unwrap_or_default()),
         _ => "uncaught exception".into(),

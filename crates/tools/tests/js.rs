@@ -91,6 +91,14 @@ async fn a_memory_bomb_hits_the_heap_limit() {
     let strings = failure(json!({"code": "let s = 'x'; while (true) s = s + s;"})).await;
     let error = strings["error"].as_str().unwrap();
     assert!(error.contains("out of memory") || error.contains("string too long"), "{strings}");
+    // Out of memory with no room left for the error: QuickJS throws null, which said only
+    // "uncaught null".
+    let nested =
+        failure(json!({"code": "let a = []; for (let i = 0; i < 1e7; i++) a = [a]; return 1;"})).await;
+    assert!(
+        nested["error"].as_str().unwrap().contains("ran out of memory (the sandbox has 64 MiB)"),
+        "{nested}"
+    );
 }
 
 #[tokio::test]
