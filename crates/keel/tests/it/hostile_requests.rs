@@ -11,19 +11,10 @@ use std::time::Duration;
 use reqwest::{Method, header};
 use serde_json::{Value, json};
 
-use crate::serve::{Served, client, read_sse};
+use crate::serve::{APPROVAL_AGENT, Served, client, read_sse};
 use crate::support::agent_dir;
 
 const TOKEN: &str = "hostile-test-token";
-
-const AGENT: &str = "model: mock
-tools: [day_name]
-approvals: { tools: [day_name] }
-mock:
-  script:
-    - tool_calls: [{ name: day_name, input: {} }]
-    - text: 'Today is {{last_tool_output}}.'
-";
 
 const CHANNEL: &str = "type: github\nsecret_env: HOSTILE_GH_SECRET\nevents: [issues.opened]\n";
 
@@ -132,7 +123,7 @@ fn hostile_body(rng: &mut fastrand::Rng) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_requests_get_coded_4xx_answers_and_the_server_keeps_serving() {
     let cases: usize = std::env::var("KEEL_HTTP_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(600);
-    let dir = agent_dir(&[("agent.yaml", AGENT), ("channels/issues.yaml", CHANNEL)]);
+    let dir = agent_dir(&[("agent.yaml", APPROVAL_AGENT), ("channels/issues.yaml", CHANNEL)]);
     let server = Served::start(
         dir.path(),
         "memory",
