@@ -227,6 +227,11 @@ async fn hostile_pages_fail_cleanly_and_the_browser_serves_on() {
     let server = WireServer::responding(|request: &Recorded| match request.path.as_str() {
         "/never" => Reply::new(200, "text/html", "<html><body>Still loading".repeat(10)).hang_after(30),
         "/huge" => Reply::new(200, "text/html", vec![b'a'; 8 * 1024 * 1024]),
+        "/deep" => Reply::new(
+            200,
+            "text/html",
+            format!("<html><body><h1>Deep</h1><p>Read this.</p>{}trap</body></html>", "<div>".repeat(20_000)),
+        ),
         path if path.starts_with("/loop") => {
             Reply::new(302, "text/plain", "").header("location", &format!("{path}x"))
         }
@@ -250,6 +255,11 @@ async fn hostile_pages_fail_cleanly_and_the_browser_serves_on() {
     assert!(huge.message.contains("more than 1048576 bytes"), "{}", huge.message);
     let redirects = call(&tool, json!({"op": "content", "url": format!("{site}/loop")})).await.unwrap_err();
     assert!(redirects.message.contains("ERR_TOO_MANY_REDIRECTS"), "{}", redirects.message);
+    // Chromium keeps 512 levels of a page nested deeper; keel reads 256 of them.
+    let deep = call(&tool, json!({"op": "content", "url": format!("{site}/deep")})).await.unwrap();
+    assert!(deep["markdown"].as_str().unwrap().contains("Read this."), "{deep}");
+    assert!(!deep["markdown"].as_str().unwrap().contains("trap"), "{deep}");
+    assert!(deep["truncated"].as_str().unwrap().contains("more than 256 levels deep"), "{deep}");
     let bad = call(&tool, json!({"op": "scrape", "url": format!("{site}/")})).await.unwrap_err();
     assert_eq!(bad.code, ErrorCode::ToolInputInvalid, "{}", bad.message);
 

@@ -447,10 +447,16 @@ impl Page {
     async fn content(&self, max_chars: usize) -> ToolOutcome {
         let page =
             self.evaluate("({ html: document.documentElement.outerHTML, url: location.href })").await?;
-        let (html, url) =
-            (page["html"].as_str().unwrap_or_default(), page["url"].as_str().unwrap_or_default());
-        let page = crate::web_fetch::readable_markdown(html, url)
-            .map_err(|error| ToolError::failed(format!("cannot read the page: {error}")))?;
+        let html = page["html"].as_str().unwrap_or_default().to_owned();
+        let url = page["url"].as_str().unwrap_or_default().to_owned();
+        // Parsing a large page takes a while: off the async workers, as `web_fetch` does.
+        let page = {
+            let url = url.clone();
+            tokio::task::spawn_blocking(move || crate::web_fetch::readable_markdown(&html, &url))
+                .await
+                .map_err(|error| ToolError::failed(format!("reading the page stopped: {error}")))?
+                .map_err(|error| ToolError::failed(format!("cannot read the page: {error}")))?
+        };
         let mut output = json!({ "url": url, "title": page.title });
         match page.markdown.char_indices().nth(max_chars) {
             Some((at, _)) => {
