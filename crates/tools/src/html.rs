@@ -78,6 +78,17 @@ impl TokenSink for Nesting {
         if !foreign && matches!(tag.name, local_name!("svg") | local_name!("math")) {
             self.foreign_from.set(Some(open.len()));
         }
+        // These never nest in themselves: a second start tag closes the first (a link left
+        // open before the next one is common in old pages).
+        if !foreign
+            && matches!(
+                tag.name,
+                local_name!("a") | local_name!("button") | local_name!("nobr") | local_name!("form")
+            )
+            && let Some(at) = open.iter().rposition(|name| *name == tag.name)
+        {
+            open.truncate(at);
+        }
         open.push(tag.name.clone());
         if open.len() > MAX_NESTING {
             self.too_deep.set(true);
@@ -159,7 +170,7 @@ mod tests {
              <script>if (a < b) {{ document.write('<div><div><div>') }}</script>{}</body></html>",
             "<div>".repeat(MAX_NESTING - 3),
             "</div>".repeat(MAX_NESTING - 3),
-            "<p>unclosed paragraph<li>unclosed item<td>cell".repeat(5_000),
+            "<p>unclosed paragraph<li>unclosed item<td>cell<a href=x>unclosed link".repeat(5_000),
         );
         assert_eq!(within_nesting(&page), (page.as_str(), false));
     }
