@@ -3,15 +3,16 @@
 //! limit, cut short, not UTF-8, of the wrong types), wrong content types and odd headers. No
 //! answer is a 5xx, every refusal says why with a stable code, and the server keeps serving.
 //!
-//! The requests come from a fixed seed, so a failure repeats; `KEEL_HTTP_CASES=5000` sends
-//! more. The earlier stops' hand-run fuzzing of 5,500 requests, kept.
+//! The server keeps its default store, a SQLite file. The requests come from a fixed seed, so
+//! a failure repeats; `KEEL_HTTP_CASES=5000` sends more. The earlier stops' hand-run fuzzing of
+//! 5,500 requests, kept.
 
 use std::time::Duration;
 
 use reqwest::{Method, header};
 use serde_json::{Value, json};
 
-use crate::serve::{APPROVAL_AGENT, Served, client, read_sse};
+use crate::serve::{APPROVAL_AGENT, Served, client, read_sse, sqlite};
 use crate::support::agent_dir;
 
 const TOKEN: &str = "hostile-test-token";
@@ -124,9 +125,10 @@ fn hostile_body(rng: &mut fastrand::Rng) -> Vec<u8> {
 async fn hostile_requests_get_coded_4xx_answers_and_the_server_keeps_serving() {
     let cases: usize = std::env::var("KEEL_HTTP_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(600);
     let dir = agent_dir(&[("agent.yaml", APPROVAL_AGENT), ("channels/issues.yaml", CHANNEL)]);
+    // The store `keel serve` keeps by default: a SQLite file.
     let server = Served::start(
         dir.path(),
-        "memory",
+        &sqlite(dir.path()),
         &[("KEEL_API_TOKEN", TOKEN), ("HOSTILE_GH_SECRET", "s3cret"), ("KEEL_LOG", "off")],
     );
     // A connection per request: a server closes a connection whose request body it did not
