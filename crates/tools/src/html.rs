@@ -18,7 +18,7 @@ use html5ever::tokenizer::{
 use html5ever::{LocalName, local_name};
 
 /// How deeply elements may nest, counting those that need an end tag (`div`, `table`, `ul`,
-/// `b`...). Browsers cap their trees at 512 elements (Blink); an article nests a few dozen.
+/// `b`...). Blink caps its trees at 512 levels; an article nests a few dozen.
 pub const MAX_NESTING: usize = 256;
 
 /// How finely a page is cut: it is tokenized this many bytes at a time.

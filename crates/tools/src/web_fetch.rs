@@ -150,11 +150,11 @@ impl Tool for WebFetch {
             };
             let (content, truncated) = cut(content.trim(), max_chars);
             let mut output = json!({ "url": final_url, "title": title, "content": content });
-            if truncated || page.truncated {
-                output["truncated"] = json!(format!("the content was cut at {max_chars} characters"));
-            }
-            if let Some(note) = nesting_note {
-                output["truncated"] = json!(note);
+            let cut_note = (truncated || page.truncated)
+                .then(|| format!("the content was cut at {max_chars} characters"));
+            let notes: Vec<String> = nesting_note.into_iter().chain(cut_note).collect();
+            if !notes.is_empty() {
+                output["truncated"] = json!(notes.join("; "));
             }
             Ok(output)
         })

@@ -458,15 +458,16 @@ impl Page {
                 .map_err(|error| ToolError::failed(format!("cannot read the page: {error}")))?
         };
         let mut output = json!({ "url": url, "title": page.title });
+        let mut notes: Vec<String> = page.nesting_note().into_iter().collect();
         match page.markdown.char_indices().nth(max_chars) {
             Some((at, _)) => {
                 output["markdown"] = json!(&page.markdown[..at]);
-                output["truncated"] = json!(format!("cut at {max_chars} characters (`max_chars`)"));
+                notes.push(format!("cut at {max_chars} characters (`max_chars`)"));
             }
             None => output["markdown"] = json!(page.markdown),
         }
-        if let Some(note) = page.nesting_note() {
-            output["truncated"] = json!(note);
+        if !notes.is_empty() {
+            output["truncated"] = json!(notes.join("; "));
         }
         Ok(output)
     }
