@@ -229,6 +229,11 @@ fn mutated_agent_files_load_to_an_agent_or_to_diagnostics_never_a_crash() {
     }
     agents.push(full);
     let options = keel::load_options();
+    // Each starts valid, so that a mutation is the one thing wrong.
+    for agent in &agents {
+        let loaded = keel_spec::load(agent, &options);
+        assert!(loaded.spec.is_some(), "{}: {:?}", agent.display(), loaded.diagnostics);
+    }
     let files: Vec<(PathBuf, PathBuf, String)> = agents
         .iter()
         .flat_map(|agent| {
