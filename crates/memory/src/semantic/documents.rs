@@ -234,7 +234,12 @@ pub fn read(found: &Found) -> Result<Document, String> {
     };
     if doc.text.trim().is_empty() {
         return Err(match found.kind {
-            DocKind::Pdf => "has no text to read (a scanned PDF holds only images): skipped".into(),
+            // pdf-extract gives empty pages for both: they cannot be told apart.
+            DocKind::Pdf => {
+                "has no text to read (a scanned PDF holds only images, or its pages could not be read): \
+                 skipped"
+                    .into()
+            }
             _ => "is empty: skipped".into(),
         });
     }
