@@ -249,7 +249,7 @@ fn keel_check_names_each_bad_file_and_refuses_top_k_out_of_range() {
         ("logo.svg", "is not a document keel reads"),
         ("junk.txt", "holds binary data"),
         ("dump.txt", "is 200 MB"),
-        ("bad-xref.pdf", "has no text to read"),
+        ("bad-xref.pdf", "or its pages could not be read"),
     ] {
         assert!(
             stderr.lines().any(|l| l.starts_with("warning: ") && l.contains(file) && l.contains(why)),
