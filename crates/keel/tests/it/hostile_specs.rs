@@ -58,26 +58,22 @@ const HOSTILE: &[&str] = &[
     "\"\\\\\"",
 ];
 
-/// The agent files of a directory that loading reads, relative to it.
+/// The agent files of a directory that loading reads, relative to it, in name order.
 fn agent_files(dir: &Path) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    let mut pending = vec![dir.to_path_buf()];
-    while let Some(at) = pending.pop() {
-        for entry in std::fs::read_dir(&at).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                pending.push(path);
-            } else if matches!(
-                path.extension().and_then(|e| e.to_str()),
-                Some("yaml" | "yml" | "toml" | "json")
-            ) || path.file_name().is_some_and(|n| n == "SKILL.md")
-            {
-                files.push(path.strip_prefix(dir).unwrap().to_path_buf());
-            }
-        }
-    }
-    files.sort();
-    files
+    walkdir::WalkDir::new(dir)
+        .sort_by_file_name()
+        .into_iter()
+        .map(Result::unwrap)
+        .map(walkdir::DirEntry::into_path)
+        .filter(|path| {
+            path.is_file()
+                && (matches!(
+                    path.extension().and_then(|e| e.to_str()),
+                    Some("yaml" | "yml" | "toml" | "json")
+                ) || path.file_name().is_some_and(|n| n == "SKILL.md"))
+        })
+        .map(|path| path.strip_prefix(dir).unwrap().to_path_buf())
+        .collect()
 }
 
 fn copy_dir(from: &Path, to: &Path) {
