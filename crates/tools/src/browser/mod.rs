@@ -445,10 +445,13 @@ impl Page {
     }
 
     async fn content(&self, max_chars: usize) -> ToolOutcome {
-        let page =
+        let mut page =
             self.evaluate("({ html: document.documentElement.outerHTML, url: location.href })").await?;
-        let html = page["html"].as_str().unwrap_or_default().to_owned();
-        let url = page["url"].as_str().unwrap_or_default().to_owned();
+        let mut text = |key: &str| match page[key].take() {
+            Value::String(text) => text,
+            _ => String::new(),
+        };
+        let (html, url) = (text("html"), text("url"));
         // Parsing a large page takes a while: off the async workers, as `web_fetch` does.
         let page = {
             let url = url.clone();
