@@ -10,12 +10,13 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
 use http_body_util::BodyExt;
+use hyper::body::Body as _;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -125,9 +126,23 @@ async fn serve_connection(
         hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
             request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
             let in_flight = activity.begin();
+            let http1 = request.version() < axum::http::Version::HTTP_2;
+            let read = Arc::new(AtomicBool::new(request.body().is_end_stream()));
+            let request = request.map(|body| BodyRead { body, read: Arc::clone(&read) });
             let response = app.clone().oneshot(request);
             async move {
-                let response = response.await?;
+                let mut response = response.await?;
+                // A request answered before its body was read (refused by auth, too large, the
+                // wrong content type, no such route) leaves the rest of that body on the
+                // connection: hyper then closes it after the answer, unless the body is small
+                // enough to drain. The answer says so, so that a keep-alive client does not send
+                // its next request on a connection about to close and lose it.
+                if http1 && !read.load(Ordering::Relaxed) {
+                    response.headers_mut().insert(
+                        axum::http::header::CONNECTION,
+                        axum::http::HeaderValue::from_static("close"),
+                    );
+                }
                 // The request stays in flight until its body (an event stream, maybe) is done.
                 Ok::<_, std::convert::Infallible>(response.map(|body| {
                     axum::body::Body::new(body.map_frame(move |frame| {
@@ -180,6 +195,40 @@ async fn serve_connection(
                 }
             }
         }
+    }
+}
+
+/// A request's body, noting when it has been read to its end.
+struct BodyRead {
+    body: hyper::body::Incoming,
+    read: Arc<AtomicBool>,
+}
+
+impl hyper::body::Body for BodyRead {
+    type Data = axum::body::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        context: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.body).poll_frame(context);
+        if let std::task::Poll::Ready(None) = polled {
+            self.read.store(true, Ordering::Relaxed);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        let end = self.body.is_end_stream();
+        if end {
+            self.read.store(true, Ordering::Relaxed);
+        }
+        end
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 

@@ -551,6 +551,43 @@ async fn with_a_token_every_route_but_health_needs_it() {
     assert_eq!(right.status(), 200);
 }
 
+#[tokio::test]
+async fn a_body_left_unread_closes_its_connection_and_the_answer_says_so() {
+    let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
+    let server = Served::start(dir.path(), "memory", &[("KEEL_API_TOKEN", "s3cret-token")]);
+    // One connection, kept alive between requests, as SDKs and proxies keep theirs.
+    let http = reqwest::Client::builder().http1_only().pool_max_idle_per_host(1).build().unwrap();
+    let large = json!({"sessionId": "s", "input": "x".repeat(300_000)});
+    for turn in 0..5 {
+        // Refused by auth before its 300 KB are read: more than hyper drains, so the server
+        // closes the connection after answering, and must say so...
+        let refused = http.post(server.url("/chat")).json(&large).send().await.unwrap();
+        assert_eq!(refused.headers().get("connection").map(|v| v.to_str().unwrap()), Some("close"));
+        assert_eq!(error_of(refused).await, (401, "KEEL_UNAUTHORIZED".to_owned()));
+        // ...or the client's next request goes down the closing connection and is lost.
+        let chat = http
+            .post(server.url("/chat"))
+            .bearer_auth("s3cret-token")
+            .json(&json!({"sessionId": format!("s{turn}"), "input": "hi"}))
+            .send()
+            .await
+            .unwrap_or_else(|error| panic!("turn {turn}: the request after the refusal was lost: {error:?}"));
+        assert_eq!(chat.headers().get("connection"), None, "a chat whose body was read keeps its connection");
+        assert_eq!(read_sse(chat).await.last().unwrap().event.as_deref(), Some("done"));
+    }
+    // A body that was read, even one refused for what it holds, keeps the connection.
+    let unreadable = http
+        .post(server.url("/chat"))
+        .bearer_auth("s3cret-token")
+        .header("content-type", "application/json")
+        .body(format!("{{\"sessionId\": \"s\", \"input\": \"{}\"", "y".repeat(300_000)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unreadable.headers().get("connection"), None);
+    assert_eq!(error_of(unreadable).await.0, 400);
+}
+
 #[test]
 fn a_public_address_without_auth_is_refused() {
     let dir = agent_dir(&[("agent.yaml", DAY_AGENT)]);
