@@ -174,3 +174,53 @@ pub fn builtin(name: &str, config: &BuiltinConfig) -> Option<Arc<dyn Tool>> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use keel_core::{SearchBackendKind, SearchSettings, WorkspaceMode, WorkspaceSettings};
+
+    use super::*;
+
+    /// A `$ref`, a `$schema` or a keyword of 2020-12 alone in one built-in's schema would make
+    /// every agent using it build the 2020-12 meta-schema's validator as it starts (about 3M
+    /// instructions, half of what `keel run` does before the model's first call).
+    #[test]
+    fn every_builtin_schema_is_compiled_as_draft7() {
+        let dir = tempfile::tempdir().unwrap();
+        let workspace = WorkspaceSettings {
+            path: dir.path().to_owned(),
+            mode: WorkspaceMode::Writable,
+            approve_writes: true,
+        };
+        let config = BuiltinConfig {
+            workspace: Some(workspace.clone()),
+            search: Some(SearchSettings {
+                backend: SearchBackendKind::Searxng,
+                url: Some("http://127.0.0.1:9".into()),
+                api_key_env: None,
+                timeout: Duration::from_secs(1),
+            }),
+            ..BuiltinConfig::default()
+        };
+        let mut schemas: Vec<(String, serde_json::Value)> = BUILTIN_NAMES
+            .iter()
+            .filter_map(|name| builtin(name, &config))
+            .chain(workspace_tools(&workspace).unwrap())
+            .map(|tool| (tool.spec().name.clone(), tool.spec().input_schema.clone()))
+            .collect();
+        schemas.push((
+            compose::ComposeTool::NAME.into(),
+            keel_core::machine::compose::input_schema(&["a", "b"]),
+        ));
+        // Every built-in this build has (`compose` is made by the agent from its other tools).
+        let expected = BUILTIN_NAMES.len() + 6
+            - usize::from(!cfg!(feature = "js"))
+            - usize::from(!cfg!(target_os = "linux"));
+        assert_eq!(schemas.len(), expected, "{:?}", schemas.iter().map(|(name, _)| name).collect::<Vec<_>>());
+        for (name, schema) in &schemas {
+            assert!(keel_core::tool::compiles_as_draft7(schema), "{name}: {schema}");
+        }
+    }
+}
