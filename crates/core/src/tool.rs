@@ -441,7 +441,7 @@ pub fn compiles_as_draft7(schema: &Value) -> bool {
 
 /// Whether every keyword in `schema` and its subschemas is one that JSON Schema draft 7 and 2020-12
 /// both define with the same meaning and the same meta-schema constraints. Anything else (`$ref`,
-/// whose siblings draft 7 ignores; `$schema`; `items` as a list; `format`, which draft 7 checks
+/// whose siblings draft 7 ignores; `$schema`; `items` as a list; a `format` draft 7 would check
 /// and 2020-12 only notes; keywords only one draft has, which the other would skip) answers
 /// false.
 fn means_the_same_in_draft7(schema: &Value) -> bool {
@@ -462,9 +462,18 @@ fn means_the_same_in_draft7(schema: &Value) -> bool {
         | "exclusiveMaximum" | "multipleOf" | "minLength" | "maxLength" | "minItems" | "maxItems"
         | "uniqueItems" | "minProperties" | "maxProperties" | "title" | "description" | "default"
         | "examples" | "readOnly" | "writeOnly" | "$comment" => true,
+        // The names schemars gives Rust's number types (`tool_fn` tools' schemas): neither draft
+        // defines them, so both pass them by.
+        "format" => value.as_str().is_some_and(|format| RUST_NUMBER_FORMATS.contains(&format)),
         _ => false,
     })
 }
+
+/// The `format`s schemars writes for Rust's integer and float types.
+const RUST_NUMBER_FORMATS: &[&str] = &[
+    "int", "uint", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "int128",
+    "uint128", "float", "double",
+];
 
 #[cfg(test)]
 mod tests {
@@ -484,11 +493,11 @@ mod tests {
                 "url": {"type": "string", "minLength": 8, "pattern": "^https?://"},
                 "method": {"enum": ["GET", "POST"], "default": "GET"},
                 "headers": {"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 2},
-                "retries": {"type": "integer", "minimum": 0, "exclusiveMaximum": 5, "multipleOf": 1}}}),
+                "retries": {"type": "integer", "format": "uint8", "minimum": 0, "exclusiveMaximum": 5, "multipleOf": 1}}}),
             json!({"type": "object", "properties": {
                 "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "minItems": 1, "uniqueItems": true, "contains": {"const": "a"}},
                 "mail": {"type": "string", "maxLength": 6},
-                "n": {"type": ["number", "null"], "exclusiveMinimum": 0}},
+                "n": {"type": ["number", "null"], "format": "double", "exclusiveMinimum": 0}},
                 "patternProperties": {"^x-": {"type": "boolean"}},
                 "propertyNames": {"maxLength": 8}}),
             json!({"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}],

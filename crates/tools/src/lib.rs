@@ -223,4 +223,26 @@ mod tests {
             assert!(keel_core::tool::compiles_as_draft7(schema), "{name}: {schema}");
         }
     }
+
+    /// A function tool's schema, as schemars derives it: `format`s for the number types, which
+    /// neither draft checks.
+    #[test]
+    fn a_function_tools_schema_is_compiled_as_draft7() {
+        #[derive(serde::Deserialize, schemars::JsonSchema)]
+        #[allow(dead_code)]
+        struct Input {
+            /// How many.
+            count: u32,
+            ratio: f64,
+            offset: Option<i64>,
+            label: String,
+            flags: Vec<bool>,
+        }
+        let tool = function_tool("measure", "Measures", |input: Input| async move {
+            Ok::<_, std::convert::Infallible>(input.count)
+        });
+        let schema = &tool.spec().input_schema;
+        assert_eq!(schema["properties"]["count"]["format"], "uint32", "{schema}");
+        assert!(keel_core::tool::compiles_as_draft7(schema), "{schema}");
+    }
 }
