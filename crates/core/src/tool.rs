@@ -414,7 +414,7 @@ pub fn check_schema(schema: &Value) -> Result<jsonschema::Validator, SchemaProbl
     }
     // `draft7::new`, not the generic `options()` builder: built from here, that builder would
     // be a second copy of jsonschema's whole compiler in the binary (1.4 MB).
-    if means_the_same_in_draft7(schema)
+    if compiles_as_draft7(schema)
         && let Ok(validator) = jsonschema::draft7::new(schema)
     {
         return Ok(validator);
@@ -433,8 +433,9 @@ pub fn check_schema(schema: &Value) -> Result<jsonschema::Validator, SchemaProbl
     })
 }
 
-/// Whether [`check_schema`] compiles `schema` as JSON Schema draft 7 (see there), sparing the
-/// process the 2020-12 meta-schema's validator. Built-in tools keep their schemas so.
+/// Whether [`check_schema`] compiles `schema` as JSON Schema draft 7 (see there; one that draft
+/// 7 then refuses still goes to 2020-12), sparing the process the 2020-12 meta-schema's
+/// validator. Built-in tools keep their schemas so.
 pub fn compiles_as_draft7(schema: &Value) -> bool {
     schema.is_object() && means_the_same_in_draft7(schema)
 }
