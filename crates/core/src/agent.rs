@@ -397,9 +397,11 @@ pub struct OutputSchema {
 }
 
 impl OutputSchema {
-    /// Compiles a schema; the error says what is wrong with it.
+    /// Compiles a schema as tools' input schemas are ([`crate::tool::check_schema`]: as draft 7
+    /// where both drafts read it alike, which spares the process the 2020-12 meta-schema); the
+    /// error says what is wrong with it, and where.
     pub fn new(schema: Value) -> Result<OutputSchema, String> {
-        let validator = jsonschema::validator_for(&schema).map_err(|e| e.to_string())?;
+        let validator = crate::tool::check_schema(&schema).map_err(|problem| problem.to_string())?;
         Ok(OutputSchema { schema, validator })
     }
 
@@ -642,5 +644,27 @@ mod tests {
         let err = schema.check(&serde_json::json!({ "answer": 5 })).unwrap_err();
         assert!(err.contains("/answer"), "{err}");
         assert!(OutputSchema::new(serde_json::json!({ "type": 12 })).is_err());
+    }
+
+    /// An output schema is compiled as a tool's input schema is: its mistakes are worded and
+    /// placed the same way, and one written with keywords both drafts read alike takes the
+    /// draft 7 path.
+    #[test]
+    fn output_schema_is_compiled_as_tool_schemas_are() {
+        let misspelled = serde_json::json!({ "type": "object", "properties": { "n": { "type": "strng" } } });
+        let reason = OutputSchema::new(misspelled.clone()).err().unwrap();
+        assert_eq!(reason, crate::tool::check_schema(&misspelled).unwrap_err().to_string());
+        assert!(reason.starts_with("at `properties.n.type`: \"strng\" is not a type"), "{reason}");
+
+        let plain = serde_json::json!({
+            "type": "object",
+            "properties": { "reply": { "type": "string" }, "follow_up": { "type": "boolean" } },
+            "required": ["reply"]
+        });
+        assert!(crate::tool::compiles_as_draft7(&plain));
+        let schema = OutputSchema::new(plain).unwrap();
+        assert!(schema.check(&serde_json::json!({ "reply": "hi", "follow_up": true })).is_ok());
+        let err = schema.check(&serde_json::json!({ "follow_up": "yes" })).unwrap_err();
+        assert!(err.contains("reply"), "{err}");
     }
 }

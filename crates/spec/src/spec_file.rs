@@ -2,7 +2,6 @@
 
 use std::path::Path;
 
-use keel_core::agent::OutputSchema;
 use keel_core::loop_control::Compaction;
 use keel_core::memory::{Embeddings, Episodic, GraphSettings, Knowledge, MemorySettings, RetrievalMode};
 use keel_core::{
@@ -820,10 +819,6 @@ fn output(node: &Node, d: &mut Decoder<'_>) -> (Option<Value>, Option<u32>) {
     if let Err(problem) = keel_core::tool::check_schema(&schema) {
         let at = schema_node.at_pointer(&problem.pointer).pos;
         d.error(at, format!("`output.schema` is not a valid JSON Schema: {problem}"));
-        return (None, max_repairs);
-    }
-    if let Err(reason) = OutputSchema::new(schema.clone()) {
-        d.error(schema_node.pos, format!("`output.schema` is not a valid JSON Schema: {reason}"));
         return (None, max_repairs);
     }
     (Some(schema), max_repairs)

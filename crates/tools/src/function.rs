@@ -2,6 +2,8 @@
 //!
 //! The input type's JSON Schema is derived by schemars, so the model sees exactly what the
 //! function accepts, and the runtime validates the model's input against it before the call.
+//! Nested types are written out where they are used (a recursive type keeps a `$ref` to
+//! itself), so the schema reads the same to a provider that does not follow references.
 //!
 //! ```
 //! use keel_core::Tool as _;
@@ -29,6 +31,7 @@ use std::sync::Arc;
 
 use keel_core::{BoxFuture, ErrorCode, Tool, ToolContext, ToolError, ToolOutcome, ToolSpec};
 use schemars::JsonSchema;
+use schemars::generate::SchemaSettings;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -69,10 +72,19 @@ where
 }
 
 fn spec_for<I: JsonSchema>(name: &str, description: &str) -> ToolSpec {
-    let mut schema = serde_json::to_value(schemars::schema_for!(I)).unwrap_or(Value::Null);
+    // Nested types written where they are used, not as `$defs` behind `$ref`s (a recursive
+    // type keeps its `$ref`): not every provider follows references, and a schema without
+    // them is checked as draft 7 (`keel_core::tool::check_schema`), sparing the process the
+    // 2020-12 meta-schema. Providers want a bare object schema: no `$schema`.
+    let generator = SchemaSettings::draft2020_12()
+        .with(|settings| {
+            settings.meta_schema = None;
+            settings.inline_subschemas = true;
+        })
+        .into_generator();
+    let mut schema = serde_json::to_value(generator.into_root_schema_for::<I>()).unwrap_or(Value::Null);
     if let Value::Object(map) = &mut schema {
-        // Providers want a bare object schema; `$schema` and `title` only add noise.
-        map.remove("$schema");
+        // The type's name: noise to the model, which has the tool's.
         map.remove("title");
     }
     ToolSpec { name: name.to_owned(), description: description.to_owned(), input_schema: schema }

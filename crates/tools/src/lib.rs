@@ -252,4 +252,74 @@ mod tests {
         assert_eq!(schema["properties"]["count"]["format"], "uint32", "{schema}");
         assert!(keel_core::tool::compiles_as_draft7(schema), "{schema}");
     }
+
+    /// Nested types are written into the schema where they are used, not as `$defs` behind
+    /// `$ref`s: some providers do not follow references, and a `$ref` would send the schema to
+    /// the 2020-12 path. The nested fields are still checked.
+    #[test]
+    fn a_function_tools_nested_types_are_written_inline() {
+        #[derive(serde::Deserialize, schemars::JsonSchema)]
+        #[allow(dead_code)]
+        struct Address {
+            city: String,
+            zip: Option<u32>,
+        }
+        #[derive(serde::Deserialize, schemars::JsonSchema)]
+        #[serde(rename_all = "snake_case")]
+        #[allow(dead_code)]
+        enum Speed {
+            Standard,
+            Express { hours: u8 },
+        }
+        #[derive(serde::Deserialize, schemars::JsonSchema)]
+        #[allow(dead_code)]
+        struct Order {
+            to: Address,
+            from: Option<Address>,
+            stops: Vec<Address>,
+            speed: Speed,
+        }
+        let tool = function_tool("ship", "Ships an order", |order: Order| async move {
+            Ok::<_, std::convert::Infallible>(order.to.city)
+        });
+        let schema = &tool.spec().input_schema;
+        let text = schema.to_string();
+        assert!(!text.contains("$ref") && !text.contains("$defs") && !text.contains("$schema"), "{schema}");
+        assert!(keel_core::tool::compiles_as_draft7(schema), "{schema}");
+
+        let tools = keel_core::ToolSet::new(vec![tool as Arc<dyn Tool>]).unwrap();
+        let good = serde_json::json!({
+            "to": {"city": "Lyon"}, "from": null, "stops": [{"city": "Dijon", "zip": 21000}],
+            "speed": {"express": {"hours": 4}}
+        });
+        tools.validate_input("ship", &good).unwrap();
+        let bad_stop = serde_json::json!({
+            "to": {"city": "Lyon"}, "stops": [{"zip": "21000"}], "speed": "standard"
+        });
+        let problems = tools.validate_input("ship", &bad_stop).unwrap_err();
+        assert!(problems.contains("/stops/0"), "{problems}");
+        let bad_speed = serde_json::json!({"to": {"city": "Lyon"}, "stops": [], "speed": "warp"});
+        assert!(tools.validate_input("ship", &bad_speed).is_err());
+    }
+
+    /// A recursive type cannot be written inline: its schema keeps a `$ref` to itself, which
+    /// the 2020-12 path follows to any depth.
+    #[test]
+    fn a_function_tools_recursive_type_is_checked_at_every_depth() {
+        #[derive(serde::Deserialize, schemars::JsonSchema)]
+        #[allow(dead_code)]
+        struct Node {
+            name: String,
+            children: Vec<Node>,
+        }
+        let tool = function_tool("tree", "Takes a tree", |node: Node| async move {
+            Ok::<_, std::convert::Infallible>(node.name)
+        });
+        let tools = keel_core::ToolSet::new(vec![tool as Arc<dyn Tool>]).unwrap();
+        let deep = |leaf: serde_json::Value| serde_json::json!({"name": "a", "children": [{"name": "b", "children": [leaf]}]});
+        tools.validate_input("tree", &deep(serde_json::json!({"name": "c", "children": []}))).unwrap();
+        let problems =
+            tools.validate_input("tree", &deep(serde_json::json!({"name": 3, "children": []}))).unwrap_err();
+        assert!(problems.contains("/children/0/children/0/name"), "{problems}");
+    }
 }
