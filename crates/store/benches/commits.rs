@@ -11,6 +11,8 @@
 //! for the SQLite store and for the SQLite floor: the same rows written by SQLite alone (see
 //! [`floor_runs`]). The difference between the two is the store's own work (its reads, checks,
 //! statement cache and writer hand-off); the floor is what no change to that work goes under.
+//! A third figure is the floor of another way to store the same run: one row per step (see
+//! [`one_row_runs`]), what a store that writes fewer rows could come down to.
 //!
 //! Run with `cargo bench -p keel-store --bench commits` (`-- --quick` for fewer runs,
 //! `-- --postgres` for PostgreSQL alone). PostgreSQL is the local server of the tests
@@ -205,14 +207,56 @@ fn floor_runs(path: &std::path::Path, runs: usize) {
     }
 }
 
-/// `--count sqlite|floor N`: 200 runs to warm up, then `N` runs one at a time, the SQLite
-/// store's (on a current-thread runtime) or the floor's ([`floor_runs`]); what `--instructions`
-/// runs under callgrind, twice.
+/// The floor of a SQLite store built otherwise: each step one row, in one table keyed by run and
+/// step number (the run's record and input; then each step's journal entry with its messages),
+/// and before each step's write one read of the run's first row, as a lease check would read
+/// the run; the same bodies, keys and pragmas as [`floor_runs`], in the same four transactions.
+/// Nothing else: no session row, no index, no message count. What no store that commits every
+/// step before the next, as keel does, goes under in SQLite.
+fn one_row_runs(path: &std::path::Path, runs: usize) {
+    let c = rusqlite::Connection::open(path).expect("the database opens");
+    c.execute_batch(
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA temp_store = MEMORY;
+         CREATE TABLE steps (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body BLOB NOT NULL,
+           PRIMARY KEY (run_id, seq)) WITHOUT ROWID;",
+    )
+    .expect("the table");
+    let prepare = |sql: &str| c.prepare(sql).expect("a statement");
+    let (mut begin, mut commit) = (prepare("BEGIN IMMEDIATE"), prepare("COMMIT"));
+    let mut insert = prepare("INSERT INTO steps (run_id, seq, body) VALUES (?1, ?2, ?3)");
+    let mut fence = prepare("SELECT length(body) FROM steps WHERE run_id = ?1 AND seq = 0");
+    for i in 0..runs {
+        let steps = Steps::new(&format!("f{i}"));
+        let run = steps.run.as_str();
+        let mut step = |seq: i64, entry: Option<&JournalEntry>, said: &Message| {
+            begin.execute([]).expect("BEGIN");
+            // The first row is the run's record, whose input is the message; a step's row, its
+            // journal entry and the message it adds.
+            let mut body = Vec::new();
+            if let Some(entry) = entry {
+                let _: i64 = fence.query_row([run], |row| row.get(0)).expect("the run's row");
+                body.extend_from_slice(encode_record(&entry.record).as_bytes());
+            }
+            body.extend_from_slice(encode_message(said).as_bytes());
+            insert.execute(params![run, seq, body]).expect("a step");
+            commit.execute([]).expect("COMMIT");
+        };
+        step(0, None, &steps.input[0]);
+        step(1, Some(&steps.turn), &steps.asked[0]);
+        step(2, Some(&steps.tool), &steps.answered[0]);
+        step(3, Some(&steps.last), &steps.answer[0]);
+    }
+}
+
+/// `--count sqlite|floor|one-row N`: 200 runs to warm up, then `N` runs one at a time, the
+/// SQLite store's (on a current-thread runtime), the floor's ([`floor_runs`]) or the one-row
+/// floor's ([`one_row_runs`]); what `--instructions` runs under callgrind, twice.
 fn count_runs(what: &str, runs: usize) {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let path = dir.path().join("count.db");
     match what {
         "floor" => floor_runs(&path, 200 + runs),
+        "one-row" => one_row_runs(&path, 200 + runs),
         "sqlite" => {
             let runtime =
                 tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
@@ -223,7 +267,7 @@ fn count_runs(what: &str, runs: usize) {
                 }
             });
         }
-        other => panic!("--count sqlite|floor N, not {other:?}"),
+        other => panic!("--count sqlite|floor|one-row N, not {other:?}"),
     }
 }
 
@@ -264,16 +308,18 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     if let Some(at) = args.iter().position(|a| a == "--count") {
-        let what = args.get(at + 1).expect("--count sqlite|floor N");
-        let runs = args.get(at + 2).and_then(|n| n.parse().ok()).expect("--count sqlite|floor N");
+        let what = args.get(at + 1).expect("--count sqlite|floor|one-row N");
+        let runs = args.get(at + 2).and_then(|n| n.parse().ok()).expect("--count sqlite|floor|one-row N");
         count_runs(what, runs);
         return;
     }
     if args.iter().any(|a| a == "--instructions") {
         let (small, large) = if quick { (200, 600) } else { (1_000, 3_000) };
-        for (what, said) in
-            [("sqlite", "the SQLite store"), ("floor", "the SQLite floor (the same rows, SQLite alone)")]
-        {
+        for (what, said) in [
+            ("sqlite", "the SQLite store"),
+            ("floor", "the SQLite floor (the same rows, SQLite alone)"),
+            ("one-row", "one row per step and a read of the run before each (SQLite alone)"),
+        ] {
             match keel_testkit::callgrind::instructions_per_iteration(&["--count", what], small, large) {
                 Some(count) => println!(
                     "instructions per run, {said} (callgrind, {large} runs less {small}): {count:.0}"
