@@ -32,6 +32,10 @@ pub enum RunState {
 }
 
 impl RunState {
+    /// Every state, in the order a run can reach them.
+    pub const ALL: [RunState; 5] =
+        [RunState::Running, RunState::AwaitingInput, RunState::Done, RunState::Failed, RunState::Cancelled];
+
     /// The persisted name.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -45,9 +49,7 @@ impl RunState {
 
     /// The state a persisted name ([`RunState::as_str`]) stands for.
     pub fn parse(name: &str) -> Option<RunState> {
-        [RunState::Running, RunState::AwaitingInput, RunState::Done, RunState::Failed, RunState::Cancelled]
-            .into_iter()
-            .find(|state| state.as_str() == name)
+        RunState::ALL.into_iter().find(|state| state.as_str() == name)
     }
 
     /// Whether the run is over.

@@ -166,7 +166,24 @@ const MIGRATIONS: &[&str] = &[
     // what they indexed, and serve the same queries.
     "DROP INDEX runs_by_session;
     DROP INDEX runs_by_state;",
+    // Version 12: one index on `runs`, led by the state. Every run's end moved its key in both
+    // of version 11's (a fifth of the pages a tool-loop run's commits wrote); one index serves
+    // all the queries: the unfinished runs (by state), a session's (state and session), an
+    // owner's cancellations (the running runs) and, through the list of every state, a
+    // session's runs (see `every_state!`).
+    "DROP INDEX runs_open;
+    DROP INDEX runs_leased;
+    CREATE INDEX runs_by_state ON runs (state, session_id);",
 ];
+
+/// Every run state as an SQL list, for the statements that find a session's runs through
+/// `runs_by_state` (its first column is the state): `state IN every_state!() AND session_id
+/// = ?` is one seek per state. A test checks that it names every [`RunState`].
+macro_rules! every_state {
+    () => {
+        "('running', 'awaiting_input', 'done', 'failed', 'cancelled')"
+    };
+}
 
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
@@ -981,12 +998,19 @@ impl Tx for SqliteTx<'_> {
     fn delete_session(&mut self, session: &SessionId) -> Result<bool, StoreError> {
         let id = session.as_str();
         self.execute(
-            "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE session_id = ?1)",
+            concat!(
+                "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ",
+                every_state!(),
+                " AND session_id = ?1)"
+            ),
             [id],
         )?;
         self.execute("DELETE FROM pending_inputs WHERE session_id = ?1", [id])?;
         self.execute("DELETE FROM decided_inputs WHERE session_id = ?1", [id])?;
-        let runs = self.execute("DELETE FROM runs WHERE session_id = ?1", [id])?;
+        let runs = self.execute(
+            concat!("DELETE FROM runs WHERE state IN ", every_state!(), " AND session_id = ?1"),
+            [id],
+        )?;
         self.execute("DELETE FROM messages WHERE session_id = ?1", [id])?;
         let sessions = self.execute("DELETE FROM sessions WHERE id = ?1", [id])?;
         Ok(runs + sessions > 0)
@@ -1081,15 +1105,13 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn cancel_requested(&mut self, owner: &str) -> Result<Vec<RunId>, StoreError> {
-        let mut statement = self
-            .c
-            .prepare_cached(
-                "SELECT id FROM runs WHERE state = 'running' AND lease_owner = CAST(?1 AS TEXT)
-                   AND cancel_requested_by IS NOT NULL ORDER BY id",
-            )
-            .map_err(map_error)?;
+        let mut statement = self.c.prepare_cached(CANCEL_REQUESTED).map_err(map_error)?;
         let rows = statement.query_map([owner], |row| row.get::<_, String>(0)).map_err(map_error)?;
-        rows.map(|id| stored_run_id(&id.map_err(map_error)?)).collect()
+        let mut runs =
+            rows.map(|id| stored_run_id(&id.map_err(map_error)?)).collect::<Result<Vec<_>, _>>()?;
+        // Sorted here: `runs_by_state` gives them by session (see `open_runs`).
+        runs.sort_unstable();
+        Ok(runs)
     }
 
     fn open_runs(&mut self, session: Option<&SessionId>) -> Result<Vec<(RunId, RunControl)>, StoreError> {
@@ -1455,12 +1477,18 @@ const OPEN_RUNS: &str = "SELECT id, session_id, state, lease_owner, lease_expire
     UNION ALL SELECT id, session_id, state, lease_owner, lease_expires_at, lease_epoch, attempts,
     cancel_requested_by FROM runs WHERE state = 'awaiting_input'";
 
-/// A session's unfinished runs (the `runs_open` index; see the module docs for the `CAST`), as
-/// [`OPEN_RUNS`].
+/// A session's unfinished runs (the `runs_by_state` index; see the module docs for the `CAST`),
+/// as [`OPEN_RUNS`].
 const OPEN_RUNS_OF_SESSION: &str = "SELECT id, session_id, state, lease_owner, lease_expires_at, lease_epoch,
     attempts, cancel_requested_by FROM runs WHERE session_id = CAST(?1 AS TEXT) AND state = 'running'
     UNION ALL SELECT id, session_id, state, lease_owner, lease_expires_at, lease_epoch,
     attempts, cancel_requested_by FROM runs WHERE session_id = CAST(?1 AS TEXT) AND state = 'awaiting_input'";
+
+/// The running runs leased to an owner whose cancellation was requested (the running runs,
+/// through `runs_by_state`; in no order: see `cancel_requested`).
+const CANCEL_REQUESTED: &str =
+    "SELECT id FROM runs WHERE state = 'running' AND lease_owner = CAST(?1 AS TEXT)
+    AND cancel_requested_by IS NOT NULL";
 
 /// Every pending input, with its rowid (the order it was stored in); sorted by `pending_list`.
 const PENDING: &str =
@@ -1472,9 +1500,13 @@ const PENDING_OF_SESSION: &str = "SELECT id, run_id, session_id, call_id, body, 
     FROM pending_inputs WHERE session_id = CAST(?1 AS TEXT)";
 
 /// The columns of a [`SessionSummary`], for [`summary_row`].
-const SUMMARY_SELECT: &str = "SELECT s.id, s.updated_at, s.message_count,
-    (SELECT COUNT(*) FROM runs r WHERE r.session_id = s.id), s.input_tokens, s.output_tokens
-    FROM sessions s";
+const SUMMARY_SELECT: &str = concat!(
+    "SELECT s.id, s.updated_at, s.message_count,
+    (SELECT COUNT(*) FROM runs r WHERE r.state IN ",
+    every_state!(),
+    " AND r.session_id = s.id), s.input_tokens, s.output_tokens
+    FROM sessions s"
+);
 
 /// A row of [`SUMMARY_SELECT`]; the inner error is a stored id that does not decode.
 fn summary_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Result<SessionSummary, StoreError>> {
@@ -1704,6 +1736,16 @@ mod tests {
         let store = SqliteStore::open(&path).unwrap();
         let version: i64 = store.backend().lock().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
         assert_eq!(version, SCHEMA_VERSION);
+        let indexes: Vec<String> = store
+            .backend()
+            .lock()
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'runs' AND sql IS NOT NULL")
+            .unwrap()
+            .query_map([], |row| row.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(indexes, ["runs_by_state"]);
         let run = RunId::parse("run_old").unwrap();
         assert_eq!(store.load_run(&run).await.unwrap().unwrap().input, Arc::new(Message::user("hi")));
         // The old run has no lease: it is interrupted, and can be claimed.
@@ -1772,5 +1814,58 @@ mod tests {
         let store = SqliteStore::open(&path).unwrap();
         let error = store.load_messages(&session).await.unwrap_err();
         assert_eq!(error.code(), keel_core::ErrorCode::StoreCorrupt, "{error}");
+    }
+
+    #[test]
+    fn every_state_lists_every_run_state() {
+        let listed: Vec<&str> =
+            every_state!().trim_matches(['(', ')']).split(", ").map(|name| name.trim_matches('\'')).collect();
+        let all: Vec<&str> = keel_core::RunState::ALL.iter().map(|state| state.as_str()).collect();
+        assert_eq!(listed, all);
+    }
+
+    /// Every statement that finds runs by state, session or owner seeks `runs_by_state`: none
+    /// reads the whole table (or a whole index), which grows with every run ever made.
+    #[test]
+    fn statements_on_runs_seek_their_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plans.db");
+        drop(SqliteStore::open(&path).unwrap());
+        let connection = Connection::open(&path).unwrap();
+        let delete_journal = concat!(
+            "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ",
+            every_state!(),
+            " AND session_id = ?1)"
+        );
+        let delete_runs = concat!("DELETE FROM runs WHERE state IN ", every_state!(), " AND session_id = ?1");
+        let compact = "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ('done', 'failed', 'cancelled'))";
+        for sql in [
+            OPEN_RUNS,
+            OPEN_RUNS_OF_SESSION,
+            CANCEL_REQUESTED,
+            SUMMARY_SELECT,
+            delete_journal,
+            delete_runs,
+            compact,
+        ] {
+            let mut plan = connection.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+            let steps: Vec<String> = plan
+                .query_map(
+                    rusqlite::params_from_iter(std::iter::repeat_n("x", plan.parameter_count())),
+                    |row| row.get::<_, String>(3),
+                )
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            let on_runs: Vec<&String> =
+                steps.iter().filter(|step| step.contains(" runs") || step.contains(" r ")).collect();
+            assert!(!on_runs.is_empty(), "{sql}: {steps:?}");
+            for step in on_runs {
+                assert!(
+                    step.starts_with("SEARCH") && step.contains("runs_by_state"),
+                    "{sql}\n  reads runs with: {step} ({steps:?})"
+                );
+            }
+        }
     }
 }
