@@ -50,10 +50,23 @@ struct Steps {
     answer: [Arc<Message>; 1],
 }
 
+/// A run id as the runtime makes them: a UUIDv7 in hex, time-ordered, so that a new run's rows
+/// go to the end of the tables keyed by run (ids that fell anywhere among the others, as
+/// the session name with a random number did, wrote about two more pages a run).
+fn new_run_id() -> RunId {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64);
+    let count = COUNT.fetch_add(1, Ordering::Relaxed);
+    RunId::from_suffix(&format!("{millis:012x}7{count:019x}"))
+}
+
 impl Steps {
     fn new(session: &str) -> Steps {
         let session = SessionId::new(session).expect("a session id");
-        let run = RunId::from_suffix(&format!("{}-{}", session.as_str(), fastrand::u32(..)));
+        let run = new_run_id();
         let record = RunRecord {
             run_id: run.clone(),
             session_id: session.clone(),
