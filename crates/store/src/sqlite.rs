@@ -166,8 +166,9 @@ const MIGRATIONS: &[&str] = &[
     // what they indexed, and serve the same queries.
     "DROP INDEX runs_by_session;
     DROP INDEX runs_by_state;",
-    // Version 12: one index on `runs`, led by the state. Every run's end moved its key in both
-    // of version 11's (a fifth of the pages a tool-loop run's commits wrote); one index serves
+    // Version 12: one index on `runs`, led by the state. A new run wrote a key in both of
+    // version 11's, and its end moved it in both (about a tenth of the pages a tool-loop run's
+    // commits wrote, measured); one index serves
     // all the queries: the unfinished runs (by state), a session's (state and session), an
     // owner's cancellations (the running runs) and, through the list of every state, a
     // session's runs (see `every_state!`).
@@ -997,20 +998,10 @@ impl Tx for SqliteTx<'_> {
 
     fn delete_session(&mut self, session: &SessionId) -> Result<bool, StoreError> {
         let id = session.as_str();
-        self.execute(
-            concat!(
-                "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ",
-                every_state!(),
-                " AND session_id = ?1)"
-            ),
-            [id],
-        )?;
+        self.execute(DELETE_SESSION_JOURNALS, [id])?;
         self.execute("DELETE FROM pending_inputs WHERE session_id = ?1", [id])?;
         self.execute("DELETE FROM decided_inputs WHERE session_id = ?1", [id])?;
-        let runs = self.execute(
-            concat!("DELETE FROM runs WHERE state IN ", every_state!(), " AND session_id = ?1"),
-            [id],
-        )?;
+        let runs = self.execute(DELETE_SESSION_RUNS, [id])?;
         self.execute("DELETE FROM messages WHERE session_id = ?1", [id])?;
         let sessions = self.execute("DELETE FROM sessions WHERE id = ?1", [id])?;
         Ok(runs + sessions > 0)
@@ -1181,11 +1172,7 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn compact_journals(&mut self) -> Result<u64, StoreError> {
-        self.execute(
-            "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ('done', 'failed', 'cancelled'))",
-            [],
-        )
-        .map(|removed| removed as u64)
+        self.execute(COMPACT_JOURNALS, []).map(|removed| removed as u64)
     }
 
     fn pending(&mut self, id: &str) -> Result<Option<PendingInput>, StoreError> {
@@ -1489,6 +1476,19 @@ const OPEN_RUNS_OF_SESSION: &str = "SELECT id, session_id, state, lease_owner, l
 const CANCEL_REQUESTED: &str =
     "SELECT id FROM runs WHERE state = 'running' AND lease_owner = CAST(?1 AS TEXT)
     AND cancel_requested_by IS NOT NULL";
+
+/// The journals of a session's runs, and its runs (`runs_by_state`, one seek per state), for
+/// `delete_session`.
+const DELETE_SESSION_JOURNALS: &str = concat!(
+    "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ",
+    every_state!(),
+    " AND session_id = ?1)"
+);
+const DELETE_SESSION_RUNS: &str =
+    concat!("DELETE FROM runs WHERE state IN ", every_state!(), " AND session_id = ?1");
+
+/// The journals of finished runs, for `compact_journals`.
+const COMPACT_JOURNALS: &str = "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ('done', 'failed', 'cancelled'))";
 
 /// Every pending input, with its rowid (the order it was stored in); sorted by `pending_list`.
 const PENDING: &str =
@@ -1832,21 +1832,14 @@ mod tests {
         let path = dir.path().join("plans.db");
         drop(SqliteStore::open(&path).unwrap());
         let connection = Connection::open(&path).unwrap();
-        let delete_journal = concat!(
-            "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ",
-            every_state!(),
-            " AND session_id = ?1)"
-        );
-        let delete_runs = concat!("DELETE FROM runs WHERE state IN ", every_state!(), " AND session_id = ?1");
-        let compact = "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ('done', 'failed', 'cancelled'))";
         for sql in [
             OPEN_RUNS,
             OPEN_RUNS_OF_SESSION,
             CANCEL_REQUESTED,
             SUMMARY_SELECT,
-            delete_journal,
-            delete_runs,
-            compact,
+            DELETE_SESSION_JOURNALS,
+            DELETE_SESSION_RUNS,
+            COMPACT_JOURNALS,
         ] {
             let mut plan = connection.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
             let steps: Vec<String> = plan
