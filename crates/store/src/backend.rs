@@ -178,7 +178,7 @@ pub struct SessionRows {
 }
 
 /// Reads [`SessionRows`] through storage operations.
-fn session_rows(tx: &mut dyn Tx, session: &SessionId) -> Result<SessionRows, StoreError> {
+pub(crate) fn session_rows(tx: &mut dyn Tx, session: &SessionId) -> Result<SessionRows, StoreError> {
     Ok(SessionRows {
         messages: tx.messages(session)?,
         state: tx.session_state(session)?,

@@ -49,7 +49,7 @@ use keel_core::{
 use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
 
 use crate::backend::{
-    Backend, Ruled, RunControl, Tx, Work, corrupt, memory_item, memory_owner_rows, read_limits,
+    Backend, Ruled, RunControl, SessionRows, Tx, Work, corrupt, memory_item, memory_owner_rows, read_limits,
     scope_parameters, signed, stored_delayed_state, stored_limits, stored_run_id, stored_state,
 };
 
@@ -754,23 +754,33 @@ impl Backend for Sqlite {
         })
     }
 
-    fn read<T: Send + 'static>(&self, work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
+    fn read<T: Send + 'static>(&self, mut work: Work<T>) -> BoxFuture<'static, Result<T, StoreError>> {
         // On the caller's thread: WAL lets reads run beside the writer.
-        Box::pin(std::future::ready(self.read_now(work)))
+        Box::pin(std::future::ready(self.read_now(|tx| work(tx))))
     }
 
     fn read_here<T, F: FnOnce(&mut dyn Tx) -> Result<T, StoreError>>(
         &self,
         work: F,
     ) -> Result<Result<T, StoreError>, F> {
-        Ok(self.read_now(work))
+        Ok(self.read_now(|tx| work(tx)))
+    }
+
+    fn read_session(
+        &self,
+        session: SessionId,
+    ) -> keel_core::StoreFuture<'static, Result<SessionRows, StoreError>> {
+        keel_core::StoreFuture::ready(self.read_now(|tx| tx.session_rows(&session)))
     }
 }
 
 impl Sqlite {
     /// Runs `work` as one read transaction: its statements see one snapshot (and take the
     /// database's read lock once, not once each).
-    fn read_now<T>(&self, work: impl FnOnce(&mut dyn Tx) -> Result<T, StoreError>) -> Result<T, StoreError> {
+    fn read_now<T>(
+        &self,
+        work: impl FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
         let connection = self.lock();
         let exec =
             |sql: &str| connection.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(map_error);
@@ -816,6 +826,28 @@ impl<'c> SqliteTx<'c> {
     /// [`SqliteTx::execute`] without writing the held tokens first.
     fn execute_now(&self, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
         self.c.prepare_cached(sql).and_then(|mut s| s.execute(params)).map_err(map_error)
+    }
+
+    /// What a new run of `session` starts from ([`SessionRows`]), in as few statements as the
+    /// session needs: its row first ([`SESSION_HEAD`]: message count, state, whether a run of
+    /// it is unfinished), then its messages and its unfinished run only where there are some.
+    /// A new session, the most common kind `keel serve` sees, is one statement instead of three.
+    fn session_rows(&mut self, session: &SessionId) -> Result<SessionRows, StoreError> {
+        let (count, state, open): (Option<i64>, Option<String>, bool) = self
+            .c
+            .prepare_cached(SESSION_HEAD)
+            .and_then(|mut s| {
+                s.query_row([session.as_str()], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+            })
+            .map_err(map_error)?;
+        // `append_messages` writes the count with the messages it counts.
+        let messages = if count.unwrap_or(0) > 0 { self.messages(session)? } else { Vec::new() };
+        let state = match state {
+            Some(json) => Some(serde_json::from_str(&json).map_err(corrupt)?),
+            None => None,
+        };
+        let open_run = if open { self.open_runs(Some(session))?.into_iter().next() } else { None };
+        Ok(SessionRows { messages, state, open_run })
     }
 
     /// Writes the held tokens, if any, to their session's totals.
@@ -1490,6 +1522,14 @@ const DELETE_SESSION_RUNS: &str =
 /// The journals of finished runs, for `compact_journals`.
 const COMPACT_JOURNALS: &str = "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ('done', 'failed', 'cancelled'))";
 
+/// A session's row as [`SqliteTx::session_rows`] reads it: one row whether the session exists
+/// or not (its columns `NULL` if not), and whether it has an unfinished run (`runs_by_state`,
+/// one seek per unfinished state).
+const SESSION_HEAD: &str = "SELECT (SELECT message_count FROM sessions WHERE id = ?1),
+    (SELECT state FROM sessions WHERE id = ?1),
+    EXISTS (SELECT 1 FROM runs WHERE state = 'running' AND session_id = CAST(?1 AS TEXT))
+    OR EXISTS (SELECT 1 FROM runs WHERE state = 'awaiting_input' AND session_id = CAST(?1 AS TEXT))";
+
 /// Every pending input, with its rowid (the order it was stored in); sorted by `pending_list`.
 const PENDING: &str =
     "SELECT id, run_id, session_id, call_id, body, created_at, expires_at, rowid FROM pending_inputs";
@@ -1833,6 +1873,7 @@ mod tests {
         drop(SqliteStore::open(&path).unwrap());
         let connection = Connection::open(&path).unwrap();
         for sql in [
+            SESSION_HEAD,
             OPEN_RUNS,
             OPEN_RUNS_OF_SESSION,
             CANCEL_REQUESTED,
@@ -1860,5 +1901,52 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The SQLite store reads a session's starting point in fewer statements than the storage
+    /// operations would ([`SqliteTx::session_rows`]); it reads the same.
+    #[tokio::test]
+    async fn a_session_is_read_at_once_as_its_storage_operations_read_it() {
+        use crate::conformance::{append_messages, create_run, run_record, set_run_state};
+        use keel_core::StepCommit;
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(&dir.path().join("rows.db")).unwrap();
+        let id = |name: &str| SessionId::new(name).unwrap();
+        let said = [Arc::new(Message::user("hello")), Arc::new(Message::assistant("hi"))];
+
+        // A run with no messages: no session row, one unfinished run.
+        create_run(&store, &run_record("bare", &id("bare"), 0)).await.unwrap();
+        // A finished conversation.
+        let talk = run_record("talk", &id("talk"), 0);
+        create_run(&store, &talk).await.unwrap();
+        append_messages(&store, &id("talk"), &talk.run_id, 0, &said).await.unwrap();
+        set_run_state(&store, &id("talk"), &talk.run_id, keel_core::RunState::Done).await.unwrap();
+        // A run paused for a human, with messages and a state object.
+        let paused = run_record("paused", &id("paused"), 0);
+        let cart = serde_json::json!({"cart": ["tea"]});
+        let commit = StepCommit {
+            new_run: Some(&paused),
+            messages: &said,
+            session_state: Some(&cart),
+            ..StepCommit::new(&paused.session_id, &paused.run_id)
+        };
+        store.commit_step(commit).await.unwrap();
+        set_run_state(&store, &id("paused"), &paused.run_id, keel_core::RunState::AwaitingInput)
+            .await
+            .unwrap();
+
+        for name in ["unknown", "bare", "talk", "paused"] {
+            let session = id(name);
+            let at_once = store.backend().read_now(|tx| tx.session_rows(&session)).unwrap();
+            let by_operations =
+                store.backend().read_now(|tx| crate::backend::session_rows(tx, &session)).unwrap();
+            assert_eq!(at_once.messages, by_operations.messages, "{name}");
+            assert_eq!(at_once.state, by_operations.state, "{name}");
+            assert_eq!(at_once.open_run, by_operations.open_run, "{name}");
+        }
+        let paused = store.backend().read_now(|tx| tx.session_rows(&id("paused"))).unwrap();
+        assert_eq!((paused.messages.len(), paused.state, paused.open_run.is_some()), (2, Some(cart), true));
+        let bare = store.backend().read_now(|tx| tx.session_rows(&id("bare"))).unwrap();
+        assert!(bare.messages.is_empty() && bare.open_run.is_some());
     }
 }
