@@ -168,10 +168,9 @@ const MIGRATIONS: &[&str] = &[
     DROP INDEX runs_by_state;",
     // Version 12: one index on `runs`, led by the state. A new run wrote a key in both of
     // version 11's, and its end moved it in both (about a tenth of the pages a tool-loop run's
-    // commits wrote, measured); one index serves
-    // all the queries: the unfinished runs (by state), a session's (state and session), an
-    // owner's cancellations (the running runs) and, through the list of every state, a
-    // session's runs (see `every_state!`).
+    // commits wrote, measured); one index serves all the queries: the unfinished runs (by
+    // state), a session's (state and session), an owner's cancellations (the running runs)
+    // and, through the list of every state, a session's runs (see `every_state!`).
     "DROP INDEX runs_open;
     DROP INDEX runs_leased;
     CREATE INDEX runs_by_state ON runs (state, session_id);",
