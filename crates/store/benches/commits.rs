@@ -224,8 +224,9 @@ fn floor_runs(path: &std::path::Path, runs: usize) {
 /// step number (the run's record and input; then each step's journal entry with its messages),
 /// and before each step's write one read of the run's first row, as a lease check would read
 /// the run; the same bodies, keys and pragmas as [`floor_runs`], in the same four transactions.
-/// Nothing else: no session row, no index, no message count. What no store that commits every
-/// step before the next, as keel does, goes under in SQLite.
+/// Nothing else: no session row, no index, no message count. What SQLite's part of a run
+/// would come to in a store redesigned around one row per step, committed before the next as
+/// keel commits them: a design's floor to compare with the rows keel writes now.
 fn one_row_runs(path: &std::path::Path, runs: usize) {
     let c = rusqlite::Connection::open(path).expect("the database opens");
     c.execute_batch(
