@@ -841,10 +841,7 @@ impl<'c> SqliteTx<'c> {
             .map_err(map_error)?;
         // `append_messages` writes the count with the messages it counts.
         let messages = if count.unwrap_or(0) > 0 { self.messages(session)? } else { Vec::new() };
-        let state = match state {
-            Some(json) => Some(serde_json::from_str(&json).map_err(corrupt)?),
-            None => None,
-        };
+        let state = decode_state(state)?;
         let open_run = if open { self.open_runs(Some(session))?.into_iter().next() } else { None };
         Ok(SessionRows { messages, state, open_run })
     }
@@ -861,6 +858,11 @@ impl<'c> SqliteTx<'c> {
         )
         .map(drop)
     }
+}
+
+/// A session's state object as `sessions.state` holds it (JSON text; `NULL`: none).
+fn decode_state(stored: Option<String>) -> Result<Option<serde_json::Value>, StoreError> {
+    stored.map(|json| serde_json::from_str(&json).map_err(corrupt)).transpose()
 }
 
 /// A run's [`RunControl`], read by [`control_row`]. A whole statement rather than a list of
@@ -995,10 +997,7 @@ impl Tx for SqliteTx<'_> {
             .prepare_cached("SELECT state FROM sessions WHERE id = ?1")
             .and_then(|mut s| s.query_row([session.as_str()], |row| row.get(0)).optional())
             .map_err(map_error)?;
-        match state.flatten() {
-            Some(json) => serde_json::from_str(&json).map(Some).map_err(corrupt),
-            None => Ok(None),
-        }
+        decode_state(state.flatten())
     }
 
     fn session_summary(&mut self, session: &SessionId) -> Result<Option<SessionSummary>, StoreError> {

@@ -315,6 +315,9 @@ mod tests {
         let tool = function_tool("tree", "Takes a tree", |node: Node| async move {
             Ok::<_, std::convert::Infallible>(node.name)
         });
+        let schema = &tool.spec().input_schema;
+        assert!(schema.to_string().contains("$ref"), "{schema}");
+        assert!(!keel_core::tool::compiles_as_draft7(schema), "{schema}");
         let tools = keel_core::ToolSet::new(vec![tool as Arc<dyn Tool>]).unwrap();
         let deep = |leaf: serde_json::Value| serde_json::json!({"name": "a", "children": [{"name": "b", "children": [leaf]}]});
         tools.validate_input("tree", &deep(serde_json::json!({"name": "c", "children": []}))).unwrap();
