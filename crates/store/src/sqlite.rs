@@ -13,7 +13,9 @@
 //! queued up since its last commit in one transaction (group commit), each write in its own
 //! savepoint so that one failing write fails alone: under load many runs' steps share a commit.
 //! The write-ahead log is folded into the database by a checkpoint thread on its own connection,
-//! never inside a commit. Reads use a second connection on the caller's task (WAL lets them run
+//! never inside a commit; every few thousand pages the writer thread makes the log start over
+//! between two commits, so that it stays bounded however long writes go on without a pause
+//! (see [`RESTART_PAGES`]). Reads use a second connection on the caller's task (WAL lets them run
 //! beside the writer) and see every write whose call has returned.
 //! Statements are prepared once and cached. One shape is avoided: `WHERE column = ?1 ... ORDER
 //! BY ...` (and `MAX(...)`), whose plan SQLite ties to the bound value; the statement cache
@@ -269,6 +271,9 @@ struct Queue {
     /// When a write last arrived while another commit was under way: writes come together,
     /// and a lone one is worth waiting for company (see [`gather_first`]).
     contended_at: Option<Instant>,
+    /// The log is to start over before the next commit (see [`RESTART_PAGES`]): the writer
+    /// thread's to do, so writes queue for it meanwhile.
+    restart_due: bool,
 }
 
 #[derive(Clone, Copy, Default, PartialEq, Eq)]
@@ -285,6 +290,16 @@ enum Committer {
 impl Writer {
     fn queue(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Has the writer thread make the log start over before the next commit: now if nobody
+    /// commits, else once the commit under way is done.
+    fn restart_log_soon(&self) {
+        let mut queue = self.queue();
+        queue.restart_due = true;
+        if queue.committer == Committer::Nobody {
+            self.hand_to_thread(&mut queue);
+        }
     }
 
     /// Gives the queue to the writer thread (the caller committing stops being the committer).
@@ -308,7 +323,7 @@ impl Writer {
     /// thread does, up to the busy timeout).
     fn commit_alone(&self) {
         let mut queue = self.queue();
-        if queue.jobs.len() == 1 {
+        if queue.jobs.len() == 1 && !queue.restart_due {
             let connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
             if begin_now(&connection) {
                 let mut batch = std::mem::take(&mut queue.jobs);
@@ -317,7 +332,7 @@ impl Writer {
                 drop(connection);
                 deliver(batch, commit);
                 queue = self.queue();
-                if queue.jobs.is_empty() {
+                if queue.jobs.is_empty() && !queue.restart_due {
                     queue.committer = Committer::Nobody;
                     return;
                 }
@@ -403,6 +418,13 @@ fn writer_loop(writer: Arc<Writer>) {
     let mut queue = writer.queue();
     loop {
         if queue.committer == Committer::Thread {
+            if queue.restart_due {
+                queue.restart_due = false;
+                drop(queue);
+                restart_log(&writer.connection.lock().unwrap_or_else(|p| p.into_inner()));
+                queue = writer.queue();
+                continue;
+            }
             if queue.jobs.is_empty() {
                 queue.committer = Committer::Nobody;
             } else {
@@ -429,15 +451,57 @@ fn writer_loop(writer: Arc<Writer>) {
 /// database (SQLite's own default for its automatic checkpoints).
 const CHECKPOINT_PAGES: i32 = 1000;
 
+/// How long the log may grow before the writer makes it start over. The log starts over (its
+/// next write goes to its beginning) only when a write finds all of it copied into the database.
+/// The checkpointer's `PASSIVE` checkpoints hold no writer up, so while writes never pause (a
+/// busy server) each one ended with newer frames behind it, and the log grew for as long as
+/// they went on: 100 MB in 3,000 commits of the test below, a gigabyte in five seconds of the
+/// store benchmark. Past this length the writer thread, between two commits, runs a `RESTART`
+/// checkpoint on its own connection: it copies what the last `PASSIVE` one left and syncs
+/// (milliseconds, once per this many pages; the writes that arrive meanwhile queue for the next
+/// commit), and the commit after it writes from the log's beginning. (A `RESTART` checkpoint
+/// from the checkpointer's connection never ran: it waits for the write lock, which a store
+/// committing without pause frees only for microseconds at a time.)
+const RESTART_PAGES: i32 = 4 * CHECKPOINT_PAGES;
+
+/// The size the log's file is cut back to when the log starts over (`journal_size_limit`):
+/// above what [`RESTART_PAGES`] lets it reach, so a log that starts over as it should keeps its
+/// file, whose pages its next writes reuse (a file cut back and grown again costs the kernel a
+/// new page of cache per frame); a longer one (a large transaction, a file an older keel let
+/// grow) is cut back.
+const LOG_SIZE_LIMIT: i64 = 32 << 20;
+
 /// The checkpointer thread: on each wake-up, copies the write-ahead log into the database file
-/// on a connection of its own (`PASSIVE`: writers and readers go on meanwhile). The writer's
+/// on a connection of its own (`PASSIVE`: writers and readers go on meanwhile), and asks the
+/// writer to make the log start over once it is [`RESTART_PAGES`] long. The writer's
 /// connection does not checkpoint by itself, so that no commit (one a caller makes on its own
 /// thread above all) waits for the file system's syncs a checkpoint does.
-fn checkpoint_loop(connection: Connection, wakes: std::sync::mpsc::Receiver<()>) {
+///
+/// It holds the writer weakly: the writer's connection holds the sender of its wake-ups, and the
+/// thread ends when that connection closes with the store.
+fn checkpoint_loop(
+    connection: Connection,
+    writer: std::sync::Weak<Writer>,
+    wakes: std::sync::mpsc::Receiver<()>,
+) {
     while wakes.recv().is_ok() {
-        if let Err(error) = connection.execute_batch("PRAGMA wal_checkpoint(PASSIVE)") {
-            tracing::warn!(%error, "the SQLite checkpoint failed; the next one will try again");
+        // `(busy, pages in the log, pages copied)`.
+        match connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get::<_, i64>(1)) {
+            Ok(pages) if pages >= i64::from(RESTART_PAGES) => {
+                if let Some(writer) = writer.upgrade() {
+                    writer.restart_log_soon();
+                }
+            }
+            Ok(_) => {}
+            Err(error) => tracing::warn!(%error, "the SQLite checkpoint failed; the next one will try again"),
         }
+    }
+}
+
+/// The writer thread's `RESTART` checkpoint (see [`RESTART_PAGES`]).
+fn restart_log(connection: &Connection) {
+    if let Err(error) = connection.query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(())) {
+        tracing::warn!(%error, "the SQLite checkpoint failed; the next one will try again");
     }
 }
 
@@ -584,9 +648,10 @@ impl Sqlite {
             .name("keel-sqlite-writer".into())
             .spawn(move || writer_loop(thread_writer))
             .map_err(|e| StoreError::Unavailable(format!("cannot start the SQLite writer thread: {e}")))?;
+        let checkpoint_writer = Arc::downgrade(&writer);
         std::thread::Builder::new()
             .name("keel-sqlite-checkpoint".into())
-            .spawn(move || checkpoint_loop(checkpointer, wakes))
+            .spawn(move || checkpoint_loop(checkpointer, checkpoint_writer, wakes))
             .map_err(|e| {
                 StoreError::Unavailable(format!("cannot start the SQLite checkpoint thread: {e}"))
             })?;
@@ -621,6 +686,7 @@ fn open_writer(path: &Path) -> Result<Connection, StoreError> {
     connection
         .execute_batch("PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA temp_store = MEMORY;")
         .map_err(map_error)?;
+    connection.pragma_update(None, "journal_size_limit", LOG_SIZE_LIMIT).map_err(map_error)?;
     migrate(&connection, path)?;
     Ok(connection)
 }
@@ -1721,6 +1787,53 @@ mod tests {
             appended < writes / 10,
             "{appended} frames appended to the log by {writes} writes made together"
         );
+    }
+
+    /// A store written without a pause (every run one step after the other, as a busy server's
+    /// are) keeps its write-ahead log bounded: checkpoints fold the log into the database, and
+    /// the log starts over from its beginning instead of growing for as long as writes go on.
+    #[tokio::test]
+    async fn a_log_written_without_pause_starts_over_instead_of_growing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(&dir.path().join("keel.db")).unwrap();
+        let page = store.backend().lock().query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0)).unwrap();
+        let frame = 24 + page as u64;
+        let log = dir.path().join("keel.db-wal");
+        let session = SessionId::new("busy").unwrap();
+        let record = crate::conformance::run_record("busy", &session, 0);
+        crate::conformance::create_run(&store, &record).await.unwrap();
+        // A tool's long output per step: its body spans several pages, each a frame of the log.
+        let output = [Arc::new(Message::assistant("a long tool output ".repeat(800)))];
+        let commits = 3_000;
+        let (mut per_commit, mut longest) = (0, 0);
+        for position in 0..commits {
+            let before = std::fs::metadata(&log).unwrap().len();
+            crate::conformance::append_messages(&store, &session, &record.run_id, position, &output)
+                .await
+                .unwrap();
+            let after = std::fs::metadata(&log).unwrap().len();
+            if position == 0 {
+                per_commit = (after - before) / frame;
+            }
+            longest = longest.max(after / frame);
+        }
+        assert!(commits * per_commit > 5 * RESTART_PAGES as u64, "{per_commit} frames a commit");
+        // Every CHECKPOINT_PAGES frames a checkpoint runs; at most RESTART_PAGES frames (and what
+        // the writes add while one waits for its turn) before the log must start over.
+        let bound = (RESTART_PAGES + 2 * CHECKPOINT_PAGES) as u64;
+        assert!(
+            longest <= bound,
+            "the log reached {longest} frames ({} MB) in {commits} commits; it may hold {bound}",
+            longest * frame / 1_000_000
+        );
+        // The threads let go of the file with the store: the last connection to close folds the
+        // log into the database and deletes it.
+        drop(store);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while log.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!log.exists(), "a connection to the database outlived its store");
     }
 
     #[tokio::test]
