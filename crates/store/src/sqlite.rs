@@ -471,9 +471,46 @@ const RESTART_PAGES: i32 = 4 * CHECKPOINT_PAGES;
 /// grow) is cut back.
 const LOG_SIZE_LIMIT: i64 = 32 << 20;
 
+/// How long the writer's `RESTART` checkpoint waits for readers of older snapshots (another
+/// process's, which keel's are for milliseconds at most) before it gives up, leaving the log
+/// to grow until the next try. A reader that keeps its snapshot (a shell left in a transaction,
+/// a replication tool) must not hold the write lock, and every process's commits, for
+/// the 5 s of [`BUSY_TIMEOUT`] each time.
+const RESTART_PATIENCE: Duration = Duration::from_millis(100);
+
+/// When the checkpointer asks for the log to start over: at [`RESTART_PAGES`], then, while a
+/// reader keeps it from starting over, again each time it has grown as much again.
+#[derive(Debug)]
+struct RestartSchedule {
+    /// The log's length at the checkpoint before.
+    last: i64,
+    /// The length that asks for the next restart.
+    next: i64,
+}
+
+impl RestartSchedule {
+    fn new() -> RestartSchedule {
+        RestartSchedule { last: 0, next: i64::from(RESTART_PAGES) }
+    }
+
+    /// Whether the log, `pages` long after a checkpoint, is to start over now.
+    fn due(&mut self, pages: i64) -> bool {
+        if pages < self.last {
+            // It started over since.
+            self.next = i64::from(RESTART_PAGES);
+        }
+        self.last = pages;
+        let due = pages >= self.next;
+        if due {
+            self.next = pages.saturating_add(i64::from(RESTART_PAGES));
+        }
+        due
+    }
+}
+
 /// The checkpointer thread: on each wake-up, copies the write-ahead log into the database file
 /// on a connection of its own (`PASSIVE`: writers and readers go on meanwhile), and asks the
-/// writer to make the log start over once it is [`RESTART_PAGES`] long. The writer's
+/// writer to make the log start over when it is long ([`RestartSchedule`]). The writer's
 /// connection does not checkpoint by itself, so that no commit (one a caller makes on its own
 /// thread above all) waits for the file system's syncs a checkpoint does.
 ///
@@ -484,23 +521,32 @@ fn checkpoint_loop(
     writer: std::sync::Weak<Writer>,
     wakes: std::sync::mpsc::Receiver<()>,
 ) {
+    let mut schedule = RestartSchedule::new();
     while wakes.recv().is_ok() {
         // `(busy, pages in the log, pages copied)`.
         match connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get::<_, i64>(1)) {
-            Ok(pages) if pages >= i64::from(RESTART_PAGES) => {
-                if let Some(writer) = writer.upgrade() {
+            Ok(pages) => {
+                if schedule.due(pages)
+                    && let Some(writer) = writer.upgrade()
+                {
                     writer.restart_log_soon();
                 }
             }
-            Ok(_) => {}
             Err(error) => tracing::warn!(%error, "the SQLite checkpoint failed; the next one will try again"),
         }
     }
 }
 
-/// The writer thread's `RESTART` checkpoint (see [`RESTART_PAGES`]).
+/// The writer thread's `RESTART` checkpoint (see [`RESTART_PAGES`]), waiting for readers at most
+/// [`RESTART_PATIENCE`]. One that finds a reader still on an older snapshot has copied what it
+/// could and leaves the log as it is (`busy`, not an error).
 fn restart_log(connection: &Connection) {
-    if let Err(error) = connection.query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(())) {
+    let checkpoint = connection
+        .busy_timeout(RESTART_PATIENCE)
+        .and_then(|()| connection.query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(())));
+    // Cannot fail with a valid connection; its commits would then not wait at all.
+    let _ = connection.busy_timeout(BUSY_TIMEOUT);
+    if let Err(error) = checkpoint {
         tracing::warn!(%error, "the SQLite checkpoint failed; the next one will try again");
     }
 }
@@ -1827,13 +1873,65 @@ mod tests {
             longest * frame / 1_000_000
         );
         // The threads let go of the file with the store: the last connection to close folds the
-        // log into the database and deletes it.
+        // log into the database and deletes it (syncing the file: slow on a busy disk).
         drop(store);
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(60);
         while log.exists() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert!(!log.exists(), "a connection to the database outlived its store");
+    }
+
+    #[test]
+    fn the_log_is_asked_to_start_over_when_long_and_again_only_as_it_grows_on() {
+        let restart = i64::from(RESTART_PAGES);
+        let mut schedule = RestartSchedule::new();
+        assert!(!schedule.due(1_000));
+        assert!(!schedule.due(restart - 1));
+        assert!(schedule.due(restart + 10));
+        // A reader kept it from starting over: not at every checkpoint after.
+        assert!(!schedule.due(restart + 1_000));
+        assert!(!schedule.due(2 * restart));
+        assert!(schedule.due(2 * restart + 10));
+        // It started over: the next long log asks again at the first length.
+        assert!(!schedule.due(1_000));
+        assert!(schedule.due(restart));
+    }
+
+    /// A reader that keeps its snapshot keeps the log from starting over; commits go on, and a
+    /// second store on the file (another process's) still gets the write lock in time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reader_keeping_its_snapshot_holds_no_writer_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel.db");
+        let store = SqliteStore::open(&path).unwrap();
+        let other = SqliteStore::open(&path).unwrap();
+        let reader = Connection::open(&path).unwrap();
+        reader.execute_batch("BEGIN; SELECT count(*) FROM sessions;").unwrap();
+        let session = SessionId::new("busy").unwrap();
+        let record = crate::conformance::run_record("busy", &session, 0);
+        crate::conformance::create_run(&store, &record).await.unwrap();
+        let output = [Arc::new(Message::assistant("a long tool output ".repeat(800)))];
+        let page = reader.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0)).unwrap();
+        let frame = 24 + page as u64;
+        let log = dir.path().join("keel.db-wal");
+        let (mut position, mut slowest) = (0, Duration::ZERO);
+        // Past two restarts' worth of log, each asked for and refused for the reader.
+        while std::fs::metadata(&log).unwrap().len() / frame < 3 * RESTART_PAGES as u64 {
+            crate::conformance::append_messages(&store, &session, &record.run_id, position, &output)
+                .await
+                .unwrap();
+            position += 1;
+            let started = Instant::now();
+            let tick = other.claim_schedule_tick(&format!("tick-{position}"), 60_000, None).await;
+            assert!(tick.is_ok(), "commit {position} of the other store: {tick:?}");
+            slowest = slowest.max(started.elapsed());
+        }
+        // A restart that waited out the reader would have held the lock for the busy timeout,
+        // and the other store's commit with it (or failed it, `KEEL_STORE_LOCKED`). One that
+        // gives up waits 100 ms, and its sync (seconds at worst, on a busy disk).
+        assert!(slowest < BUSY_TIMEOUT * 4 / 5, "a commit of the other store waited {slowest:?}");
+        reader.execute_batch("COMMIT").unwrap();
     }
 
     #[tokio::test]
