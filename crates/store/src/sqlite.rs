@@ -15,8 +15,9 @@
 //! The write-ahead log is folded into the database by a checkpoint thread on its own connection,
 //! never inside a commit; every few thousand pages the writer thread makes the log start over
 //! between two commits, so that it stays bounded however long writes go on without a pause
-//! (see [`RESTART_PAGES`]). Reads use a second connection on the caller's task (WAL lets them run
-//! beside the writer) and see every write whose call has returned.
+//! (see [`RESTART_PAGES`]). Reads run on the caller's task and see every write whose call has
+//! returned: on the writer's connection when nobody writes (its cache holds what was just
+//! written), else on a second connection (WAL lets them run beside the writer).
 //! Statements are prepared once and cached. One shape is avoided: `WHERE column = ?1 ... ORDER
 //! BY ...` (and `MAX(...)`), whose plan SQLite ties to the bound value; the statement cache
 //! clears bindings between uses, so SQLite re-prepared such a statement at every execution (a
@@ -302,6 +303,22 @@ impl Writer {
         }
     }
 
+    /// The writer's connection for a read, when nobody commits (and no restart of the log is
+    /// due): its page cache holds what the last commits wrote, where the reader's connection,
+    /// finding the database changed since its last read, drops its whole cache and reads those
+    /// pages back from the log (seven `pread` calls a tool-loop run). Writes made meanwhile
+    /// queue, and go to the writer thread once the read is done.
+    fn read_alone(&self) -> Option<Reading<'_>> {
+        let mut queue = self.queue();
+        if queue.committer != Committer::Nobody || queue.restart_due {
+            return None;
+        }
+        queue.committer = Committer::Caller;
+        drop(queue);
+        let connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
+        Some(Reading { writer: self, connection: Some(connection) })
+    }
+
     /// Gives the queue to the writer thread (the caller committing stops being the committer).
     fn hand_to_thread(&self, queue: &mut Queue) {
         queue.committer = Committer::Thread;
@@ -339,6 +356,32 @@ impl Writer {
             }
         }
         self.hand_to_thread(&mut queue);
+    }
+}
+
+/// A read on the writer's connection ([`Writer::read_alone`]); when dropped, writes that queued
+/// meanwhile go to the writer thread.
+struct Reading<'w> {
+    writer: &'w Writer,
+    /// Always `Some` until dropped: let go of before the queue is handed on.
+    connection: Option<MutexGuard<'w, Connection>>,
+}
+
+impl Reading<'_> {
+    fn connection(&self) -> &Connection {
+        self.connection.as_deref().expect("held until the read is dropped")
+    }
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        drop(self.connection.take());
+        let mut queue = self.writer.queue();
+        if queue.jobs.is_empty() && !queue.restart_due {
+            queue.committer = Committer::Nobody;
+        } else {
+            self.writer.hand_to_thread(&mut queue);
+        }
     }
 }
 
@@ -660,7 +703,7 @@ impl Sqlite {
         // The writer gets this connection; reads get a second one, checkpoints a third.
         let reader = Connection::open(path).map_err(|e| with_path(map_error(e), path))?;
         reader.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
-        reader.set_prepared_statement_cache_capacity(64);
+        reader.set_prepared_statement_cache_capacity(128);
         let checkpointer = Connection::open(path).map_err(|e| with_path(map_error(e), path))?;
         checkpointer.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
         let (due, wakes) = std::sync::mpsc::sync_channel(1);
@@ -716,7 +759,9 @@ fn open_writer(path: &Path) -> Result<Connection, StoreError> {
         other => other,
     })?;
     connection.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
-    connection.set_prepared_statement_cache_capacity(64);
+    // Room for every statement of the store: reads use this connection too (when nobody
+    // writes), and a statement pushed out of the cache is parsed again at its next use.
+    connection.set_prepared_statement_cache_capacity(128);
     // The first statement that reads the file tells a non-database from a database; another
     // application's database is refused before anything (even the journal mode) changes in it.
     refuse_foreign(&connection, path)?;
@@ -888,23 +933,35 @@ impl Backend for Sqlite {
 impl Sqlite {
     /// Runs `work` as one read transaction: its statements see one snapshot (and take the
     /// database's read lock once, not once each).
+    ///
+    /// On the writer's connection when nobody is writing (see [`Writer::read_alone`]), else on
+    /// the reader's.
     fn read_now<T>(
         &self,
         work: impl FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let connection = self.lock();
-        let exec =
-            |sql: &str| connection.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(map_error);
-        exec("BEGIN")?;
-        let mut tx = SqliteTx::new(&connection);
-        let result = work(&mut tx);
-        debug_assert!(tx.usage.is_none(), "a read holds tokens to write");
-        // A read transaction has nothing to commit; ending it cannot lose anything.
-        if exec("COMMIT").is_err() {
-            let _ = exec("ROLLBACK");
+        match self.writer.read_alone() {
+            Some(reading) => read_on(reading.connection(), work),
+            None => read_on(&self.lock(), work),
         }
-        result
     }
+}
+
+/// [`Sqlite::read_now`] on `connection`.
+fn read_on<T>(
+    connection: &Connection,
+    work: impl FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    let exec = |sql: &str| connection.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(map_error);
+    exec("BEGIN")?;
+    let mut tx = SqliteTx::new(connection);
+    let result = work(&mut tx);
+    debug_assert!(tx.usage.is_none(), "a read holds tokens to write");
+    // A read transaction has nothing to commit; ending it cannot lose anything.
+    if exec("COMMIT").is_err() {
+        let _ = exec("ROLLBACK");
+    }
+    result
 }
 
 /// Storage operations on one connection (inside the writer's transaction, or a read).
@@ -1932,6 +1989,66 @@ mod tests {
         // gives up waits 100 ms, and its sync (seconds at worst, on a busy disk).
         assert!(slowest < BUSY_TIMEOUT * 4 / 5, "a commit of the other store waited {slowest:?}");
         reader.execute_batch("COMMIT").unwrap();
+    }
+
+    /// Reads take the writer's connection when nobody writes: writes made meanwhile wait for the
+    /// read, then commit; each read sees every write whose call returned before it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_and_writes_from_many_tasks_all_finish_and_reads_see_what_was_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(SqliteStore::open(&dir.path().join("keel.db")).unwrap());
+        let tasks: Vec<_> = (0..16)
+            .map(|task| {
+                let store = Arc::clone(&store);
+                tokio::spawn(async move {
+                    let session = SessionId::new(format!("s{task}")).unwrap();
+                    let record = crate::conformance::run_record(&format!("r{task}"), &session, 0);
+                    crate::conformance::create_run(&*store, &record).await.unwrap();
+                    for position in 0..50u64 {
+                        let said = [Arc::new(Message::assistant(format!("{task}/{position}")))];
+                        crate::conformance::append_messages(
+                            &*store,
+                            &session,
+                            &record.run_id,
+                            position,
+                            &said,
+                        )
+                        .await
+                        .unwrap();
+                        let messages = store.load_messages(&session).await.unwrap();
+                        assert_eq!(messages.len() as u64, position + 1, "task {task}");
+                        assert_eq!(messages.last().unwrap(), &said[0]);
+                        // Reads of other sessions, beside other tasks' writes.
+                        store.list_sessions(SessionFilter::default()).await.unwrap();
+                    }
+                })
+            })
+            .collect();
+        let all = async {
+            for task in tasks {
+                task.await.unwrap();
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(120), all).await.expect("every read and write finished");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_made_during_a_read_on_the_writers_connection_commits_once_the_read_is_done() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(SqliteStore::open(&dir.path().join("keel.db")).unwrap());
+        let writer = Arc::clone(&store.backend().writer);
+        let reading = writer.read_alone().expect("nobody writes");
+        assert!(writer.read_alone().is_none(), "one read at a time on the writer's connection");
+        let shared = Arc::clone(&store);
+        let write = tokio::spawn(async move { shared.claim_schedule_tick("tick", 60_000, None).await });
+        while writer.queue().jobs.is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        drop(reading);
+        let claimed =
+            tokio::time::timeout(Duration::from_secs(60), write).await.expect("the write committed");
+        assert!(claimed.unwrap().unwrap());
+        assert!(writer.read_alone().is_some(), "nobody writes again");
     }
 
     #[tokio::test]
