@@ -255,7 +255,9 @@ const MAX_BATCH: usize = 512;
 /// One committer at a time holds the connection: a caller whose write found nobody else
 /// writing (it commits that one write itself, on its own thread: no hand-off to wait for), or
 /// the writer thread, which commits whatever queued meanwhile in one transaction (group
-/// commit). A write arriving while a commit is under way queues, and the writer thread takes it.
+/// commit), or makes the log start over. A write arriving while a commit is under way queues,
+/// and the writer thread takes it. A read that finds nobody committing holds the connection as
+/// a caller does ([`Writer::read_alone`]).
 struct Writer {
     connection: Mutex<Connection>,
     queue: Mutex<Queue>,
@@ -282,9 +284,9 @@ enum Committer {
     /// Nobody: the next write commits itself.
     #[default]
     Nobody,
-    /// A caller, committing its lone write (or about to).
+    /// A caller, committing its lone write (or about to), or reading on the connection.
     Caller,
-    /// The writer thread, until the queue is empty.
+    /// The writer thread, until the queue is empty and no restart of the log is due.
     Thread,
 }
 
