@@ -32,7 +32,8 @@
 //! --instructions` for the instruction counts alone, which `scripts/bench-instructions.sh` runs;
 //! `-- --profile` runs only the current-thread loop, `KEEL_BENCH_RUNS` times, for callgrind or
 //! perf; `-- --profile-multi` the same loop on a multi-thread runtime; add `--inline` to either
-//! for inline runs).
+//! for inline runs; `-- --profile-sqlite` and `-- --profile-sqlite-multi`, with `--inline` or
+//! not, run 10,000 runs one at a time on the SQLite store and nothing else).
 #![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
 #![allow(missing_docs)]
 
@@ -173,6 +174,26 @@ fn sequential(
             per_run.push(start.elapsed().as_secs_f64() * 1e6 / per_batch as f64);
         }
         median(per_run)
+    });
+    runtime.block_on(task).expect("the benchmark task panicked")
+}
+
+/// Runs one at a time against a fresh SQLite file, and nothing else: what `--profile-sqlite`
+/// and `--profile-sqlite-multi` give perf or callgrind to look at.
+fn durable_sequential(runtime: &tokio::runtime::Runtime, drive: Drive, runs: usize) -> f64 {
+    let task = runtime.spawn(async move {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let store =
+            Arc::new(keel::SqliteStore::open(&dir.path().join("bench.db")).expect("the database opens"));
+        let agent = agent_with(store);
+        for i in 0..200 {
+            one_run_driven(&agent, &format!("w{i}"), drive).await;
+        }
+        let start = Instant::now();
+        for i in 0..runs {
+            one_run_driven(&agent, &format!("s{i}"), drive).await;
+        }
+        runs as f64 / start.elapsed().as_secs_f64()
     });
     runtime.block_on(task).expect("the benchmark task panicked")
 }
@@ -482,10 +503,14 @@ fn main() {
         print_instructions(&[Backend::Memory, Backend::Sqlite, Backend::Postgres], quick);
         return;
     }
-    if args.iter().any(|a| a == "--profile-sqlite") {
-        let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let durable = durable(&current, 3_000);
-        println!("{:.0} runs/s", durable.sequential_per_second);
+    if let Some(flag) = args.iter().find(|a| *a == "--profile-sqlite" || *a == "--profile-sqlite-multi") {
+        let runtime = if flag == "--profile-sqlite" {
+            tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+        } else {
+            tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap()
+        };
+        let drive = if args.iter().any(|a| a == "--inline") { Drive::Inline } else { Drive::Spawned };
+        println!("{:.0} runs/s", durable_sequential(&runtime, drive, 10_000));
         return;
     }
     if args.iter().any(|a| a == "--sqlite") {
