@@ -271,12 +271,17 @@ struct Queue {
     /// Who commits now.
     committer: Committer,
     closed: bool,
-    /// When a write last arrived while another commit was under way: writes come together,
-    /// and a lone one is worth waiting for company (see [`gather_first`]).
+    /// When a write last arrived while another caller's was committed, or several were
+    /// (see `Backend::write`): writes come together, and a lone one is worth waiting for
+    /// company (see [`gather_first`]).
     contended_at: Option<Instant>,
     /// The log is to start over before the next commit (see [`RESTART_PAGES`]): the writer
     /// thread's to do, so writes queue for it meanwhile.
     restart_due: bool,
+    /// How many writes the writer thread is committing now (0 while it makes the log start over
+    /// or waits): more than one came together; one is a caller's handed over (behind a restart
+    /// of the log, or another process's write lock), which is no sign of company.
+    thread_batch: usize,
 }
 
 #[derive(Clone, Copy, Default, PartialEq, Eq)]
@@ -284,8 +289,10 @@ enum Committer {
     /// Nobody: the next write commits itself.
     #[default]
     Nobody,
-    /// A caller, committing its lone write (or about to), or reading on the connection.
+    /// A caller, committing its lone write (or about to).
     Caller,
+    /// A caller reading on the connection ([`Writer::read_alone`]).
+    Reader,
     /// The writer thread, until the queue is empty and no restart of the log is due.
     Thread,
 }
@@ -315,7 +322,7 @@ impl Writer {
         if queue.committer != Committer::Nobody || queue.restart_due {
             return None;
         }
-        queue.committer = Committer::Caller;
+        queue.committer = Committer::Reader;
         drop(queue);
         let connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
         Some(Reading { writer: self, connection: Some(connection) })
@@ -479,9 +486,11 @@ fn writer_loop(writer: Arc<Writer>) {
                 } else {
                     queue.jobs.drain(..MAX_BATCH).collect()
                 };
+                queue.thread_batch = batch.len();
                 drop(queue);
                 writer.commit(batch);
                 queue = writer.queue();
+                queue.thread_batch = 0;
                 continue;
             }
         }
@@ -890,7 +899,21 @@ impl Backend for Sqlite {
             queue.committer = Committer::Caller;
             gather_first(queue.contended_at, now)
         } else {
-            queue.contended_at = Some(now);
+            // Writes come together when this one arrived while another caller's was committed,
+            // or while the writer thread commits several. Not while the connection is read on,
+            // or the thread makes the log start over or commits the one write that waited for
+            // that: a run alone meets these (the engine looks for other processes'
+            // cancellations every half second; the log starts over every few hundred runs), and
+            // taken for company they had every commit of the next second yield first, each
+            // waking the idle worker (three wake-ups a tool-loop run on two workers, measured).
+            let together = match queue.committer {
+                Committer::Caller => true,
+                Committer::Thread => queue.thread_batch > 1,
+                Committer::Reader | Committer::Nobody => false,
+            };
+            if together {
+                queue.contended_at = Some(now);
+            }
             false
         };
         drop(queue);
@@ -1851,6 +1874,86 @@ mod tests {
         // worker asleep (two parks in all, measured).
         let commits = runs * 3;
         assert!(parked < commits / 10, "{parked} parks of the workers for {commits} commits one at a time");
+    }
+
+    /// What a run alone meets on its store before [`lone_runs_after`] counts the wake-ups of
+    /// its commits.
+    #[derive(Clone, Copy, Debug)]
+    enum Meeting {
+        /// Its write queued behind a restart of the log.
+        RestartOfTheLog,
+        /// Its write arrived while another task read on the writer's connection.
+        ReadOnTheWritersConnection,
+    }
+
+    /// Parks of a two-worker runtime's workers while 50 runs commit one at a time (three commits
+    /// each), after a write that met `meeting`.
+    fn lone_runs_after(meeting: Meeting) -> u64 {
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel.db");
+        let store = Arc::new(SqliteStore::open(&path).unwrap());
+        runtime.block_on(async {
+            store.claim_schedule_tick("warm-up", 60_000, None).await.unwrap();
+            match meeting {
+                Meeting::RestartOfTheLog => {
+                    // Another process's reader keeping a snapshot that the log has moved past:
+                    // the writer thread's restart waits `RESTART_PATIENCE` for it, so the write
+                    // below surely queues behind the restart.
+                    let reader = Connection::open(&path).unwrap();
+                    reader.execute_batch("BEGIN; SELECT count(*) FROM schedules;").unwrap();
+                    store.claim_schedule_tick("moved-on", 60_000, None).await.unwrap();
+                    store.backend().writer.restart_log_soon();
+                    store.claim_schedule_tick("behind-the-restart", 60_000, None).await.unwrap();
+                    reader.execute_batch("COMMIT").unwrap();
+                }
+                Meeting::ReadOnTheWritersConnection => {
+                    let writer = Arc::clone(&store.backend().writer);
+                    let reading = writer.read_alone().expect("nobody writes");
+                    let shared = Arc::clone(&store);
+                    let write = runtime.spawn(async move {
+                        shared.claim_schedule_tick("during-a-read", 60_000, None).await
+                    });
+                    while writer.queue().jobs.is_empty() {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                    drop(reading);
+                    assert!(write.await.unwrap().unwrap());
+                }
+            }
+        });
+        runtime
+            .block_on(runtime.spawn(async move {
+                let before = parks(&tokio::runtime::Handle::current());
+                for n in 0..50 {
+                    let session = SessionId::new(format!("s{n}")).unwrap();
+                    let record = crate::conformance::run_record(&format!("r{n}"), &session, 0);
+                    let run = &record.run_id;
+                    crate::conformance::create_run(&*store, &record).await.unwrap();
+                    let said = [Arc::new(Message::assistant("hello"))];
+                    crate::conformance::append_messages(&*store, &session, run, 0, &said).await.unwrap();
+                    crate::conformance::set_run_state(&*store, &session, run, keel_core::RunState::Done)
+                        .await
+                        .unwrap();
+                }
+                parks(&tokio::runtime::Handle::current()) - before
+            }))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_write_that_met_no_other_write_does_not_make_the_next_ones_wait_for_company() {
+        // Taken for writes coming together, such a write had each of the next commits yield
+        // first and wake the idle worker (146 parks for these 150 commits after a restart of
+        // the log, measured); committing at once leaves the idle worker asleep.
+        for meeting in [Meeting::RestartOfTheLog, Meeting::ReadOnTheWritersConnection] {
+            let parked = lone_runs_after(meeting);
+            assert!(
+                parked < 15,
+                "{parked} parks of the workers for 150 commits one at a time after {meeting:?}"
+            );
+        }
     }
 
     /// Makes 100 schedule-tick writes at once on a new store, each in a task of its own, and
