@@ -2133,7 +2133,12 @@ mod tests {
         let claimed =
             tokio::time::timeout(Duration::from_secs(60), write).await.expect("the write committed");
         assert!(claimed.unwrap().unwrap());
-        assert!(writer.read_alone().is_some(), "nobody writes again");
+        // The writer thread answers the write, then lets go of the connection.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while writer.read_alone().is_none() {
+            assert!(Instant::now() < deadline, "the writer thread kept the connection after its last write");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 
     #[tokio::test]
