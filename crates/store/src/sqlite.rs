@@ -263,6 +263,13 @@ struct Writer {
     queue: Mutex<Queue>,
     /// Wakes the writer thread when it is handed the queue (or the store closes).
     wake: std::sync::Condvar,
+    /// The checkpointer thread's wake-ups (the log's hook on `connection` holds another): it
+    /// ends, closing its connection, when every one is gone. Declared after `connection`, so
+    /// dropped once that connection is closed: the checkpointer's then closes last and alone,
+    /// folding the log into the database and deleting it. Closing both at once, each found the
+    /// other still open and neither deleted the log (a test found it left after a store was
+    /// dropped, on a busy machine).
+    _checkpoints: std::sync::mpsc::SyncSender<()>,
 }
 
 #[derive(Default)]
@@ -717,7 +724,8 @@ impl Sqlite {
         reader.set_prepared_statement_cache_capacity(128);
         let checkpointer = Connection::open(path).map_err(|e| with_path(map_error(e), path))?;
         checkpointer.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
-        let (due, wakes) = std::sync::mpsc::sync_channel(1);
+        let (checkpoints, wakes) = std::sync::mpsc::sync_channel(1);
+        let due = checkpoints.clone();
         let mut connection = connection;
         // Replaces the automatic checkpoints (`wal_autocheckpoint` is this same hook).
         // Once per CHECKPOINT_PAGES pages written: until the checkpoint is done and a commit
@@ -742,6 +750,7 @@ impl Sqlite {
             connection: Mutex::new(connection),
             queue: Mutex::default(),
             wake: std::sync::Condvar::new(),
+            _checkpoints: checkpoints,
         });
         let thread_writer = Arc::clone(&writer);
         std::thread::Builder::new()
