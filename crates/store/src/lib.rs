@@ -21,6 +21,7 @@ mod memory;
 pub mod postgres;
 mod rules;
 mod sqlite;
+mod wal_frames;
 
 pub use backend::{Backend, CommitSubject, Ruled, RunControl, SessionRows, Tx, Work};
 pub use memory::{Memory, MemoryLimits, MemoryStore};

@@ -15,9 +15,11 @@
 //! The write-ahead log is folded into the database by a checkpoint thread on its own connection,
 //! never inside a commit; every few thousand pages the writer thread makes the log start over
 //! between two commits, so that it stays bounded however long writes go on without a pause
-//! (see [`RESTART_PAGES`]). Reads run on the caller's task and see every write whose call has
-//! returned: on the writer's connection when nobody writes (its cache holds what was just
-//! written), else on a second connection (WAL lets them run beside the writer).
+//! (see [`RESTART_PAGES`]). Connections open the file through a VFS that writes each frame of
+//! the log in one system call instead of two ([`crate::wal_frames`]). Reads run on the
+//! caller's task and see every write whose call has returned: on the writer's connection when
+//! nobody writes (its cache holds what was just written), else on a second connection (WAL
+//! lets them run beside the writer).
 //! Statements are prepared once and cached. One shape is avoided: `WHERE column = ?1 ... ORDER
 //! BY ...` (and `MAX(...)`), whose plan SQLite ties to the bound value; the statement cache
 //! clears bindings between uses, so SQLite re-prepared such a statement at every execution (a
@@ -719,10 +721,10 @@ impl Sqlite {
             }
         };
         // The writer gets this connection; reads get a second one, checkpoints a third.
-        let reader = Connection::open(path).map_err(|e| with_path(map_error(e), path))?;
+        let reader = connect(path).map_err(|e| with_path(map_error(e), path))?;
         reader.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
         reader.set_prepared_statement_cache_capacity(128);
-        let checkpointer = Connection::open(path).map_err(|e| with_path(map_error(e), path))?;
+        let checkpointer = connect(path).map_err(|e| with_path(map_error(e), path))?;
         checkpointer.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
         let (checkpoints, wakes) = std::sync::mpsc::sync_channel(1);
         let due = checkpoints.clone();
@@ -772,9 +774,18 @@ impl Sqlite {
     }
 }
 
+/// Opens a connection to the file, through the VFS that writes each frame of the log in one call
+/// ([`crate::wal_frames`]).
+fn connect(path: &Path) -> rusqlite::Result<Connection> {
+    match crate::wal_frames::vfs() {
+        Some(vfs) => Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), vfs),
+        None => Connection::open(path),
+    }
+}
+
 /// Opens the writer's connection: WAL mode, pragmas, and the schema brought up to date.
 fn open_writer(path: &Path) -> Result<Connection, StoreError> {
-    let connection = Connection::open(path).map_err(|e| match map_error(e) {
+    let connection = connect(path).map_err(|e| match map_error(e) {
         StoreError::Unavailable(m) => StoreError::Unavailable(format!("cannot open {}: {m}", path.display())),
         other => other,
     })?;
