@@ -348,7 +348,8 @@ mod tests {
     /// write from other threads.
     #[cfg(target_os = "linux")]
     fn write_calls() -> u64 {
-        let io = std::fs::read_to_string("/proc/thread-self/io").unwrap();
+        let io = std::fs::read_to_string("/proc/thread-self/io")
+            .expect("/proc/thread-self/io, the kernel's I/O accounting per thread");
         io.lines().find_map(|line| line.strip_prefix("syscw: ")).unwrap().trim().parse().unwrap()
     }
 
