@@ -42,6 +42,10 @@ const NAME: &CStr = c"keel-wal-frames";
 /// The length of a frame's header (`WAL_FRAME_HDRSIZE` in sqlite3.c).
 const FRAME_HEADER: usize = 24;
 
+/// The largest page SQLite writes (`SQLITE_MAX_PAGE_SIZE`): a longer write is no page, and is
+/// passed on alone.
+const MAX_PAGE: usize = 65_536;
+
 /// The VFS to open keel's connections with: this one, registered at the first call; `None`
 /// (SQLite's default) if SQLite has no default VFS to build on or refused to register it.
 pub(crate) fn vfs() -> Option<&'static CStr> {
@@ -180,18 +184,13 @@ unsafe extern "C" fn write(
         let length = usize::try_from(amount).unwrap_or(0);
         let after_read_here = own.read_at.take() == Some(offset);
         if let Some(at) = own.held {
-            if offset == at + FRAME_HEADER as i64 && length > 0 {
+            if offset == at + FRAME_HEADER as i64 && (1..=MAX_PAGE).contains(&length) {
                 // The frame's page, right after its header: both in one write.
                 own.held = None;
                 own.joined.clear();
                 own.joined.extend_from_slice(&own.header);
                 own.joined.extend_from_slice(std::slice::from_raw_parts(data.cast::<u8>(), length));
-                let Ok(joined) = c_int::try_from(own.joined.len()) else {
-                    // Longer than a write can be: the two writes as SQLite made them.
-                    let rc = write(inner, own.header.as_ptr().cast(), FRAME_HEADER as c_int, at);
-                    return if rc == ffi::SQLITE_OK { write(inner, data, amount, offset) } else { rc };
-                };
-                return write(inner, own.joined.as_ptr().cast(), joined, at);
+                return write(inner, own.joined.as_ptr().cast(), own.joined.len() as c_int, at);
             }
             let rc = flush(own, inner, methods);
             if rc != ffi::SQLITE_OK {
