@@ -10,7 +10,7 @@
 //! `-- --instructions` counts instructions per run with callgrind instead (valgrind installed),
 //! for the SQLite store and for the SQLite floor: the same rows written by SQLite alone (see
 //! [`floor_runs`]). The difference between the two is the store's own work (its reads, checks,
-//! statement cache and writer hand-off); the floor is what no change to that work goes under.
+//! statements and writer hand-off); the floor is what no change to that work goes under.
 //! A third figure is the floor of another way to store the same run: one row per step (see
 //! [`one_row_runs`]), what a store that writes fewer rows could come down to.
 //!

@@ -16,6 +16,7 @@
 
 pub mod backend;
 pub mod conformance;
+mod held;
 mod memory;
 #[cfg(feature = "postgres")]
 pub mod postgres;

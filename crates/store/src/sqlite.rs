@@ -20,10 +20,10 @@
 //! caller's task and see every write whose call has returned: on the writer's connection when
 //! nobody writes (its cache holds what was just written), else on a second connection (WAL
 //! lets them run beside the writer).
-//! Statements are prepared once and cached. One shape is avoided: `WHERE column = ?1 ... ORDER
-//! BY ...` (and `MAX(...)`), whose plan SQLite ties to the bound value; the statement cache
-//! clears bindings between uses, so SQLite re-prepared such a statement at every execution (a
-//! third of a run's work, measured). Those statements compare with `CAST(?1 AS TEXT)`, which
+//! Statements are prepared once and held by their connection ([`crate::held`]). One shape is
+//! avoided: `WHERE column = ?1 ... ORDER BY ...` (and `MAX(...)`), whose plan SQLite ties to
+//! the bound value, so that it prepares such a statement again whenever the value changes (at
+//! every execution: a third of a run's work, measured). Those statements compare with `CAST(?1 AS TEXT)`, which
 //! keeps the index and the order and drops the tie; per-step reads are primary-key lookups (a
 //! session's message count lives in `sessions`, and a model step's tokens are written with it,
 //! in one statement: see [`SqliteTx`]). Two more shapes make SQLite build a temporary
@@ -52,6 +52,8 @@ use keel_core::{
     SessionFilter, SessionId, SessionSummary, StepName, StoreError, Usage,
 };
 use rusqlite::{Connection, ErrorCode as SqliteCode, OptionalExtension, params};
+
+use crate::held::HeldConnection;
 
 use crate::backend::{
     Backend, Ruled, RunControl, SessionRows, Tx, Work, corrupt, memory_item, memory_owner_rows, read_limits,
@@ -196,7 +198,7 @@ pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 /// The SQLite backend. See the module docs.
 pub struct Sqlite {
     /// The connection reads use.
-    connection: Mutex<Connection>,
+    connection: Mutex<HeldConnection>,
     /// Where writes go.
     writer: Arc<Writer>,
     path: PathBuf,
@@ -217,7 +219,7 @@ pub type SqliteStore = Ruled<Sqlite>;
 /// only once the batch is committed.
 trait Job: Send {
     /// Runs the work; `Err` rolls its savepoint back.
-    fn run(&mut self, connection: &Connection) -> Result<(), StoreError>;
+    fn run(&mut self, connection: &HeldConnection) -> Result<(), StoreError>;
     /// Tells the caller: its result, unless the commit failed.
     fn deliver(self: Box<Self>, commit: Result<(), StoreError>);
 }
@@ -229,7 +231,7 @@ struct TypedJob<T> {
 }
 
 impl<T: Send + 'static> Job for TypedJob<T> {
-    fn run(&mut self, connection: &Connection) -> Result<(), StoreError> {
+    fn run(&mut self, connection: &HeldConnection) -> Result<(), StoreError> {
         let Some(mut work) = self.work.take() else { return Ok(()) };
         let mut tx = SqliteTx::new(connection);
         let result = work(&mut tx).and_then(|value| tx.flush_usage().map(|()| value));
@@ -261,7 +263,7 @@ const MAX_BATCH: usize = 512;
 /// and the writer thread takes it. A read that finds nobody committing holds the connection as
 /// a caller does ([`Writer::read_alone`]).
 struct Writer {
-    connection: Mutex<Connection>,
+    connection: Mutex<HeldConnection>,
     queue: Mutex<Queue>,
     /// Wakes the writer thread when it is handed the queue (or the store closes).
     wake: std::sync::Condvar,
@@ -382,11 +384,11 @@ impl Writer {
 struct Reading<'w> {
     writer: &'w Writer,
     /// Always `Some` until dropped: let go of before the queue is handed on.
-    connection: Option<MutexGuard<'w, Connection>>,
+    connection: Option<MutexGuard<'w, HeldConnection>>,
 }
 
 impl Reading<'_> {
-    fn connection(&self) -> &Connection {
+    fn connection(&self) -> &HeldConnection {
         self.connection.as_deref().expect("held until the read is dropped")
     }
 }
@@ -415,12 +417,12 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Opens the write transaction. `BEGIN IMMEDIATE` takes the write lock up front (waiting out
 /// other processes' writers with the busy timeout) instead of failing mid-transaction.
-fn begin(connection: &Connection) -> Result<(), StoreError> {
-    connection.prepare_cached("BEGIN IMMEDIATE").and_then(|mut s| s.execute([])).map(drop).map_err(map_error)
+fn begin(connection: &HeldConnection) -> Result<(), StoreError> {
+    connection.with_statement("BEGIN IMMEDIATE", |s| s.execute([])).map(drop).map_err(map_error)
 }
 
 /// [`begin`] if the write lock is free now, without waiting. Whether it began.
-fn begin_now(connection: &Connection) -> bool {
+fn begin_now(connection: &HeldConnection) -> bool {
     if connection.busy_timeout(Duration::ZERO).is_err() {
         return false;
     }
@@ -618,8 +620,8 @@ fn restart_log(connection: &Connection) {
 /// failing job fails alone, and commits. Returns how the commit went. A batch of one needs no
 /// savepoint (its failure rolls the whole transaction back): a savepoint makes SQLite copy every
 /// page it changes into a sub-journal first, which was a sixth of a lone commit's work.
-fn run_batch(connection: &Connection, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
-    let exec = |sql: &str| connection.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(map_error);
+fn run_batch(connection: &HeldConnection, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
+    let exec = |sql: &'static str| connection.with_statement(sql, |s| s.execute([])).map_err(map_error);
     if let [job] = batch {
         if job.run(connection).is_err() {
             // The job's own error is what its caller hears; nothing of it stays.
@@ -723,7 +725,6 @@ impl Sqlite {
         // The writer gets this connection; reads get a second one, checkpoints a third.
         let reader = connect(path).map_err(|e| with_path(map_error(e), path))?;
         reader.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
-        reader.set_prepared_statement_cache_capacity(128);
         let checkpointer = connect(path).map_err(|e| with_path(map_error(e), path))?;
         checkpointer.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
         let (checkpoints, wakes) = std::sync::mpsc::sync_channel(1);
@@ -749,7 +750,7 @@ impl Sqlite {
             }))
             .map_err(map_error)?;
         let writer = Arc::new(Writer {
-            connection: Mutex::new(connection),
+            connection: Mutex::new(HeldConnection::new(connection)),
             queue: Mutex::default(),
             wake: std::sync::Condvar::new(),
             _checkpoints: checkpoints,
@@ -766,10 +767,10 @@ impl Sqlite {
             .map_err(|e| {
                 StoreError::Unavailable(format!("cannot start the SQLite checkpoint thread: {e}"))
             })?;
-        Ok(Sqlite { connection: Mutex::new(reader), writer, path: path.to_owned() })
+        Ok(Sqlite { connection: Mutex::new(HeldConnection::new(reader)), writer, path: path.to_owned() })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Connection> {
+    fn lock(&self) -> MutexGuard<'_, HeldConnection> {
         self.connection.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -790,9 +791,6 @@ fn open_writer(path: &Path) -> Result<Connection, StoreError> {
         other => other,
     })?;
     connection.busy_timeout(BUSY_TIMEOUT).map_err(map_error)?;
-    // Room for every statement of the store: reads use this connection too (when nobody
-    // writes), and a statement pushed out of the cache is parsed again at its next use.
-    connection.set_prepared_statement_cache_capacity(128);
     // The first statement that reads the file tells a non-database from a database; another
     // application's database is refused before anything (even the journal mode) changes in it.
     refuse_foreign(&connection, path)?;
@@ -994,10 +992,10 @@ impl Sqlite {
 
 /// [`Sqlite::read_now`] on `connection`.
 fn read_on<T>(
-    connection: &Connection,
+    connection: &HeldConnection,
     work: impl FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError>,
 ) -> Result<T, StoreError> {
-    let exec = |sql: &str| connection.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(map_error);
+    let exec = |sql: &'static str| connection.with_statement(sql, |s| s.execute([])).map_err(map_error);
     exec("BEGIN")?;
     let mut tx = SqliteTx::new(connection);
     let result = work(&mut tx);
@@ -1011,7 +1009,7 @@ fn read_on<T>(
 
 /// Storage operations on one connection (inside the writer's transaction, or a read).
 struct SqliteTx<'c> {
-    c: &'c Connection,
+    c: &'c HeldConnection,
     /// Tokens added to a session and not written yet: a model step's commit adds them and then
     /// appends its messages, and both go to the session's row in one statement
     /// ([`Tx::append_messages`]), one statement fewer per model step. Written before any other
@@ -1027,18 +1025,18 @@ const SESSION_WRITE: &str = "INSERT INTO sessions (id, message_count, created_at
        input_tokens = input_tokens + excluded.input_tokens, output_tokens = output_tokens + excluded.output_tokens";
 
 impl<'c> SqliteTx<'c> {
-    fn new(c: &'c Connection) -> SqliteTx<'c> {
+    fn new(c: &'c HeldConnection) -> SqliteTx<'c> {
         SqliteTx { c, usage: None }
     }
 
-    fn execute(&mut self, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
+    fn execute(&mut self, sql: &'static str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
         self.flush_usage()?;
         self.execute_now(sql, params)
     }
 
     /// [`SqliteTx::execute`] without writing the held tokens first.
-    fn execute_now(&self, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
-        self.c.prepare_cached(sql).and_then(|mut s| s.execute(params)).map_err(map_error)
+    fn execute_now(&self, sql: &'static str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
+        self.c.with_statement(sql, |s| s.execute(params)).map_err(map_error)
     }
 
     /// What a new run of `session` starts from ([`SessionRows`]), in as few statements as the
@@ -1048,8 +1046,7 @@ impl<'c> SqliteTx<'c> {
     fn session_rows(&mut self, session: &SessionId) -> Result<SessionRows, StoreError> {
         let (count, state, open): (Option<i64>, Option<String>, bool) = self
             .c
-            .prepare_cached(SESSION_HEAD)
-            .and_then(|mut s| {
+            .with_statement(SESSION_HEAD, |s| {
                 s.query_row([session.as_str()], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
             })
             .map_err(map_error)?;
@@ -1080,8 +1077,8 @@ fn decode_state(stored: Option<String>) -> Result<Option<serde_json::Value>, Sto
 }
 
 /// A run's [`RunControl`], read by [`control_row`]. A whole statement rather than a list of
-/// columns to format into one: a commit reads its run's control up to four times, and the
-/// statement cache is keyed by the SQL text.
+/// columns to format into one: a commit reads its run's control up to four times, and a
+/// statement is held only for SQL that is `'static` ([`crate::held`]).
 const CONTROL_SELECT: &str = "SELECT session_id, state, lease_owner, lease_expires_at, lease_epoch, attempts,
        cancel_requested_by FROM runs WHERE id = ?1";
 
@@ -1111,8 +1108,9 @@ impl Tx for SqliteTx<'_> {
     fn message_count(&mut self, session: &SessionId) -> Result<u64, StoreError> {
         let count: Option<i64> = self
             .c
-            .prepare_cached("SELECT message_count FROM sessions WHERE id = ?1")
-            .and_then(|mut s| s.query_row([session.as_str()], |row| row.get(0)).optional())
+            .with_statement("SELECT message_count FROM sessions WHERE id = ?1", |s| {
+                s.query_row([session.as_str()], |row| row.get(0)).optional()
+            })
             .map_err(map_error)?;
         Ok(count.unwrap_or(0).max(0) as u64)
     }
@@ -1120,8 +1118,7 @@ impl Tx for SqliteTx<'_> {
     fn message_writer(&mut self, session: &SessionId, position: u64) -> Result<Option<RunId>, StoreError> {
         let writer: Option<String> = self
             .c
-            .prepare_cached("SELECT run_id FROM messages WHERE session_id = ?1 AND position = ?2")
-            .and_then(|mut s| {
+            .with_statement("SELECT run_id FROM messages WHERE session_id = ?1 AND position = ?2", |s| {
                 s.query_row(params![session.as_str(), position as i64], |row| row.get(0)).optional()
             })
             .map_err(map_error)?;
@@ -1171,13 +1168,18 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn messages(&mut self, session: &SessionId) -> Result<Vec<Arc<Message>>, StoreError> {
-        let mut statement = self
+        // Decoded as read, from the text SQLite holds: no copy of it.
+        let decode = |row: &rusqlite::Row<'_>| {
+            Ok(decode_message(row.get_ref(0)?.as_str()?).map(Arc::new).map_err(corrupt))
+        };
+        let messages = self
             .c
-            .prepare_cached("SELECT body FROM messages WHERE session_id = CAST(?1 AS TEXT) ORDER BY position")
+            .with_statement(
+                "SELECT body FROM messages WHERE session_id = CAST(?1 AS TEXT) ORDER BY position",
+                |s| s.query_map([session.as_str()], decode)?.collect::<Result<Vec<_>, _>>(),
+            )
             .map_err(map_error)?;
-        let rows =
-            statement.query_map([session.as_str()], |row| row.get::<_, String>(0)).map_err(map_error)?;
-        rows.map(|body| decode_message(&body.map_err(map_error)?).map(Arc::new).map_err(corrupt)).collect()
+        messages.into_iter().collect()
     }
 
     fn add_usage(&mut self, session: &SessionId, usage: Usage, now_ms: u64) -> Result<(), StoreError> {
@@ -1208,8 +1210,9 @@ impl Tx for SqliteTx<'_> {
     fn session_state(&mut self, session: &SessionId) -> Result<Option<serde_json::Value>, StoreError> {
         let state: Option<Option<String>> = self
             .c
-            .prepare_cached("SELECT state FROM sessions WHERE id = ?1")
-            .and_then(|mut s| s.query_row([session.as_str()], |row| row.get(0)).optional())
+            .with_statement("SELECT state FROM sessions WHERE id = ?1", |s| {
+                s.query_row([session.as_str()], |row| row.get(0)).optional()
+            })
             .map_err(map_error)?;
         decode_state(state.flatten())
     }
@@ -1283,22 +1286,22 @@ impl Tx for SqliteTx<'_> {
     fn run(&mut self, run: &RunId) -> Result<Option<RunRecord>, StoreError> {
         let row = self
             .c
-            .prepare_cached(
+            .with_statement(
                 "SELECT session_id, input, history_len, call_base, state, limits FROM runs WHERE id = ?1",
+                |s| {
+                    s.query_row([run.as_str()], |row| {
+                        Ok((
+                            row.get::<_, String>(0)?,
+                            row.get::<_, String>(1)?,
+                            row.get::<_, i64>(2)?,
+                            row.get::<_, i64>(3)?,
+                            row.get::<_, String>(4)?,
+                            row.get::<_, Option<String>>(5)?,
+                        ))
+                    })
+                    .optional()
+                },
             )
-            .and_then(|mut s| {
-                s.query_row([run.as_str()], |row| {
-                    Ok((
-                        row.get::<_, String>(0)?,
-                        row.get::<_, String>(1)?,
-                        row.get::<_, i64>(2)?,
-                        row.get::<_, i64>(3)?,
-                        row.get::<_, String>(4)?,
-                        row.get::<_, Option<String>>(5)?,
-                    ))
-                })
-                .optional()
-            })
             .map_err(map_error)?;
         let Some((session, input, history_len, call_base, state, limits)) = row else { return Ok(None) };
         Ok(Some(RunRecord {
@@ -1314,8 +1317,9 @@ impl Tx for SqliteTx<'_> {
 
     fn control(&mut self, run: &RunId) -> Result<Option<RunControl>, StoreError> {
         self.c
-            .prepare_cached(CONTROL_SELECT)
-            .and_then(|mut s| s.query_row([run.as_str()], |row| control_row(row, 0)).optional())
+            .with_statement(CONTROL_SELECT, |s| {
+                s.query_row([run.as_str()], |row| control_row(row, 0)).optional()
+            })
             .map_err(map_error)
             .and_then(Option::transpose)
     }
@@ -1340,10 +1344,13 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn cancel_requested(&mut self, owner: &str) -> Result<Vec<RunId>, StoreError> {
-        let mut statement = self.c.prepare_cached(CANCEL_REQUESTED).map_err(map_error)?;
-        let rows = statement.query_map([owner], |row| row.get::<_, String>(0)).map_err(map_error)?;
-        let mut runs =
-            rows.map(|id| stored_run_id(&id.map_err(map_error)?)).collect::<Result<Vec<_>, _>>()?;
+        let ids = self
+            .c
+            .with_statement(CANCEL_REQUESTED, |s| {
+                s.query_map([owner], |row| row.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()
+            })
+            .map_err(map_error)?;
+        let mut runs = ids.iter().map(|id| stored_run_id(id)).collect::<Result<Vec<_>, _>>()?;
         // Sorted here: `runs_by_state` gives them by session (see `open_runs`).
         runs.sort_unstable();
         Ok(runs)
@@ -1356,18 +1363,17 @@ impl Tx for SqliteTx<'_> {
             Some(session) => (OPEN_RUNS_OF_SESSION, Some(session.as_str())),
             None => (OPEN_RUNS, None),
         };
-        let mut statement = self.c.prepare_cached(sql).map_err(map_error)?;
         let row = |row: &rusqlite::Row<'_>| Ok((row.get::<_, String>(0)?, control_row(row, 1)?));
-        let rows = match session {
-            Some(session) => statement.query_map([session], row),
-            None => statement.query_map([], row),
-        }
-        .map_err(map_error)?;
-        let mut open = rows
-            .map(|row| {
-                let (id, control) = row.map_err(map_error)?;
-                Ok((stored_run_id(&id)?, control?))
+        let rows = self
+            .c
+            .with_statement(sql, |s| match session {
+                Some(session) => s.query_map([session], row)?.collect::<Result<Vec<_>, _>>(),
+                None => s.query_map([], row)?.collect(),
             })
+            .map_err(map_error)?;
+        let mut open = rows
+            .into_iter()
+            .map(|(id, control)| Ok((stored_run_id(&id)?, control?)))
             .collect::<Result<Vec<_>, StoreError>>()?;
         // Sorted here, not by `ORDER BY`: across the two lookups of the query SQLite would sort
         // in a temporary B-tree, which it builds at every execution, even for no rows. Run ids
@@ -1378,8 +1384,9 @@ impl Tx for SqliteTx<'_> {
 
     fn has_step(&mut self, run: &RunId, step: &StepName) -> Result<bool, StoreError> {
         self.c
-            .prepare_cached("SELECT 1 FROM journal WHERE run_id = ?1 AND step = ?2")
-            .and_then(|mut s| s.exists(params![run.as_str(), step.to_string()]))
+            .with_statement("SELECT 1 FROM journal WHERE run_id = ?1 AND step = ?2", |s| {
+                s.exists(params![run.as_str(), step.to_string()])
+            })
             .map_err(map_error)
     }
 
@@ -1394,16 +1401,15 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError> {
-        let mut statement = self
+        let mut rows = self
             .c
-            .prepare_cached("SELECT seq, step, body FROM journal WHERE run_id = CAST(?1 AS TEXT)")
-            .map_err(map_error)?;
-        let rows = statement
-            .query_map([run.as_str()], |row| {
-                Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?, row.get::<_, String>(2)?))
+            .with_statement("SELECT seq, step, body FROM journal WHERE run_id = CAST(?1 AS TEXT)", |s| {
+                s.query_map([run.as_str()], |row| {
+                    Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?, row.get::<_, String>(2)?))
+                })?
+                .collect::<Result<Vec<_>, _>>()
             })
             .map_err(map_error)?;
-        let mut rows = rows.collect::<Result<Vec<_>, _>>().map_err(map_error)?;
         // In write order; sorted here for the reason given in `open_runs`.
         rows.sort_unstable_by_key(|(seq, _, _)| *seq);
         rows.into_iter()
@@ -1421,11 +1427,11 @@ impl Tx for SqliteTx<'_> {
 
     fn pending(&mut self, id: &str) -> Result<Option<PendingInput>, StoreError> {
         self.c
-            .prepare_cached(
+            .with_statement(
                 "SELECT id, run_id, session_id, call_id, body, created_at, expires_at FROM pending_inputs
                  WHERE id = ?1",
+                |s| s.query_row([id], pending_from_row).optional(),
             )
-            .and_then(|mut s| s.query_row([id], pending_from_row).optional())
             .map_err(map_error)
             .and_then(Option::transpose)
     }
@@ -1436,18 +1442,17 @@ impl Tx for SqliteTx<'_> {
             Some(session) => (PENDING_OF_SESSION, Some(session.as_str())),
             None => (PENDING, None),
         };
-        let mut statement = self.c.prepare_cached(sql).map_err(map_error)?;
         let row = |row: &rusqlite::Row<'_>| Ok((row.get::<_, i64>(7)?, pending_from_row(row)?));
-        let rows = match session {
-            Some(session) => statement.query_map([session], row),
-            None => statement.query_map([], row),
-        }
-        .map_err(map_error)?;
-        let mut pending = rows
-            .map(|row| {
-                let (rowid, pending) = row.map_err(map_error)?;
-                Ok((rowid, pending?))
+        let rows = self
+            .c
+            .with_statement(sql, |s| match session {
+                Some(session) => s.query_map([session], row)?.collect::<Result<Vec<_>, _>>(),
+                None => s.query_map([], row)?.collect(),
             })
+            .map_err(map_error)?;
+        let mut pending = rows
+            .into_iter()
+            .map(|(rowid, pending)| Ok((rowid, pending?)))
             .collect::<Result<Vec<_>, StoreError>>()?;
         // Oldest first, ties in the order they were stored; sorted here for the reason given in
         // `open_runs`.
@@ -1480,21 +1485,21 @@ impl Tx for SqliteTx<'_> {
     fn decided(&mut self, id: &str) -> Result<Option<DecidedInput>, StoreError> {
         let row = self
             .c
-            .prepare_cached(
+            .with_statement(
                 "SELECT run_id, session_id, outcome, by_whom, at FROM decided_inputs WHERE id = ?1",
+                |s| {
+                    s.query_row([id], |row| {
+                        Ok((
+                            row.get::<_, String>(0)?,
+                            row.get::<_, String>(1)?,
+                            row.get::<_, String>(2)?,
+                            row.get::<_, String>(3)?,
+                            row.get::<_, i64>(4)?,
+                        ))
+                    })
+                    .optional()
+                },
             )
-            .and_then(|mut s| {
-                s.query_row([id], |row| {
-                    Ok((
-                        row.get::<_, String>(0)?,
-                        row.get::<_, String>(1)?,
-                        row.get::<_, String>(2)?,
-                        row.get::<_, String>(3)?,
-                        row.get::<_, i64>(4)?,
-                    ))
-                })
-                .optional()
-            })
             .map_err(map_error)?;
         let Some((run, session, outcome, by, at)) = row else { return Ok(None) };
         Ok(Some(DecidedInput {
@@ -1525,8 +1530,9 @@ impl Tx for SqliteTx<'_> {
 
     fn schedule_last_fire(&mut self, name: &str) -> Result<Option<u64>, StoreError> {
         self.c
-            .prepare_cached("SELECT last_fire FROM schedules WHERE name = ?1")
-            .and_then(|mut s| s.query_row([name], |row| row.get::<_, i64>(0)).optional())
+            .with_statement("SELECT last_fire FROM schedules WHERE name = ?1", |s| {
+                s.query_row([name], |row| row.get::<_, i64>(0)).optional()
+            })
             .map(|tick| tick.map(|t| t.max(0) as u64))
             .map_err(map_error)
     }
@@ -1543,26 +1549,26 @@ impl Tx for SqliteTx<'_> {
     fn delayed_run(&mut self, run: &RunId) -> Result<Option<DelayedRunRecord>, StoreError> {
         let row = self
             .c
-            .prepare_cached(
+            .with_statement(
                 "SELECT session_id, input, due_at, source, state, created_at, held_until, attempts, note
                  FROM delayed_runs WHERE run_id = ?1",
+                |s| {
+                    s.query_row([run.as_str()], |row| {
+                        Ok((
+                            row.get::<_, String>(0)?,
+                            row.get::<_, String>(1)?,
+                            row.get::<_, i64>(2)?,
+                            row.get::<_, String>(3)?,
+                            row.get::<_, String>(4)?,
+                            row.get::<_, i64>(5)?,
+                            row.get::<_, i64>(6)?,
+                            row.get::<_, i64>(7)?,
+                            row.get::<_, Option<String>>(8)?,
+                        ))
+                    })
+                    .optional()
+                },
             )
-            .and_then(|mut s| {
-                s.query_row([run.as_str()], |row| {
-                    Ok((
-                        row.get::<_, String>(0)?,
-                        row.get::<_, String>(1)?,
-                        row.get::<_, i64>(2)?,
-                        row.get::<_, String>(3)?,
-                        row.get::<_, String>(4)?,
-                        row.get::<_, i64>(5)?,
-                        row.get::<_, i64>(6)?,
-                        row.get::<_, i64>(7)?,
-                        row.get::<_, Option<String>>(8)?,
-                    ))
-                })
-                .optional()
-            })
             .map_err(map_error)?;
         let Some((session, input, due, source, state, created, held, attempts, note)) = row else {
             return Ok(None);
@@ -1607,16 +1613,12 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn due_delayed_runs(&mut self, now_ms: u64, limit: usize) -> Result<Vec<RunId>, StoreError> {
-        let mut statement = self
+        let ids = self
             .c
-            .prepare_cached(
-                "SELECT run_id FROM delayed_runs WHERE state = 'waiting' AND due_at <= ?1 AND held_until <= ?1
-                 ORDER BY due_at, run_id LIMIT ?2",
-            )
-            .map_err(map_error)?;
-        let ids = statement
-            .query_map(params![now_ms as i64, limit as i64], |row| row.get::<_, String>(0))
-            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+            .with_statement("SELECT run_id FROM delayed_runs WHERE state = 'waiting' AND due_at <= ?1 AND held_until <= ?1
+                 ORDER BY due_at, run_id LIMIT ?2", |s| {
+                s.query_map(params![now_ms as i64, limit as i64], |row| row.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()
+            })
             .map_err(map_error)?;
         ids.iter().map(|id| stored_run_id(id)).collect()
     }
@@ -1624,13 +1626,15 @@ impl Tx for SqliteTx<'_> {
     fn memory_item(&mut self, owner: &str, kind: &str, key: &str) -> Result<Option<MemoryItem>, StoreError> {
         let row = self
             .c
-            .prepare_cached(
+            .with_statement(
                 "SELECT value, updated_at FROM memories WHERE owner = ?1 AND kind = ?2 AND key = ?3",
-            )
-            .and_then(|mut s| {
-                s.query_row([owner, kind, key], |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)))
+                |s| {
+                    s.query_row([owner, kind, key], |row| {
+                        Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
+                    })
                     .optional()
-            })
+                },
+            )
             .map_err(map_error)?;
         row.map(|(value, at)| memory_item(kind.to_owned(), key.to_owned(), &value, at)).transpose()
     }
@@ -1645,23 +1649,19 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn memory_items(&mut self, owner: &str, kind: Option<&str>) -> Result<Vec<MemoryItem>, StoreError> {
-        let mut statement = self
+        let rows = self
             .c
-            .prepare_cached(
-                "SELECT kind, key, value, updated_at FROM memories WHERE owner = ?1 AND (?2 IS NULL OR kind = ?2)
-                 ORDER BY updated_at DESC, key",
-            )
-            .map_err(map_error)?;
-        let rows = statement
-            .query_map(params![owner, kind], |row| {
+            .with_statement("SELECT kind, key, value, updated_at FROM memories WHERE owner = ?1 AND (?2 IS NULL OR kind = ?2)
+                 ORDER BY updated_at DESC, key", |s| {
+                s.query_map(params![owner, kind], |row| {
                 Ok((
                     row.get::<_, String>(0)?,
                     row.get::<_, String>(1)?,
                     row.get::<_, String>(2)?,
                     row.get::<_, i64>(3)?,
                 ))
+            })?.collect::<Result<Vec<_>, _>>()
             })
-            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
             .map_err(map_error)?;
         rows.into_iter().map(|(kind, key, value, at)| memory_item(kind, key, &value, at)).collect()
     }
@@ -1680,20 +1680,18 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn memory_owners(&mut self) -> Result<Vec<MemoryOwner>, StoreError> {
-        let mut statement = self
+        let rows = self
             .c
-            .prepare_cached("SELECT owner, kind, count(*), max(updated_at) FROM memories GROUP BY owner, kind ORDER BY owner, kind")
-            .map_err(map_error)?;
-        let rows = statement
-            .query_map([], |row| {
+            .with_statement("SELECT owner, kind, count(*), max(updated_at) FROM memories GROUP BY owner, kind ORDER BY owner, kind", |s| {
+                s.query_map([], |row| {
                 Ok((
                     row.get::<_, String>(0)?,
                     row.get::<_, String>(1)?,
                     row.get::<_, i64>(2)?,
                     row.get::<_, i64>(3)?,
                 ))
+            })?.collect::<Result<Vec<_>, _>>()
             })
-            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
             .map_err(map_error)?;
         Ok(memory_owner_rows(rows.into_iter().map(|(o, k, n, at)| (o, k, n.max(0) as u64, at.max(0) as u64))))
     }
