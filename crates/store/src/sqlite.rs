@@ -1855,6 +1855,13 @@ mod tests {
         assert_eq!(total, 200, "each tick must fire exactly once across both stores");
     }
 
+    /// The most parks of the workers [`lone_runs_after`]'s 150 commits may cause. Committing at
+    /// once, they cause two on an idle machine; yielding first, one or nearly one per commit
+    /// (89-146, measured). A loaded machine adds some: 30 seen once, with the whole suite and a
+    /// profiler sharing the two cores (most likely commits that found the writer thread, which
+    /// the kernel had set aside, still holding the connection, and waited for it).
+    const MOST_PARKS: u64 = 50;
+
     /// How many times the runtime's workers have parked so far (each park after a wake-up).
     fn parks(runtime: &tokio::runtime::Handle) -> u64 {
         let metrics = runtime.metrics();
@@ -1867,7 +1874,7 @@ mod tests {
         // (89 and 119 parks for these 150 commits, measured); committing at once leaves the idle
         // worker asleep (two parks in all, measured).
         let parked = lone_runs_after(Meeting::Nothing);
-        assert!(parked < 15, "{parked} parks of the workers for 150 commits one at a time");
+        assert!(parked <= MOST_PARKS, "{parked} parks of the workers for 150 commits one at a time");
     }
 
     /// What a run alone meets on its store before [`lone_runs_after`] counts the wake-ups of
@@ -1948,7 +1955,7 @@ mod tests {
         for meeting in [Meeting::RestartOfTheLog, Meeting::ReadOnTheWritersConnection] {
             let parked = lone_runs_after(meeting);
             assert!(
-                parked < 15,
+                parked <= MOST_PARKS,
                 "{parked} parks of the workers for 150 commits one at a time after {meeting:?}"
             );
         }
