@@ -1039,6 +1039,26 @@ impl<'c> SqliteTx<'c> {
         self.c.with_statement(sql, |s| s.execute(params)).map_err(map_error)
     }
 
+    /// The first row `sql` gives for `params`, as `map` makes it; `None` if it gives none.
+    fn query_row<T>(
+        &self,
+        sql: &'static str,
+        params: impl rusqlite::Params,
+        map: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    ) -> Result<Option<T>, StoreError> {
+        self.c.with_statement(sql, |s| s.query_row(params, map).optional()).map_err(map_error)
+    }
+
+    /// Every row `sql` gives for `params`, as `map` makes them.
+    fn query_rows<T>(
+        &self,
+        sql: &'static str,
+        params: impl rusqlite::Params,
+        map: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    ) -> Result<Vec<T>, StoreError> {
+        self.c.with_statement(sql, |s| s.query_map(params, map)?.collect()).map_err(map_error)
+    }
+
     /// What a new run of `session` starts from ([`SessionRows`]), in as few statements as the
     /// session needs: its row first ([`SESSION_HEAD`]: message count, state, whether a run of
     /// it is unfinished), then its messages and its unfinished run only where there are some.
@@ -1106,22 +1126,19 @@ fn control_row(row: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Result<Ru
 
 impl Tx for SqliteTx<'_> {
     fn message_count(&mut self, session: &SessionId) -> Result<u64, StoreError> {
-        let count: Option<i64> = self
-            .c
-            .with_statement("SELECT message_count FROM sessions WHERE id = ?1", |s| {
-                s.query_row([session.as_str()], |row| row.get(0)).optional()
-            })
-            .map_err(map_error)?;
+        let count: Option<i64> =
+            self.query_row("SELECT message_count FROM sessions WHERE id = ?1", [session.as_str()], |row| {
+                row.get(0)
+            })?;
         Ok(count.unwrap_or(0).max(0) as u64)
     }
 
     fn message_writer(&mut self, session: &SessionId, position: u64) -> Result<Option<RunId>, StoreError> {
-        let writer: Option<String> = self
-            .c
-            .with_statement("SELECT run_id FROM messages WHERE session_id = ?1 AND position = ?2", |s| {
-                s.query_row(params![session.as_str(), position as i64], |row| row.get(0)).optional()
-            })
-            .map_err(map_error)?;
+        let writer: Option<String> = self.query_row(
+            "SELECT run_id FROM messages WHERE session_id = ?1 AND position = ?2",
+            params![session.as_str(), position as i64],
+            |row| row.get(0),
+        )?;
         writer.map(|w| stored_run_id(&w)).transpose()
     }
 
@@ -1172,14 +1189,13 @@ impl Tx for SqliteTx<'_> {
         let decode = |row: &rusqlite::Row<'_>| {
             Ok(decode_message(row.get_ref(0)?.as_str()?).map(Arc::new).map_err(corrupt))
         };
-        let messages = self
-            .c
-            .with_statement(
-                "SELECT body FROM messages WHERE session_id = CAST(?1 AS TEXT) ORDER BY position",
-                |s| s.query_map([session.as_str()], decode)?.collect::<Result<Vec<_>, _>>(),
-            )
-            .map_err(map_error)?;
-        messages.into_iter().collect()
+        self.query_rows(
+            "SELECT body FROM messages WHERE session_id = CAST(?1 AS TEXT) ORDER BY position",
+            [session.as_str()],
+            decode,
+        )?
+        .into_iter()
+        .collect()
     }
 
     fn add_usage(&mut self, session: &SessionId, usage: Usage, now_ms: u64) -> Result<(), StoreError> {
@@ -1208,12 +1224,8 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn session_state(&mut self, session: &SessionId) -> Result<Option<serde_json::Value>, StoreError> {
-        let state: Option<Option<String>> = self
-            .c
-            .with_statement("SELECT state FROM sessions WHERE id = ?1", |s| {
-                s.query_row([session.as_str()], |row| row.get(0)).optional()
-            })
-            .map_err(map_error)?;
+        let state: Option<Option<String>> =
+            self.query_row("SELECT state FROM sessions WHERE id = ?1", [session.as_str()], |row| row.get(0))?;
         decode_state(state.flatten())
     }
 
@@ -1284,25 +1296,20 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn run(&mut self, run: &RunId) -> Result<Option<RunRecord>, StoreError> {
-        let row = self
-            .c
-            .with_statement(
-                "SELECT session_id, input, history_len, call_base, state, limits FROM runs WHERE id = ?1",
-                |s| {
-                    s.query_row([run.as_str()], |row| {
-                        Ok((
-                            row.get::<_, String>(0)?,
-                            row.get::<_, String>(1)?,
-                            row.get::<_, i64>(2)?,
-                            row.get::<_, i64>(3)?,
-                            row.get::<_, String>(4)?,
-                            row.get::<_, Option<String>>(5)?,
-                        ))
-                    })
-                    .optional()
-                },
-            )
-            .map_err(map_error)?;
+        let row = self.query_row(
+            "SELECT session_id, input, history_len, call_base, state, limits FROM runs WHERE id = ?1",
+            [run.as_str()],
+            |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, i64>(2)?,
+                    row.get::<_, i64>(3)?,
+                    row.get::<_, String>(4)?,
+                    row.get::<_, Option<String>>(5)?,
+                ))
+            },
+        )?;
         let Some((session, input, history_len, call_base, state, limits)) = row else { return Ok(None) };
         Ok(Some(RunRecord {
             run_id: run.clone(),
@@ -1316,12 +1323,7 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn control(&mut self, run: &RunId) -> Result<Option<RunControl>, StoreError> {
-        self.c
-            .with_statement(CONTROL_SELECT, |s| {
-                s.query_row([run.as_str()], |row| control_row(row, 0)).optional()
-            })
-            .map_err(map_error)
-            .and_then(Option::transpose)
+        self.query_row(CONTROL_SELECT, [run.as_str()], |row| control_row(row, 0)).and_then(Option::transpose)
     }
 
     fn set_control(&mut self, run: &RunId, control: &RunControl, now_ms: u64) -> Result<(), StoreError> {
@@ -1344,12 +1346,7 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn cancel_requested(&mut self, owner: &str) -> Result<Vec<RunId>, StoreError> {
-        let ids = self
-            .c
-            .with_statement(CANCEL_REQUESTED, |s| {
-                s.query_map([owner], |row| row.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()
-            })
-            .map_err(map_error)?;
+        let ids = self.query_rows(CANCEL_REQUESTED, [owner], |row| row.get::<_, String>(0))?;
         let mut runs = ids.iter().map(|id| stored_run_id(id)).collect::<Result<Vec<_>, _>>()?;
         // Sorted here: `runs_by_state` gives them by session (see `open_runs`).
         runs.sort_unstable();
@@ -1364,13 +1361,10 @@ impl Tx for SqliteTx<'_> {
             None => (OPEN_RUNS, None),
         };
         let row = |row: &rusqlite::Row<'_>| Ok((row.get::<_, String>(0)?, control_row(row, 1)?));
-        let rows = self
-            .c
-            .with_statement(sql, |s| match session {
-                Some(session) => s.query_map([session], row)?.collect::<Result<Vec<_>, _>>(),
-                None => s.query_map([], row)?.collect(),
-            })
-            .map_err(map_error)?;
+        let rows = match session {
+            Some(session) => self.query_rows(sql, [session], row)?,
+            None => self.query_rows(sql, [], row)?,
+        };
         let mut open = rows
             .into_iter()
             .map(|(id, control)| Ok((stored_run_id(&id)?, control?)))
@@ -1401,15 +1395,11 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn journal(&mut self, run: &RunId) -> Result<Vec<JournalEntry>, StoreError> {
-        let mut rows = self
-            .c
-            .with_statement("SELECT seq, step, body FROM journal WHERE run_id = CAST(?1 AS TEXT)", |s| {
-                s.query_map([run.as_str()], |row| {
-                    Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?, row.get::<_, String>(2)?))
-                })?
-                .collect::<Result<Vec<_>, _>>()
-            })
-            .map_err(map_error)?;
+        let mut rows = self.query_rows(
+            "SELECT seq, step, body FROM journal WHERE run_id = CAST(?1 AS TEXT)",
+            [run.as_str()],
+            |row| Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?, row.get::<_, String>(2)?)),
+        )?;
         // In write order; sorted here for the reason given in `open_runs`.
         rows.sort_unstable_by_key(|(seq, _, _)| *seq);
         rows.into_iter()
@@ -1426,14 +1416,13 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn pending(&mut self, id: &str) -> Result<Option<PendingInput>, StoreError> {
-        self.c
-            .with_statement(
-                "SELECT id, run_id, session_id, call_id, body, created_at, expires_at FROM pending_inputs
+        self.query_row(
+            "SELECT id, run_id, session_id, call_id, body, created_at, expires_at FROM pending_inputs
                  WHERE id = ?1",
-                |s| s.query_row([id], pending_from_row).optional(),
-            )
-            .map_err(map_error)
-            .and_then(Option::transpose)
+            [id],
+            pending_from_row,
+        )
+        .and_then(Option::transpose)
     }
 
     fn pending_list(&mut self, session: Option<&SessionId>) -> Result<Vec<PendingInput>, StoreError> {
@@ -1443,13 +1432,10 @@ impl Tx for SqliteTx<'_> {
             None => (PENDING, None),
         };
         let row = |row: &rusqlite::Row<'_>| Ok((row.get::<_, i64>(7)?, pending_from_row(row)?));
-        let rows = self
-            .c
-            .with_statement(sql, |s| match session {
-                Some(session) => s.query_map([session], row)?.collect::<Result<Vec<_>, _>>(),
-                None => s.query_map([], row)?.collect(),
-            })
-            .map_err(map_error)?;
+        let rows = match session {
+            Some(session) => self.query_rows(sql, [session], row)?,
+            None => self.query_rows(sql, [], row)?,
+        };
         let mut pending = rows
             .into_iter()
             .map(|(rowid, pending)| Ok((rowid, pending?)))
@@ -1483,24 +1469,19 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn decided(&mut self, id: &str) -> Result<Option<DecidedInput>, StoreError> {
-        let row = self
-            .c
-            .with_statement(
-                "SELECT run_id, session_id, outcome, by_whom, at FROM decided_inputs WHERE id = ?1",
-                |s| {
-                    s.query_row([id], |row| {
-                        Ok((
-                            row.get::<_, String>(0)?,
-                            row.get::<_, String>(1)?,
-                            row.get::<_, String>(2)?,
-                            row.get::<_, String>(3)?,
-                            row.get::<_, i64>(4)?,
-                        ))
-                    })
-                    .optional()
-                },
-            )
-            .map_err(map_error)?;
+        let row = self.query_row(
+            "SELECT run_id, session_id, outcome, by_whom, at FROM decided_inputs WHERE id = ?1",
+            [id],
+            |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, String>(2)?,
+                    row.get::<_, String>(3)?,
+                    row.get::<_, i64>(4)?,
+                ))
+            },
+        )?;
         let Some((run, session, outcome, by, at)) = row else { return Ok(None) };
         Ok(Some(DecidedInput {
             id: id.to_owned(),
@@ -1529,12 +1510,10 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn schedule_last_fire(&mut self, name: &str) -> Result<Option<u64>, StoreError> {
-        self.c
-            .with_statement("SELECT last_fire FROM schedules WHERE name = ?1", |s| {
-                s.query_row([name], |row| row.get::<_, i64>(0)).optional()
-            })
-            .map(|tick| tick.map(|t| t.max(0) as u64))
-            .map_err(map_error)
+        let tick = self.query_row("SELECT last_fire FROM schedules WHERE name = ?1", [name], |row| {
+            row.get::<_, i64>(0)
+        })?;
+        Ok(tick.map(|t| t.max(0) as u64))
     }
 
     fn set_schedule_last_fire(&mut self, name: &str, tick_ms: u64) -> Result<(), StoreError> {
@@ -1547,29 +1526,24 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn delayed_run(&mut self, run: &RunId) -> Result<Option<DelayedRunRecord>, StoreError> {
-        let row = self
-            .c
-            .with_statement(
-                "SELECT session_id, input, due_at, source, state, created_at, held_until, attempts, note
+        let row = self.query_row(
+            "SELECT session_id, input, due_at, source, state, created_at, held_until, attempts, note
                  FROM delayed_runs WHERE run_id = ?1",
-                |s| {
-                    s.query_row([run.as_str()], |row| {
-                        Ok((
-                            row.get::<_, String>(0)?,
-                            row.get::<_, String>(1)?,
-                            row.get::<_, i64>(2)?,
-                            row.get::<_, String>(3)?,
-                            row.get::<_, String>(4)?,
-                            row.get::<_, i64>(5)?,
-                            row.get::<_, i64>(6)?,
-                            row.get::<_, i64>(7)?,
-                            row.get::<_, Option<String>>(8)?,
-                        ))
-                    })
-                    .optional()
-                },
-            )
-            .map_err(map_error)?;
+            [run.as_str()],
+            |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, i64>(2)?,
+                    row.get::<_, String>(3)?,
+                    row.get::<_, String>(4)?,
+                    row.get::<_, i64>(5)?,
+                    row.get::<_, i64>(6)?,
+                    row.get::<_, i64>(7)?,
+                    row.get::<_, Option<String>>(8)?,
+                ))
+            },
+        )?;
         let Some((session, input, due, source, state, created, held, attempts, note)) = row else {
             return Ok(None);
         };
@@ -1613,29 +1587,21 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn due_delayed_runs(&mut self, now_ms: u64, limit: usize) -> Result<Vec<RunId>, StoreError> {
-        let ids = self
-            .c
-            .with_statement("SELECT run_id FROM delayed_runs WHERE state = 'waiting' AND due_at <= ?1 AND held_until <= ?1
-                 ORDER BY due_at, run_id LIMIT ?2", |s| {
-                s.query_map(params![now_ms as i64, limit as i64], |row| row.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()
-            })
-            .map_err(map_error)?;
+        let ids = self.query_rows(
+            "SELECT run_id FROM delayed_runs WHERE state = 'waiting' AND due_at <= ?1 AND held_until <= ?1
+                 ORDER BY due_at, run_id LIMIT ?2",
+            params![now_ms as i64, limit as i64],
+            |row| row.get::<_, String>(0),
+        )?;
         ids.iter().map(|id| stored_run_id(id)).collect()
     }
 
     fn memory_item(&mut self, owner: &str, kind: &str, key: &str) -> Result<Option<MemoryItem>, StoreError> {
-        let row = self
-            .c
-            .with_statement(
-                "SELECT value, updated_at FROM memories WHERE owner = ?1 AND kind = ?2 AND key = ?3",
-                |s| {
-                    s.query_row([owner, kind, key], |row| {
-                        Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
-                    })
-                    .optional()
-                },
-            )
-            .map_err(map_error)?;
+        let row = self.query_row(
+            "SELECT value, updated_at FROM memories WHERE owner = ?1 AND kind = ?2 AND key = ?3",
+            [owner, kind, key],
+            |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)),
+        )?;
         row.map(|(value, at)| memory_item(kind.to_owned(), key.to_owned(), &value, at)).transpose()
     }
 
@@ -1649,20 +1615,19 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn memory_items(&mut self, owner: &str, kind: Option<&str>) -> Result<Vec<MemoryItem>, StoreError> {
-        let rows = self
-            .c
-            .with_statement("SELECT kind, key, value, updated_at FROM memories WHERE owner = ?1 AND (?2 IS NULL OR kind = ?2)
-                 ORDER BY updated_at DESC, key", |s| {
-                s.query_map(params![owner, kind], |row| {
+        let rows = self.query_rows(
+            "SELECT kind, key, value, updated_at FROM memories WHERE owner = ?1 AND (?2 IS NULL OR kind = ?2)
+                 ORDER BY updated_at DESC, key",
+            params![owner, kind],
+            |row| {
                 Ok((
                     row.get::<_, String>(0)?,
                     row.get::<_, String>(1)?,
                     row.get::<_, String>(2)?,
                     row.get::<_, i64>(3)?,
                 ))
-            })?.collect::<Result<Vec<_>, _>>()
-            })
-            .map_err(map_error)?;
+            },
+        )?;
         rows.into_iter().map(|(kind, key, value, at)| memory_item(kind, key, &value, at)).collect()
     }
 
@@ -1680,19 +1645,14 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn memory_owners(&mut self) -> Result<Vec<MemoryOwner>, StoreError> {
-        let rows = self
-            .c
-            .with_statement("SELECT owner, kind, count(*), max(updated_at) FROM memories GROUP BY owner, kind ORDER BY owner, kind", |s| {
-                s.query_map([], |row| {
+        let rows = self.query_rows("SELECT owner, kind, count(*), max(updated_at) FROM memories GROUP BY owner, kind ORDER BY owner, kind", [], |row| {
                 Ok((
                     row.get::<_, String>(0)?,
                     row.get::<_, String>(1)?,
                     row.get::<_, i64>(2)?,
                     row.get::<_, i64>(3)?,
                 ))
-            })?.collect::<Result<Vec<_>, _>>()
-            })
-            .map_err(map_error)?;
+            })?;
         Ok(memory_owner_rows(rows.into_iter().map(|(o, k, n, at)| (o, k, n.max(0) as u64, at.max(0) as u64))))
     }
 }
