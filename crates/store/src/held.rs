@@ -5,9 +5,11 @@
 //! every use hashes the SQL text to find the statement, takes it out of an LRU list, and on the
 //! way back clears its bindings, hashes the text again and puts it back, allocating the list's
 //! node anew. A durable tool-loop run makes 34 statements, and that bookkeeping was a tenth of
-//! its instructions (callgrind on the store bench: 393,000 a run through the cache, 355,000
+//! its instructions (callgrind on the store bench: 393,000 a run through the cache, 356,000
 //! with the statements held). Here a statement is found by where its text lives, `&'static str`
 //! as the store's SQL is: a comparison of two words per statement held, and nothing allocated.
+//! What was bound to it is cleared after each use, as the cache does (a statement held with a
+//! tool's output bound would keep a copy of it until its next use).
 //!
 //! rusqlite ties a statement to the connection by a borrow (`Statement<'conn>`), so a struct
 //! that holds both needs one `unsafe` step: the statements are stored as borrowing the
@@ -54,9 +56,9 @@ impl HeldConnection {
         HeldConnection { held: RefCell::new(Vec::new()), connection: Box::new(connection) }
     }
 
-    /// Runs `use_it` with the statement of `sql`, prepared at its first use and held after it.
-    /// Its bindings are those of its last use until `use_it` binds its own, as rusqlite's
-    /// `execute` and `query` do for every parameter.
+    /// Runs `use_it` with the statement of `sql`, prepared at its first use and held after it,
+    /// and then clears what it bound: a held statement would otherwise keep a copy of the last
+    /// values bound to it (a message, a tool's output) until its next use.
     pub(crate) fn with_statement<R>(
         &self,
         sql: &'static str,
@@ -69,7 +71,11 @@ impl HeldConnection {
         };
         if let Some(found) = held.iter().find(|held| held.sql == key) {
             return match found.statement.try_borrow_mut() {
-                Ok(mut statement) => use_it(&mut statement),
+                Ok(mut statement) => {
+                    let result = use_it(&mut statement);
+                    statement.clear_bindings();
+                    result
+                }
                 // In use further up the stack (its rows being read): another one for this use.
                 Err(_) => {
                     self.connection.prepare_cached(sql).and_then(|mut statement| use_it(&mut statement))
@@ -134,6 +140,20 @@ mod tests {
         // What was bound last time is replaced, not added to.
         let v: String = c.with_statement(SELECT, |s| s.query_row([7], |row| row.get(0))).expect("a row");
         assert_eq!(v, "v7");
+    }
+
+    #[test]
+    fn a_held_statement_keeps_no_copy_of_what_was_bound_to_it() {
+        let c = connection();
+        let large = "x".repeat(4 << 20);
+        let length: i64 = c
+            .with_statement("SELECT length(?1)", |s| s.query_row([&large], |row| row.get(0)))
+            .expect("a row");
+        assert_eq!(length, 4 << 20);
+        let held = c.held.borrow();
+        let statement = held[0].statement.borrow();
+        let used = statement.get_status(rusqlite::StatementStatus::MemUsed);
+        assert!(used < 64 << 10, "the statement still holds {used} bytes after its use");
     }
 
     #[test]
