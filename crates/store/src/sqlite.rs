@@ -23,13 +23,14 @@
 //! Statements are prepared once and held by their connection ([`crate::held`]). One shape is
 //! avoided: `WHERE column = ?1 ... ORDER BY ...` (and `MAX(...)`), whose plan SQLite ties to
 //! the bound value, so that it prepares such a statement again whenever the value changes (at
-//! every execution: a third of a run's work, measured). Those statements compare with `CAST(?1 AS TEXT)`, which
-//! keeps the index and the order and drops the tie; per-step reads are primary-key lookups (a
-//! session's message count lives in `sessions`, and a model step's tokens are written with it,
-//! in one statement: see [`SqliteTx`]). Two more shapes make SQLite build a temporary
-//! B-tree at every execution, even for no rows: an index seek through `IN (...)`, and an `ORDER
-//! BY` the index does not give. Per-run queries use one lookup per value (`UNION ALL`) and are
-//! sorted in Rust instead (10% of a durable run's instructions, measured).
+//! every execution: a third of a run's work, measured). Those statements compare with
+//! `CAST(?1 AS TEXT)`, which keeps the index and the order and drops the tie; per-step reads
+//! are primary-key lookups (a session's message count lives in `sessions`, and a model step's
+//! tokens are written with it, in one statement: see [`SqliteTx`]). Two more shapes make SQLite
+//! build a temporary B-tree at every execution, even for no rows: an index seek through
+//! `IN (...)`, and an `ORDER BY` the index does not give. Per-run queries use one lookup per
+//! value (`UNION ALL`) and are sorted in Rust instead (10% of a durable run's instructions,
+//! measured).
 //!
 //! Records are stored in keel-core's versioned formats ([`keel_core::persist`]); the schema has
 //! its own version (`PRAGMA user_version`), moved forward by [`MIGRATIONS`] inside a write
