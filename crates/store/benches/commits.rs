@@ -12,7 +12,9 @@
 //! [`floor_runs`]). The difference between the two is the store's own work (its reads, checks,
 //! statements and writer hand-off); the floor is what no change to that work goes under.
 //! A third figure is the floor of another way to store the same run: one row per step (see
-//! [`one_row_runs`]), what a store that writes fewer rows could come down to.
+//! [`one_row_runs`]), what a store that writes fewer rows could come down to; a fourth, that
+//! way with the rows keel's rules still need beside the steps (a run's row and its index by
+//! state, a session's row; see [`one_row_kept_runs`]).
 //!
 //! Run with `cargo bench -p keel-store --bench commits` (`-- --quick` for fewer runs,
 //! `-- --postgres` for PostgreSQL alone). PostgreSQL is the local server of the tests
@@ -30,7 +32,7 @@ use keel_core::{
     Fence, LimitOverrides, Message, ModelReply, Part, Role, RunId, RunRecord, RunState, SessionId,
     StepCommit, StepName, Store, Usage,
 };
-use rusqlite::params;
+use rusqlite::{OptionalExtension, params};
 use serde_json::json;
 
 const OWNER: &str = "keel/bench/machine/1/1/bench";
@@ -262,15 +264,98 @@ fn one_row_runs(path: &std::path::Path, runs: usize) {
     }
 }
 
-/// `--count sqlite|floor|one-row N`: 200 runs to warm up, then `N` runs one at a time, the
-/// SQLite store's (on a current-thread runtime), the floor's ([`floor_runs`]) or the one-row
-/// floor's ([`one_row_runs`]); what `--instructions` runs under callgrind, twice.
+/// The floor of that one-row design with what keel's rules need of a store besides the steps,
+/// each in its least costly form: a run's row (its session, state and lease) in an index by
+/// state, which finds the unfinished runs to resume and a session's run in progress; the check
+/// of that index before a run starts (one run per session); the lease read before each later
+/// step; and the session's row, written when a run starts and when it ends (its tokens summed
+/// then, from the steps), not at each step. No message count and no message positions (a
+/// session's transcript would be read through its runs' steps). The same bodies, pragmas and
+/// four transactions as [`one_row_runs`]: where a store redesigned around one row per step,
+/// keeping today's guarantees, would start from.
+fn one_row_kept_runs(path: &std::path::Path, runs: usize) {
+    let c = rusqlite::Connection::open(path).expect("the database opens");
+    c.execute_batch(
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA temp_store = MEMORY;
+         CREATE TABLE sessions (id TEXT PRIMARY KEY, created_at INTEGER NOT NULL,
+           updated_at INTEGER NOT NULL, input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL)
+           WITHOUT ROWID;
+         CREATE TABLE runs (id TEXT PRIMARY KEY, session_id TEXT NOT NULL, state TEXT NOT NULL,
+           lease_owner TEXT, lease_expires_at INTEGER, lease_epoch INTEGER NOT NULL,
+           updated_at INTEGER NOT NULL) WITHOUT ROWID;
+         CREATE INDEX runs_by_state ON runs (state, session_id);
+         CREATE TABLE steps (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body BLOB NOT NULL,
+           PRIMARY KEY (run_id, seq)) WITHOUT ROWID;",
+    )
+    .expect("the tables");
+    let prepare = |sql: &str| c.prepare(sql).expect("a statement");
+    let (mut begin, mut commit) = (prepare("BEGIN IMMEDIATE"), prepare("COMMIT"));
+    let mut open_run = prepare("SELECT id FROM runs WHERE state = 'running' AND session_id = ?1");
+    let mut insert_run = prepare(
+        "INSERT INTO runs (id, session_id, state, lease_owner, lease_expires_at, lease_epoch, updated_at)
+         VALUES (?1, ?2, 'running', ?3, ?4, 1, ?5)",
+    );
+    let mut start_session = prepare(
+        "INSERT INTO sessions (id, created_at, updated_at, input_tokens, output_tokens) VALUES (?1, ?2, ?2, 0, 0)
+         ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at",
+    );
+    let mut fence = prepare("SELECT lease_owner, lease_epoch FROM runs WHERE id = ?1");
+    let mut insert = prepare("INSERT INTO steps (run_id, seq, body) VALUES (?1, ?2, ?3)");
+    let mut end_run =
+        prepare("UPDATE runs SET state = 'done', lease_expires_at = 0, updated_at = ?2 WHERE id = ?1");
+    let mut end_session = prepare(
+        "UPDATE sessions SET updated_at = ?2, input_tokens = input_tokens + ?3,
+           output_tokens = output_tokens + ?4 WHERE id = ?1",
+    );
+    let now = 1_800_000_000_000_i64;
+    let tokens = (2 * USAGE.input_tokens as i64, 2 * USAGE.output_tokens as i64);
+    for i in 0..runs {
+        let steps = Steps::new(&format!("k{i}"));
+        let (session, run) = (steps.session.as_str(), steps.run.as_str());
+        let mut step = |seq: i64, entry: Option<&JournalEntry>, said: &Message, last: bool| {
+            begin.execute([]).expect("BEGIN");
+            let mut body = Vec::new();
+            match entry {
+                None => {
+                    let open: Option<String> =
+                        open_run.query_row([session], |row| row.get(0)).optional().expect("the check");
+                    assert!(open.is_none(), "one run per session");
+                    insert_run.execute(params![run, session, OWNER, now + 60_000, now]).expect("a run");
+                    start_session.execute(params![session, now]).expect("the session");
+                }
+                Some(entry) => {
+                    let (owner, epoch): (String, i64) =
+                        fence.query_row([run], |row| Ok((row.get(0)?, row.get(1)?))).expect("the lease");
+                    assert!(owner == OWNER && epoch == 1, "the lease holds");
+                    body.extend_from_slice(encode_record(&entry.record).as_bytes());
+                }
+            }
+            body.extend_from_slice(encode_message(said).as_bytes());
+            insert.execute(params![run, seq, body]).expect("a step");
+            if last {
+                end_run.execute(params![run, now]).expect("the run ends");
+                end_session.execute(params![session, now, tokens.0, tokens.1]).expect("the session");
+            }
+            commit.execute([]).expect("COMMIT");
+        };
+        step(0, None, &steps.input[0], false);
+        step(1, Some(&steps.turn), &steps.asked[0], false);
+        step(2, Some(&steps.tool), &steps.answered[0], false);
+        step(3, Some(&steps.last), &steps.answer[0], true);
+    }
+}
+
+/// `--count sqlite|floor|one-row|one-row-kept N`: 200 runs to warm up, then `N` runs one at a
+/// time, the SQLite store's (on a current-thread runtime), the floor's ([`floor_runs`]) or the
+/// one-row floors' ([`one_row_runs`], [`one_row_kept_runs`]); what `--instructions` runs under
+/// callgrind, twice.
 fn count_runs(what: &str, runs: usize) {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let path = dir.path().join("count.db");
     match what {
         "floor" => floor_runs(&path, 200 + runs),
         "one-row" => one_row_runs(&path, 200 + runs),
+        "one-row-kept" => one_row_kept_runs(&path, 200 + runs),
         "sqlite" => {
             let runtime =
                 tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
@@ -281,7 +366,7 @@ fn count_runs(what: &str, runs: usize) {
                 }
             });
         }
-        other => panic!("--count sqlite|floor|one-row N, not {other:?}"),
+        other => panic!("--count sqlite|floor|one-row|one-row-kept N, not {other:?}"),
     }
 }
 
@@ -322,8 +407,11 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     if let Some(at) = args.iter().position(|a| a == "--count") {
-        let what = args.get(at + 1).expect("--count sqlite|floor|one-row N");
-        let runs = args.get(at + 2).and_then(|n| n.parse().ok()).expect("--count sqlite|floor|one-row N");
+        let what = args.get(at + 1).expect("--count sqlite|floor|one-row|one-row-kept N");
+        let runs = args
+            .get(at + 2)
+            .and_then(|n| n.parse().ok())
+            .expect("--count sqlite|floor|one-row|one-row-kept N");
         count_runs(what, runs);
         return;
     }
@@ -333,6 +421,7 @@ fn main() {
             ("sqlite", "the SQLite store"),
             ("floor", "the SQLite floor (the same rows, SQLite alone)"),
             ("one-row", "one row per step and a read of the run before each (SQLite alone)"),
+            ("one-row-kept", "one row per step with the run's and the session's rows (SQLite alone)"),
         ] {
             match keel_testkit::callgrind::instructions_per_iteration(&["--count", what], small, large) {
                 Some(count) => println!(
