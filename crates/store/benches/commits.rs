@@ -222,6 +222,32 @@ fn floor_runs(path: &std::path::Path, runs: usize) {
     }
 }
 
+/// The steps' table of the one-row floors: a run's steps in order, each its journal entry and
+/// the message it adds.
+const STEPS_TABLE: &str =
+    "CREATE TABLE steps (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body BLOB NOT NULL,
+    PRIMARY KEY (run_id, seq)) WITHOUT ROWID;";
+
+/// A one-row floor's database: the store's pragmas and `schema`.
+fn floor_database(path: &std::path::Path, schema: &str) -> rusqlite::Connection {
+    let c = rusqlite::Connection::open(path).expect("the database opens");
+    c.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA temp_store = MEMORY;")
+        .expect("the store's pragmas");
+    c.execute_batch(schema).expect("the tables");
+    c
+}
+
+/// A one-row floor's step: its journal entry, if any, then the message it adds, as the store
+/// encodes them.
+fn step_body(entry: Option<&JournalEntry>, said: &Message) -> Vec<u8> {
+    let mut body = Vec::new();
+    if let Some(entry) = entry {
+        body.extend_from_slice(encode_record(&entry.record).as_bytes());
+    }
+    body.extend_from_slice(encode_message(said).as_bytes());
+    body
+}
+
 /// The floor of a SQLite store built otherwise: each step one row, in one table keyed by run and
 /// step number (the run's record and input; then each step's journal entry with its messages),
 /// and before each step's write one read of the run's first row, as a lease check would read
@@ -230,13 +256,7 @@ fn floor_runs(path: &std::path::Path, runs: usize) {
 /// would come to in a store redesigned around one row per step, committed before the next as
 /// keel commits them: a design's floor to compare with the rows keel writes now.
 fn one_row_runs(path: &std::path::Path, runs: usize) {
-    let c = rusqlite::Connection::open(path).expect("the database opens");
-    c.execute_batch(
-        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA temp_store = MEMORY;
-         CREATE TABLE steps (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body BLOB NOT NULL,
-           PRIMARY KEY (run_id, seq)) WITHOUT ROWID;",
-    )
-    .expect("the table");
+    let c = floor_database(path, STEPS_TABLE);
     let prepare = |sql: &str| c.prepare(sql).expect("a statement");
     let (mut begin, mut commit) = (prepare("BEGIN IMMEDIATE"), prepare("COMMIT"));
     let mut insert = prepare("INSERT INTO steps (run_id, seq, body) VALUES (?1, ?2, ?3)");
@@ -248,13 +268,10 @@ fn one_row_runs(path: &std::path::Path, runs: usize) {
             begin.execute([]).expect("BEGIN");
             // The first row is the run's record, whose input is the message; a step's row, its
             // journal entry and the message it adds.
-            let mut body = Vec::new();
-            if let Some(entry) = entry {
+            if entry.is_some() {
                 let _: i64 = fence.query_row([run], |row| row.get(0)).expect("the run's row");
-                body.extend_from_slice(encode_record(&entry.record).as_bytes());
             }
-            body.extend_from_slice(encode_message(said).as_bytes());
-            insert.execute(params![run, seq, body]).expect("a step");
+            insert.execute(params![run, seq, step_body(entry, said)]).expect("a step");
             commit.execute([]).expect("COMMIT");
         };
         step(0, None, &steps.input[0]);
@@ -274,20 +291,17 @@ fn one_row_runs(path: &std::path::Path, runs: usize) {
 /// four transactions as [`one_row_runs`]: where a store redesigned around one row per step,
 /// keeping today's guarantees, would start from.
 fn one_row_kept_runs(path: &std::path::Path, runs: usize) {
-    let c = rusqlite::Connection::open(path).expect("the database opens");
-    c.execute_batch(
-        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA temp_store = MEMORY;
-         CREATE TABLE sessions (id TEXT PRIMARY KEY, created_at INTEGER NOT NULL,
+    let schema = format!(
+        "CREATE TABLE sessions (id TEXT PRIMARY KEY, created_at INTEGER NOT NULL,
            updated_at INTEGER NOT NULL, input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL)
            WITHOUT ROWID;
          CREATE TABLE runs (id TEXT PRIMARY KEY, session_id TEXT NOT NULL, state TEXT NOT NULL,
            lease_owner TEXT, lease_expires_at INTEGER, lease_epoch INTEGER NOT NULL,
            updated_at INTEGER NOT NULL) WITHOUT ROWID;
          CREATE INDEX runs_by_state ON runs (state, session_id);
-         CREATE TABLE steps (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body BLOB NOT NULL,
-           PRIMARY KEY (run_id, seq)) WITHOUT ROWID;",
-    )
-    .expect("the tables");
+         {STEPS_TABLE}"
+    );
+    let c = floor_database(path, &schema);
     let prepare = |sql: &str| c.prepare(sql).expect("a statement");
     let (mut begin, mut commit) = (prepare("BEGIN IMMEDIATE"), prepare("COMMIT"));
     let mut open_run = prepare("SELECT id FROM runs WHERE state = 'running' AND session_id = ?1");
@@ -314,7 +328,6 @@ fn one_row_kept_runs(path: &std::path::Path, runs: usize) {
         let (session, run) = (steps.session.as_str(), steps.run.as_str());
         let mut step = |seq: i64, entry: Option<&JournalEntry>, said: &Message, last: bool| {
             begin.execute([]).expect("BEGIN");
-            let mut body = Vec::new();
             match entry {
                 None => {
                     let open: Option<String> =
@@ -323,15 +336,13 @@ fn one_row_kept_runs(path: &std::path::Path, runs: usize) {
                     insert_run.execute(params![run, session, OWNER, now + 60_000, now]).expect("a run");
                     start_session.execute(params![session, now]).expect("the session");
                 }
-                Some(entry) => {
+                Some(_) => {
                     let (owner, epoch): (String, i64) =
                         fence.query_row([run], |row| Ok((row.get(0)?, row.get(1)?))).expect("the lease");
                     assert!(owner == OWNER && epoch == 1, "the lease holds");
-                    body.extend_from_slice(encode_record(&entry.record).as_bytes());
                 }
             }
-            body.extend_from_slice(encode_message(said).as_bytes());
-            insert.execute(params![run, seq, body]).expect("a step");
+            insert.execute(params![run, seq, step_body(entry, said)]).expect("a step");
             if last {
                 end_run.execute(params![run, now]).expect("the run ends");
                 end_session.execute(params![session, now, tokens.0, tokens.1]).expect("the session");
