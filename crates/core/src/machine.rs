@@ -38,10 +38,11 @@ use crate::error::{ErrorCode, RunFailure};
 use crate::event::{Event, StopReason, Usage};
 use crate::human::{Decision, PendingKind, pending_id};
 use crate::ids::{RunId, SessionId, StepName};
+use crate::journal::JournaledReply;
 use crate::loop_control::{TurnContext, TurnPlan};
 use crate::memory::{MemoryOutcome, MemoryRequest, RetrievalMode};
 use crate::message::{Message, Part, Role, ToolCall, ToolResult, output_to_text};
-use crate::provider::{CallPurpose, ModelReply, ModelRequest, ProviderError, ProviderErrorKind};
+use crate::provider::{CallPurpose, ModelRequest, ProviderError, ProviderErrorKind};
 use crate::tool::ToolSpec;
 use crate::tool::{Dispatch, ToolError, ToolOutcome};
 
@@ -54,8 +55,9 @@ mod tests;
 pub enum Input {
     /// Begin the run (the input message was given to [`Machine::new`]).
     Start,
-    /// The model call of the current turn returned.
-    ModelReply(ModelReply),
+    /// The model call of the current turn returned (as journaled: the transcript keeps its
+    /// message, shared, unless the run must change it).
+    ModelReply(JournaledReply),
     /// The model call of the current turn failed for good (retries are the driver's job).
     ModelFailed(ProviderError),
     /// A tool call finished.
@@ -354,7 +356,10 @@ impl Machine {
 
     /// Appends a message to the transcript and to what the model sees.
     fn push(&mut self, message: Message) {
-        let message = Arc::new(message);
+        self.push_shared(Arc::new(message));
+    }
+
+    fn push_shared(&mut self, message: Arc<Message>) {
         if let Some(compacted) = &mut self.compacted
             && message.summary().is_none()
         {
@@ -631,17 +636,13 @@ impl Machine {
         true
     }
 
-    fn on_compacted(&mut self, reply: ModelReply, actions: &mut Vec<Action>) {
+    fn on_compacted(&mut self, reply: JournaledReply, actions: &mut Vec<Action>) {
         self.usage.add(reply.usage);
         if !self.events_muted {
             actions.push(Action::Emit(Event::Usage(reply.usage)));
         }
         let job = self.compaction.take().expect("a compaction is in progress");
-        let text = reply
-            .parts
-            .iter()
-            .filter_map(|p| if let Part::Text(t) = p { Some(t.as_str()) } else { None })
-            .collect::<String>();
+        let text = reply.message.text();
         let text = text.trim();
         if text.is_empty() {
             let error = ProviderError::new(ProviderErrorKind::BadResponse, "the model wrote an empty brief");
@@ -687,26 +688,29 @@ impl Machine {
         self.start_turn(actions);
     }
 
-    fn on_reply(&mut self, reply: ModelReply, actions: &mut Vec<Action>) {
+    fn on_reply(&mut self, reply: JournaledReply, actions: &mut Vec<Action>) {
         let turn = self.turns - 1;
         self.usage.add(reply.usage);
         if !self.events_muted {
             actions.push(Action::Emit(Event::Usage(reply.usage)));
         }
 
-        let mut parts = reply.parts;
-        normalize_call_ids(&mut parts, self.call_base + u64::from(turn), &mut self.call_ids);
+        // The message stays shared with the journal entry unless an id or a repair changes it
+        // (then it is copied first: the journal keeps what the model wrote).
+        let mut message = reply.message;
+        normalize_call_ids(&mut message, self.call_base + u64::from(turn), &mut self.call_ids);
         if let Some(repair) = &self.agent.loop_control.hooks.repair_tool_call {
-            for part in &mut parts {
-                let Part::ToolCall(call) = part else { continue };
+            for index in 0..message.parts.len() {
+                let Part::ToolCall(call) = &message.parts[index] else { continue };
                 let Some(error) = self.refusal(call) else { continue };
                 if let Some(fixed) = repair(call, &error) {
                     // The call keeps its id: its result must answer it.
-                    *call = ToolCall { call_id: call.call_id.clone(), ..fixed };
+                    let fixed = ToolCall { call_id: call.call_id.clone(), ..fixed };
+                    Arc::make_mut(&mut message).parts[index] = Part::ToolCall(fixed);
                 }
             }
         }
-        self.push(Message { role: Role::Assistant, parts });
+        self.push_shared(message);
         self.persist_last(actions, 1);
 
         let message = Arc::clone(self.transcript.last().expect("just pushed"));
@@ -1354,8 +1358,28 @@ fn compose_call_id(parent: &str, step: &str) -> String {
 /// Gives every tool call of a reply a usable id: the model's own when it is present and not
 /// used before in the run, else `call_<N>_<index>` where N is the session's model call number.
 /// Deterministic, so replays agree; `seen` collects the run's ids.
-fn normalize_call_ids(parts: &mut [Part], call_number: u64, seen: &mut std::collections::HashSet<String>) {
-    for (index, part) in parts.iter_mut().filter(|p| matches!(p, Part::ToolCall(_))).enumerate() {
+/// The message is copied only when an id must change.
+fn normalize_call_ids(
+    message: &mut Arc<Message>,
+    call_number: u64,
+    seen: &mut std::collections::HashSet<String>,
+) {
+    let usable = |call: &ToolCall, seen: &std::collections::HashSet<String>| {
+        !call.call_id.is_empty() && !seen.contains(&call.call_id)
+    };
+    // Most replies' ids are usable as they are: recorded, and the message is left alone.
+    let mut first_unusable = None;
+    for (index, call) in message.tool_calls().enumerate() {
+        if !usable(call, seen) {
+            first_unusable = Some(index);
+            break;
+        }
+        seen.insert(call.call_id.clone());
+    }
+    let Some(first_unusable) = first_unusable else { return };
+    let parts = &mut Arc::make_mut(message).parts;
+    let calls = parts.iter_mut().filter(|p| matches!(p, Part::ToolCall(_))).enumerate();
+    for (index, part) in calls.skip(first_unusable) {
         let Part::ToolCall(call) = part else { continue };
         if call.call_id.is_empty() || seen.contains(&call.call_id) {
             let mut id = format!("call_{call_number}_{index}");

@@ -266,7 +266,7 @@ pub fn decode_message(json: &str) -> Result<Message, DecodeError> {
 pub fn encode_record(record: &JournalRecord) -> String {
     let body = match record {
         JournalRecord::ModelReply(reply) => RecordBodyV1::ModelReply {
-            parts: reply.parts.iter().map(part_to_v1).collect(),
+            parts: reply.message.parts.iter().map(part_to_v1).collect(),
             usage: UsageV1 {
                 input_tokens: reply.usage.input_tokens,
                 output_tokens: reply.usage.output_tokens,
@@ -315,10 +315,13 @@ pub fn decode_record(json: &str) -> Result<JournalRecord, DecodeError> {
     let v1: RecordV1 =
         serde_json::from_value(raw).map_err(|e| DecodeError { what, reason: e.to_string() })?;
     Ok(match v1.body {
-        RecordBodyV1::ModelReply { parts, usage } => JournalRecord::ModelReply(ModelReply {
-            parts: parts.into_iter().map(|p| part_from_v1(p, what)).collect::<Result<_, _>>()?,
-            usage: Usage { input_tokens: usage.input_tokens, output_tokens: usage.output_tokens },
-        }),
+        RecordBodyV1::ModelReply { parts, usage } => JournalRecord::ModelReply(
+            ModelReply {
+                parts: parts.into_iter().map(|p| part_from_v1(p, what)).collect::<Result<_, _>>()?,
+                usage: Usage { input_tokens: usage.input_tokens, output_tokens: usage.output_tokens },
+            }
+            .into(),
+        ),
         RecordBodyV1::ToolResult { ok: true, output, .. } => {
             JournalRecord::ToolResult(Ok(output.unwrap_or(Value::Null)))
         }
@@ -503,10 +506,13 @@ mod tests {
     #[test]
     fn records_round_trip() {
         let records = [
-            JournalRecord::ModelReply(ModelReply {
-                parts: sample_message().parts,
-                usage: Usage { input_tokens: 3, output_tokens: 1 },
-            }),
+            JournalRecord::ModelReply(
+                ModelReply {
+                    parts: sample_message().parts,
+                    usage: Usage { input_tokens: 3, output_tokens: 1 },
+                }
+                .into(),
+            ),
             JournalRecord::ToolResult(Ok(json!({"x": [1, 2]}))),
             JournalRecord::ToolResult(Err(ToolError::failed("boom"))),
             JournalRecord::Decision(Decision::Approve { note: Some("ok".into()) }),
@@ -516,10 +522,13 @@ mod tests {
             JournalRecord::ModelFailed(ProviderError::from_status(413, "prompt is too long")),
             JournalRecord::Memory(Ok(serde_json::json!({"context": "- alice —[works_at]→ acme"}))),
             JournalRecord::Memory(Err("the extraction was not JSON".into())),
-            JournalRecord::ModelReply(ModelReply {
-                parts: vec![Part::Summary { text: "Alice asked about tea.".into(), first_kept: 12 }],
-                usage: Usage::default(),
-            }),
+            JournalRecord::ModelReply(
+                ModelReply {
+                    parts: vec![Part::Summary { text: "Alice asked about tea.".into(), first_kept: 12 }],
+                    usage: Usage::default(),
+                }
+                .into(),
+            ),
         ];
         for record in records {
             assert_eq!(decode_record(&encode_record(&record)).unwrap(), record);

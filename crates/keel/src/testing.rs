@@ -633,12 +633,9 @@ pub async fn recorded_script(
     fn entry(record: &JournalRecord) -> Option<MockEntry> {
         match record {
             JournalRecord::ModelReply(reply) => {
-                let text: String = reply
-                    .parts
-                    .iter()
-                    .filter_map(|part| if let Part::Text(text) = part { Some(text.as_str()) } else { None })
-                    .collect();
+                let text = reply.message.text();
                 let tool_calls = reply
+                    .message
                     .parts
                     .iter()
                     .filter_map(|part| match part {

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use futures::StreamExt;
 use futures::channel::mpsc::UnboundedSender;
 use futures::stream::FuturesUnordered;
-use keel_core::journal::{JournalEntry, JournalRecord};
+use keel_core::journal::{JournalEntry, JournalRecord, JournaledReply};
 use keel_core::loop_control::StepFinished;
 use keel_core::machine::{Action, Input, Machine, RunOutcome};
 use keel_core::memory::{MemoryRequest, MemoryScope};
@@ -29,7 +29,7 @@ use keel_core::provider::{CallPurpose, ProviderErrorKind};
 use keel_core::store::MAX_REDRIVES;
 use keel_core::{
     AgentDef, BoxFuture, Claim, Concurrency, DeltaSink, ErrorCode, Event, Fence, LeaseStatus, LimitOverrides,
-    Message, ModelReply, Part, PendingInput, PendingKind, ProviderError, Role, RunFailure, RunId, RunRecord,
+    Message, ModelReply, PendingInput, PendingKind, ProviderError, Role, RunFailure, RunId, RunRecord,
     RunState, SessionId, SessionSnapshot, SessionState, StepCommit, StepName, StopReason, StoreError,
     ToolContext, ToolError, ToolOutcome,
 };
@@ -1241,11 +1241,7 @@ impl Driver<'_> {
             }
             Some(JournalRecord::ModelReply(reply)) => {
                 tracing::debug!(run = %self.run_id, %step, "replayed from the journal");
-                let text: String = reply
-                    .parts
-                    .iter()
-                    .filter_map(|p| if let Part::Text(t) = p { Some(t.as_str()) } else { None })
-                    .collect();
+                let text = reply.message.text();
                 if !text.is_empty() {
                     self.emit(Event::TextDelta { delta: text });
                 }
@@ -1263,6 +1259,8 @@ impl Driver<'_> {
         let Some(result) = self.while_leased(call).await else { return Ok((Input::Cancel, None)) };
         Ok(match result {
             Ok(reply) => {
+                // The journal and the machine share the reply's message: no copy of its parts.
+                let reply = JournaledReply::from(reply);
                 let entry = Arc::new(JournalEntry { step, record: JournalRecord::ModelReply(reply.clone()) });
                 (Input::ModelReply(reply), Some(entry))
             }

@@ -83,8 +83,10 @@ impl Steps {
             ToolCall { call_id: "call_0_0".into(), name: "add".into(), input: json!({"a": 2, "b": 3}) };
         let reply = ModelReply { parts: vec![Part::ToolCall(call)], usage: USAGE };
         let asked = [Arc::new(Message { role: Role::Assistant, parts: reply.parts.clone() })];
-        let turn =
-            Arc::new(JournalEntry { step: StepName::ModelTurn(0), record: JournalRecord::ModelReply(reply) });
+        let turn = Arc::new(JournalEntry {
+            step: StepName::ModelTurn(0),
+            record: JournalRecord::ModelReply(reply.into()),
+        });
         let result =
             ToolResult { call_id: "call_0_0".into(), name: "add".into(), output: json!(5), is_error: false };
         let answered = [Arc::new(Message { role: Role::Tool, parts: vec![Part::ToolResult(result)] })];
@@ -94,8 +96,10 @@ impl Steps {
         });
         let reply = ModelReply { parts: vec![Part::Text("5".into())], usage: USAGE };
         let answer = [Arc::new(Message::assistant("5"))];
-        let last =
-            Arc::new(JournalEntry { step: StepName::ModelTurn(1), record: JournalRecord::ModelReply(reply) });
+        let last = Arc::new(JournalEntry {
+            step: StepName::ModelTurn(1),
+            record: JournalRecord::ModelReply(reply.into()),
+        });
         Steps { session, run, record, input, turn, asked, tool, answered, last, answer }
     }
 }

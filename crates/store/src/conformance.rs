@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::journal::{JournalEntry, JournalRecord};
+use keel_core::journal::{JournalEntry, JournalRecord, JournaledReply};
 use keel_core::store::{MAX_CLAIMS_WITHOUT_PROGRESS, MAX_REDRIVES};
 use keel_core::{
     Claim, Committed, Decision, DelayedRun, DelayedState, Fence, LeaseStatus, LimitOverrides, ManualClock,
@@ -227,9 +227,12 @@ pub async fn journal_first_write_wins(store: &dyn Store) {
     let record = run_record("journal", &session, 0);
     create_run(store, &record).await.unwrap();
     let run = &record.run_id;
-    let reply = |text: &str| ModelReply {
-        parts: vec![Part::Text(text.into())],
-        usage: Usage { input_tokens: 1, output_tokens: 1 },
+    let reply = |text: &str| -> JournaledReply {
+        ModelReply {
+            parts: vec![Part::Text(text.into())],
+            usage: Usage { input_tokens: 1, output_tokens: 1 },
+        }
+        .into()
     };
     let entries = [
         Arc::new(JournalEntry {
@@ -901,9 +904,12 @@ pub async fn session_usage_counts_each_model_call_once(store: &dyn Store) {
     let record = run_record("usage", &session, 0);
     let input = [Arc::new(Message::user("hi"))];
     store.commit_step(new_run_commit(&record, "process-a", &input, 0)).await.unwrap();
-    let reply = |n: u64| ModelReply {
-        parts: vec![Part::Text("ok".into())],
-        usage: Usage { input_tokens: 100 * n, output_tokens: n },
+    let reply = |n: u64| -> JournaledReply {
+        ModelReply {
+            parts: vec![Part::Text("ok".into())],
+            usage: Usage { input_tokens: 100 * n, output_tokens: n },
+        }
+        .into()
     };
     let turn = StepName::ModelTurn;
     // The third step adds no message: its usage is stored on its own.
@@ -1034,9 +1040,12 @@ pub async fn commits_made_together_are_each_applied_or_refused_alone(store: &dyn
     .await;
     assert!(started.iter().all(Result::is_ok), "{started:?}");
 
-    let reply = |n: u64| ModelReply {
-        parts: vec![Part::Text(format!("answer {n}"))],
-        usage: Usage { input_tokens: 10 + n, output_tokens: n },
+    let reply = |n: u64| -> JournaledReply {
+        ModelReply {
+            parts: vec![Part::Text(format!("answer {n}"))],
+            usage: Usage { input_tokens: 10 + n, output_tokens: n },
+        }
+        .into()
     };
     let entries: Vec<Arc<JournalEntry>> = (0..SESSIONS as u64)
         .map(|n| {

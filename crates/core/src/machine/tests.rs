@@ -12,7 +12,7 @@ use crate::agent::{Limits, OutputSchema, RetryPolicy, ToolChoice};
 use crate::loop_control::Compaction;
 use crate::memory::{Episodic, GraphSettings, MemoryRequest, MemorySettings};
 use crate::persist::encode_message;
-use crate::provider::ProviderErrorKind;
+use crate::provider::{ModelReply, ProviderErrorKind};
 use crate::tool::{Tool, ToolContext, ToolSet, ToolSpec};
 use crate::wire::event_to_json;
 
@@ -83,22 +83,32 @@ fn machine(agent: Arc<AgentDef>) -> Machine {
 }
 
 fn text(t: &str, tokens: u64) -> Input {
-    Input::ModelReply(ModelReply {
-        parts: vec![Part::Text(t.into())],
-        usage: Usage { input_tokens: tokens, output_tokens: 1 },
-    })
+    Input::ModelReply(
+        ModelReply {
+            parts: vec![Part::Text(t.into())],
+            usage: Usage { input_tokens: tokens, output_tokens: 1 },
+        }
+        .into(),
+    )
 }
 
 fn calls(list: &[(&str, &str, Value)]) -> Input {
-    Input::ModelReply(ModelReply {
-        parts: list
-            .iter()
-            .map(|(id, name, input)| {
-                Part::ToolCall(ToolCall { call_id: (*id).into(), name: (*name).into(), input: input.clone() })
-            })
-            .collect(),
-        usage: Usage { input_tokens: 10, output_tokens: 5 },
-    })
+    Input::ModelReply(
+        ModelReply {
+            parts: list
+                .iter()
+                .map(|(id, name, input)| {
+                    Part::ToolCall(ToolCall {
+                        call_id: (*id).into(),
+                        name: (*name).into(),
+                        input: input.clone(),
+                    })
+                })
+                .collect(),
+            usage: Usage { input_tokens: 10, output_tokens: 5 },
+        }
+        .into(),
+    )
 }
 
 fn done(call_id: &str, outcome: ToolOutcome) -> Input {
@@ -616,6 +626,24 @@ fn call_ids_reused_across_turns_are_made_unique() {
         .filter_map(|a| if let Action::CallTool { step, .. } = a { Some(step.to_string()) } else { None })
         .collect();
     assert_eq!(steps, ["tool:echo:call_2_1", "tool:echo:call_2_1_"]);
+}
+
+#[test]
+fn a_reply_kept_as_written_is_shared_with_its_journal_entry_and_one_the_run_changes_is_copied() {
+    let mut m = machine(agent(|_| {}));
+    m.step(Input::Start);
+    let Input::ModelReply(kept) = calls(&[("call_1", "echo", json!({}))]) else { unreachable!() };
+    m.step(Input::ModelReply(kept.clone()));
+    assert!(Arc::ptr_eq(&kept.message, m.transcript().last().unwrap()));
+    m.step(done("call_1", Ok(json!(1))));
+    // The id is reused: the transcript gets a fresh one, and the journaled reply still says what
+    // the model wrote (a replay gives it the same fresh id again).
+    let Input::ModelReply(changed) = calls(&[("call_1", "echo", json!({}))]) else { unreachable!() };
+    m.step(Input::ModelReply(changed.clone()));
+    let written = m.transcript().last().unwrap();
+    assert!(!Arc::ptr_eq(&changed.message, written));
+    let id = |message: &Message| message.tool_calls().next().unwrap().call_id.clone();
+    assert_eq!((id(&changed.message), id(written)), ("call_1".to_owned(), "call_2_0".to_owned()));
 }
 
 #[test]
@@ -1194,9 +1222,12 @@ fn repair_tool_call_fixes_a_call_before_it_is_refused_and_the_transcript_shows_t
         }))
     }));
     m.step(Input::Start);
+    let reply = calls(&[("c1", "Add", json!({"a": 1, "b": 2})), ("c2", "nope", json!({}))]);
+    let Input::ModelReply(journaled) = &reply else { unreachable!() };
+    let journaled = journaled.clone();
     check_actions(
         &mut m,
-        calls(&[("c1", "Add", json!({"a": 1, "b": 2})), ("c2", "nope", json!({}))]),
+        reply,
         expect![[r#"
             emit {"type":"usage","inputTokens":10,"outputTokens":5}
             persist #3 {"v":1,"role":"assistant","parts":[{"type":"tool_call","call_id":"c1","name":"add","input":{"a":1,"b":2}},{"type":"tool_call","call_id":"c2","name":"nope","input":{}}]}
@@ -1206,6 +1237,8 @@ fn repair_tool_call_fixes_a_call_before_it_is_refused_and_the_transcript_shows_t
             emit {"type":"tool.error","callId":"c2","code":"KEEL_TOOL_NOT_FOUND","error":"unknown tool `nope`; available tools: add, echo"}
         "#]],
     );
+    // The journal keeps the call as the model wrote it: a replay repairs it again.
+    assert_eq!(journaled.message.tool_calls().next().unwrap().name, "Add");
 }
 
 #[test]
