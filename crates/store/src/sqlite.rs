@@ -12,6 +12,9 @@
 //! Writes that arrive while a commit is under way queue, and a writer thread commits whatever has
 //! queued up since its last commit in one transaction (group commit), each write in its own
 //! savepoint so that one failing write fails alone: under load many runs' steps share a commit.
+//! The writer's connection remembers, across its transactions, what every commit checks first
+//! (a run's lease and fence, a session's message count), and reads them again as soon as another
+//! connection has committed ([`Known`]).
 //! The write-ahead log is folded into the database by a checkpoint thread on its own connection,
 //! never inside a commit; every few thousand pages the writer thread makes the log start over
 //! between two commits, so that it stays bounded however long writes go on without a pause
@@ -39,10 +42,12 @@
 //!
 //! This module implements storage operations only ([`Tx`]); the rules are `crate::rules`.
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use foldhash::HashMap;
 use keel_core::journal::JournalEntry;
 use keel_core::memory::{MemoryItem, MemoryOwner};
 use keel_core::persist::{
@@ -220,7 +225,7 @@ pub type SqliteStore = Ruled<Sqlite>;
 /// only once the batch is committed.
 trait Job: Send {
     /// Runs the work; `Err` rolls its savepoint back.
-    fn run(&mut self, connection: &HeldConnection) -> Result<(), StoreError>;
+    fn run(&mut self, connection: &WriterConnection) -> Result<(), StoreError>;
     /// Tells the caller: its result, unless the commit failed.
     fn deliver(self: Box<Self>, commit: Result<(), StoreError>);
 }
@@ -232,9 +237,9 @@ struct TypedJob<T> {
 }
 
 impl<T: Send + 'static> Job for TypedJob<T> {
-    fn run(&mut self, connection: &HeldConnection) -> Result<(), StoreError> {
+    fn run(&mut self, connection: &WriterConnection) -> Result<(), StoreError> {
         let Some(mut work) = self.work.take() else { return Ok(()) };
-        let mut tx = SqliteTx::new(connection);
+        let mut tx = SqliteTx::writing(connection);
         let result = work(&mut tx).and_then(|value| tx.flush_usage().map(|()| value));
         let outcome = result.as_ref().map(drop).map_err(Clone::clone);
         self.result = Some(result);
@@ -264,7 +269,7 @@ const MAX_BATCH: usize = 512;
 /// and the writer thread takes it. A read that finds nobody committing holds the connection as
 /// a caller does ([`Writer::read_alone`]).
 struct Writer {
-    connection: Mutex<HeldConnection>,
+    connection: Mutex<WriterConnection>,
     queue: Mutex<Queue>,
     /// Wakes the writer thread when it is handed the queue (or the store closes).
     wake: std::sync::Condvar,
@@ -385,7 +390,7 @@ impl Writer {
 struct Reading<'w> {
     writer: &'w Writer,
     /// Always `Some` until dropped: let go of before the queue is handed on.
-    connection: Option<MutexGuard<'w, HeldConnection>>,
+    connection: Option<MutexGuard<'w, WriterConnection>>,
 }
 
 impl Reading<'_> {
@@ -621,11 +626,16 @@ fn restart_log(connection: &Connection) {
 /// failing job fails alone, and commits. Returns how the commit went. A batch of one needs no
 /// savepoint (its failure rolls the whole transaction back): a savepoint makes SQLite copy every
 /// page it changes into a sub-journal first, which was a sixth of a lone commit's work.
-fn run_batch(connection: &HeldConnection, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
+/// What the connection knows from earlier transactions is checked first ([`Known::revalidate`]),
+/// and forgotten when anything is rolled back.
+fn run_batch(connection: &WriterConnection, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
     let exec = |sql: &'static str| connection.with_statement(sql, |s| s.execute([])).map_err(map_error);
+    let forget = || connection.known.borrow_mut().forget();
+    connection.known.borrow_mut().revalidate(connection);
     if let [job] = batch {
         if job.run(connection).is_err() {
             // The job's own error is what its caller hears; nothing of it stays.
+            forget();
             return exec("ROLLBACK").map(drop);
         }
     } else {
@@ -633,19 +643,107 @@ fn run_batch(connection: &HeldConnection, batch: &mut [Box<dyn Job>]) -> Result<
             let outcome = exec("SAVEPOINT write").and_then(|_| job.run(connection));
             let undo = match outcome {
                 Ok(()) => exec("RELEASE write"),
-                Err(_) => exec("ROLLBACK TO write").and(exec("RELEASE write")),
+                Err(_) => {
+                    forget();
+                    exec("ROLLBACK TO write").and(exec("RELEASE write"))
+                }
             };
             if let Err(error) = undo {
+                forget();
                 let _ = exec("ROLLBACK");
                 return Err(error);
             }
         }
     }
     if let Err(error) = exec("COMMIT") {
+        forget();
         let _ = exec("ROLLBACK");
         return Err(error);
     }
+    connection.known.borrow_mut().changes = connection.total_changes();
     Ok(())
+}
+
+/// The writer's connection, and what it knows of the rows that every commit reads.
+struct WriterConnection {
+    held: HeldConnection,
+    known: RefCell<Known>,
+}
+
+impl std::ops::Deref for WriterConnection {
+    type Target = HeldConnection;
+
+    fn deref(&self) -> &HeldConnection {
+        &self.held
+    }
+}
+
+/// The most runs (and sessions) [`Known`] keeps: more than a process has in flight, as a rule;
+/// past it, it starts again from nothing.
+const MAX_KNOWN: usize = 4096;
+
+/// What the writer's connection read or wrote of the rows every commit checks before it writes
+/// (a run's control row: its state, lease and fence; a session's message count), kept from one
+/// transaction to the next: a tool-loop run read them eight times, 38,000 of its instructions.
+/// Kept only while no other connection commits: `PRAGMA data_version`, read once per
+/// transaction under its write lock, moves when one did (another process's decision, a
+/// takeover, another store on the same file, a `VACUUM`), and then everything known is
+/// forgotten. So is everything when a write fails or is rolled back, since it may have been
+/// learnt from what was undone. Reads made outside the writer's transactions use none of it.
+#[derive(Default)]
+struct Known {
+    /// `PRAGMA data_version` at this connection's last transaction; `None`: not read.
+    data_version: Option<i64>,
+    /// The rows this connection had changed when its last write transaction committed: more
+    /// at the next one means something else wrote on it (a read that wrote), and what is known
+    /// is forgotten then too.
+    changes: u64,
+    controls: HashMap<RunId, RunControl>,
+    message_counts: HashMap<SessionId, u64>,
+}
+
+impl Known {
+    /// At the start of a write transaction (the write lock held: nobody else commits until it
+    /// ends): forgets everything if another connection committed since the last one.
+    fn revalidate(&mut self, connection: &HeldConnection) {
+        let version = connection.with_statement("PRAGMA data_version", |s| s.query_row([], |row| row.get(0)));
+        match version {
+            Ok(version)
+                if self.data_version == Some(version) && self.changes == connection.total_changes() => {}
+            Ok(version) => {
+                self.forget();
+                self.data_version = Some(version);
+            }
+            Err(_) => {
+                self.forget();
+                self.data_version = None;
+            }
+        }
+    }
+
+    fn forget(&mut self) {
+        self.controls.clear();
+        self.message_counts.clear();
+    }
+
+    fn learn_control(&mut self, run: &RunId, control: &RunControl) {
+        if control.state.is_terminal() {
+            // Read again if ever needed (a late commit of a finished run): not worth keeping.
+            self.controls.remove(run);
+            return;
+        }
+        if self.controls.len() >= MAX_KNOWN && !self.controls.contains_key(run) {
+            self.controls.clear();
+        }
+        self.controls.insert(run.clone(), control.clone());
+    }
+
+    fn learn_message_count(&mut self, session: &SessionId, count: u64) {
+        if self.message_counts.len() >= MAX_KNOWN && !self.message_counts.contains_key(session) {
+            self.message_counts.clear();
+        }
+        self.message_counts.insert(session.clone(), count);
+    }
 }
 
 fn map_error(error: rusqlite::Error) -> StoreError {
@@ -751,7 +849,10 @@ impl Sqlite {
             }))
             .map_err(map_error)?;
         let writer = Arc::new(Writer {
-            connection: Mutex::new(HeldConnection::new(connection)),
+            connection: Mutex::new(WriterConnection {
+                held: HeldConnection::new(connection),
+                known: RefCell::default(),
+            }),
             queue: Mutex::default(),
             wake: std::sync::Condvar::new(),
             _checkpoints: checkpoints,
@@ -1011,6 +1112,8 @@ fn read_on<T>(
 /// Storage operations on one connection (inside the writer's transaction, or a read).
 struct SqliteTx<'c> {
     c: &'c HeldConnection,
+    /// What the writer knows ([`Known`]), in a write transaction; `None` in a read.
+    known: Option<&'c RefCell<Known>>,
     /// Tokens added to a session and not written yet: a model step's commit adds them and then
     /// appends its messages, and both go to the session's row in one statement
     /// ([`Tx::append_messages`]), one statement fewer per model step. Written before any other
@@ -1027,7 +1130,19 @@ const SESSION_WRITE: &str = "INSERT INTO sessions (id, message_count, created_at
 
 impl<'c> SqliteTx<'c> {
     fn new(c: &'c HeldConnection) -> SqliteTx<'c> {
-        SqliteTx { c, usage: None }
+        SqliteTx { c, known: None, usage: None }
+    }
+
+    /// In the writer's transaction, with what it knows.
+    fn writing(c: &'c WriterConnection) -> SqliteTx<'c> {
+        SqliteTx { c, known: Some(&c.known), usage: None }
+    }
+
+    /// Tells [`Known`], in a write transaction.
+    fn learn(&self, learn: impl FnOnce(&mut Known)) {
+        if let Some(known) = self.known {
+            learn(&mut known.borrow_mut());
+        }
     }
 
     fn execute(&mut self, sql: &'static str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
@@ -1127,11 +1242,17 @@ fn control_row(row: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Result<Ru
 
 impl Tx for SqliteTx<'_> {
     fn message_count(&mut self, session: &SessionId) -> Result<u64, StoreError> {
+        if let Some(count) = self.known.and_then(|known| known.borrow().message_counts.get(session).copied())
+        {
+            return Ok(count);
+        }
         let count: Option<i64> =
             self.query_row("SELECT message_count FROM sessions WHERE id = ?1", [session.as_str()], |row| {
                 row.get(0)
             })?;
-        Ok(count.unwrap_or(0).max(0) as u64)
+        let count = count.unwrap_or(0).max(0) as u64;
+        self.learn(|known| known.learn_message_count(session, count));
+        Ok(count)
     }
 
     fn message_writer(&mut self, session: &SessionId, position: u64) -> Result<Option<RunId>, StoreError> {
@@ -1181,8 +1302,9 @@ impl Tx for SqliteTx<'_> {
                 signed(usage.input_tokens),
                 signed(usage.output_tokens)
             ],
-        )
-        .map(drop)
+        )?;
+        self.learn(|known| known.learn_message_count(session, count));
+        Ok(())
     }
 
     fn messages(&mut self, session: &SessionId) -> Result<Vec<Arc<Message>>, StoreError> {
@@ -1264,6 +1386,7 @@ impl Tx for SqliteTx<'_> {
         let runs = self.execute(DELETE_SESSION_RUNS, [id])?;
         self.execute("DELETE FROM messages WHERE session_id = ?1", [id])?;
         let sessions = self.execute("DELETE FROM sessions WHERE id = ?1", [id])?;
+        self.learn(Known::forget);
         Ok(runs + sessions > 0)
     }
 
@@ -1292,8 +1415,9 @@ impl Tx for SqliteTx<'_> {
                 control.cancel_requested_by,
                 stored_limits(record),
             ],
-        )
-        .map(drop)
+        )?;
+        self.learn(|known| known.learn_control(&record.run_id, control));
+        Ok(())
     }
 
     fn run(&mut self, run: &RunId) -> Result<Option<RunRecord>, StoreError> {
@@ -1324,11 +1448,20 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn control(&mut self, run: &RunId) -> Result<Option<RunControl>, StoreError> {
-        self.query_row(CONTROL_SELECT, [run.as_str()], |row| control_row(row, 0)).and_then(Option::transpose)
+        if let Some(control) = self.known.and_then(|known| known.borrow().controls.get(run).cloned()) {
+            return Ok(Some(control));
+        }
+        let control = self
+            .query_row(CONTROL_SELECT, [run.as_str()], |row| control_row(row, 0))
+            .and_then(Option::transpose)?;
+        if let Some(control) = &control {
+            self.learn(|known| known.learn_control(run, control));
+        }
+        Ok(control)
     }
 
     fn set_control(&mut self, run: &RunId, control: &RunControl, now_ms: u64) -> Result<(), StoreError> {
-        self.execute(
+        let changed = self.execute(
             "UPDATE runs SET state = ?2, lease_owner = ?3, lease_expires_at = ?4, lease_epoch = ?5,
                attempts = ?6, cancel_requested_by = ?7, updated_at = ?8
              WHERE id = ?1",
@@ -1342,8 +1475,11 @@ impl Tx for SqliteTx<'_> {
                 control.cancel_requested_by,
                 now_ms as i64,
             ],
-        )
-        .map(drop)
+        )?;
+        if changed == 1 {
+            self.learn(|known| known.learn_control(run, control));
+        }
+        Ok(())
     }
 
     fn cancel_requested(&mut self, owner: &str) -> Result<Vec<RunId>, StoreError> {
@@ -1814,6 +1950,52 @@ mod tests {
             total += task.await.unwrap();
         }
         assert_eq!(total, 200, "each tick must fire exactly once across both stores");
+    }
+
+    /// Another process's commits between two of this store's are seen by its next commit,
+    /// though its writer keeps the run's lease and the session's length from one transaction
+    /// to the next ([`Known`]): a takeover fences it off, and a new run of the session appends
+    /// after what the other process wrote.
+    #[tokio::test]
+    async fn what_another_connection_commits_is_seen_by_the_next_commit() {
+        use keel_core::{Claim, Fence, RunState, StepCommit};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shared.db");
+        let (here, there) = (SqliteStore::open(&path).unwrap(), SqliteStore::open(&path).unwrap());
+        let session = SessionId::new("shared").unwrap();
+        let first = crate::conformance::run_record("first", &session, 0);
+        let run = &first.run_id;
+        let minute = Duration::from_secs(60);
+        let a = Fence { owner: "process-a", epoch: 1, ttl: minute };
+        let b = Fence { owner: "process-b", epoch: 2, ttl: minute };
+        let (question, answer) = ([Arc::new(Message::user("q"))], [Arc::new(Message::assistant("a"))]);
+        let step = |position: u64, messages, fence| StepCommit {
+            first_position: position,
+            messages,
+            fence: Some(fence),
+            ..StepCommit::new(&session, run)
+        };
+        here.commit_step(StepCommit { new_run: Some(&first), ..step(0, &question, a) }).await.unwrap();
+        here.commit_step(step(1, &answer, a)).await.unwrap();
+
+        let claim = there.claim_run(run, "process-b", minute, Some("process-a")).await.unwrap();
+        assert!(matches!(claim, Claim::Claimed { epoch: 2, .. }), "{claim:?}");
+        there.commit_step(StepCommit { state: Some(RunState::Done), ..step(2, &question, b) }).await.unwrap();
+
+        let stale = here.commit_step(step(3, &answer, a)).await.unwrap_err();
+        assert!(matches!(stale, StoreError::LeaseLost(_)), "the taken-over writer still wrote: {stale:?}");
+        let second = crate::conformance::run_record("second", &session, 3);
+        let next = StepCommit {
+            new_run: Some(&second),
+            first_position: 3,
+            messages: &question,
+            fence: Some(a),
+            ..StepCommit::new(&session, &second.run_id)
+        };
+        here.commit_step(next).await.unwrap();
+        let texts: Vec<String> =
+            here.load_messages(&session).await.unwrap().iter().map(|m| m.text()).collect();
+        assert_eq!(texts, ["q", "a", "q", "q"]);
     }
 
     /// The most parks of the workers [`lone_runs_after`]'s 150 commits may cause. Committing at
