@@ -19,6 +19,8 @@
 //! ```
 //! Run overrides of limits: `{"v":1,"max_turns":3,"tool_timeout_ms":5000}`.
 
+use std::borrow::Cow;
+
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::{Deserialize, Serialize};
@@ -44,53 +46,55 @@ pub struct DecodeError {
     reason: String,
 }
 
+/// A part as stored. Encoding borrows from the message (`Cow::Borrowed`: no copy of a text or a
+/// tool's input before it is written out); decoding owns what it reads.
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
-enum PartV1 {
+enum PartV1<'a> {
     Text {
-        text: String,
+        text: Cow<'a, str>,
     },
     Image {
-        media_type: String,
+        media_type: Cow<'a, str>,
         data: String,
     },
     File {
-        media_type: String,
+        media_type: Cow<'a, str>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        name: Option<String>,
+        name: Option<Cow<'a, str>>,
         data: String,
     },
     Reasoning {
-        #[serde(default, skip_serializing_if = "String::is_empty")]
-        text: String,
+        #[serde(default, skip_serializing_if = "str::is_empty")]
+        text: Cow<'a, str>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        signature: Option<String>,
+        signature: Option<Cow<'a, str>>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        redacted: Option<String>,
+        redacted: Option<Cow<'a, str>>,
     },
     ToolCall {
-        call_id: String,
-        name: String,
-        input: Value,
+        call_id: Cow<'a, str>,
+        name: Cow<'a, str>,
+        input: Cow<'a, Value>,
     },
     ToolResult {
-        call_id: String,
-        name: String,
-        output: Value,
+        call_id: Cow<'a, str>,
+        name: Cow<'a, str>,
+        output: Cow<'a, Value>,
         #[serde(default)]
         is_error: bool,
     },
     Summary {
-        text: String,
+        text: Cow<'a, str>,
         first_kept: u64,
     },
 }
 
 #[derive(Serialize, Deserialize)]
-struct MessageV1 {
+struct MessageV1<'a> {
     v: u32,
-    role: String,
-    parts: Vec<PartV1>,
+    role: Cow<'a, str>,
+    parts: Vec<PartV1<'a>>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -109,15 +113,15 @@ struct ToolErrorV1 {
 
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
-enum RecordBodyV1 {
+enum RecordBodyV1<'a> {
     ModelReply {
-        parts: Vec<PartV1>,
+        parts: Vec<PartV1<'a>>,
         usage: UsageV1,
     },
     ToolResult {
         ok: bool,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        output: Option<Value>,
+        output: Option<Cow<'a, Value>>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<ToolErrorV1>,
     },
@@ -137,7 +141,7 @@ enum RecordBodyV1 {
     Memory {
         ok: bool,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        value: Option<Value>,
+        value: Option<Cow<'a, Value>>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<String>,
     },
@@ -167,60 +171,81 @@ struct PendingV1 {
 }
 
 #[derive(Serialize, Deserialize)]
-struct RecordV1 {
+struct RecordV1<'a> {
     v: u32,
     #[serde(flatten)]
-    body: RecordBodyV1,
+    body: RecordBodyV1<'a>,
 }
 
-fn part_to_v1(part: &Part) -> PartV1 {
+fn part_to_v1(part: &Part) -> PartV1<'_> {
+    fn text(text: &str) -> Cow<'_, str> {
+        Cow::Borrowed(text)
+    }
     match part {
-        Part::Text(text) => PartV1::Text { text: text.clone() },
+        Part::Text(t) => PartV1::Text { text: text(t) },
         Part::Image { media_type, data } => {
-            PartV1::Image { media_type: media_type.clone(), data: BASE64.encode(data) }
+            PartV1::Image { media_type: text(media_type), data: BASE64.encode(data) }
         }
-        Part::File { media_type, name, data } => {
-            PartV1::File { media_type: media_type.clone(), name: name.clone(), data: BASE64.encode(data) }
-        }
+        Part::File { media_type, name, data } => PartV1::File {
+            media_type: text(media_type),
+            name: name.as_deref().map(text),
+            data: BASE64.encode(data),
+        },
         Part::Reasoning(reasoning) => PartV1::Reasoning {
-            text: reasoning.text.clone(),
-            signature: reasoning.signature.clone(),
-            redacted: reasoning.redacted.clone(),
+            text: text(&reasoning.text),
+            signature: reasoning.signature.as_deref().map(text),
+            redacted: reasoning.redacted.as_deref().map(text),
         },
         Part::ToolCall(call) => PartV1::ToolCall {
-            call_id: call.call_id.clone(),
-            name: call.name.clone(),
-            input: call.input.clone(),
+            call_id: text(&call.call_id),
+            name: text(&call.name),
+            input: Cow::Borrowed(&call.input),
         },
         Part::ToolResult(result) => PartV1::ToolResult {
-            call_id: result.call_id.clone(),
-            name: result.name.clone(),
-            output: result.output.clone(),
+            call_id: text(&result.call_id),
+            name: text(&result.name),
+            output: Cow::Borrowed(&result.output),
             is_error: result.is_error,
         },
-        Part::Summary { text, first_kept } => PartV1::Summary { text: text.clone(), first_kept: *first_kept },
+        Part::Summary { text: t, first_kept } => PartV1::Summary { text: text(t), first_kept: *first_kept },
     }
 }
 
-fn part_from_v1(part: PartV1, what: &'static str) -> Result<Part, DecodeError> {
+fn part_from_v1(part: PartV1<'_>, what: &'static str) -> Result<Part, DecodeError> {
     let bytes = |data: &str| {
         BASE64
             .decode(data)
             .map(Into::into)
             .map_err(|e| DecodeError { what, reason: format!("bad base64: {e}") })
     };
+    // Decoded values are owned already: `into_owned` moves them.
     Ok(match part {
-        PartV1::Text { text } => Part::Text(text),
-        PartV1::Image { media_type, data } => Part::Image { data: bytes(&data)?, media_type },
-        PartV1::File { media_type, name, data } => Part::File { data: bytes(&data)?, media_type, name },
-        PartV1::Reasoning { text, signature, redacted } => {
-            Part::Reasoning(Reasoning { text, signature, redacted })
+        PartV1::Text { text } => Part::Text(text.into_owned()),
+        PartV1::Image { media_type, data } => {
+            Part::Image { data: bytes(&data)?, media_type: media_type.into_owned() }
         }
-        PartV1::ToolCall { call_id, name, input } => Part::ToolCall(ToolCall { call_id, name, input }),
-        PartV1::ToolResult { call_id, name, output, is_error } => {
-            Part::ToolResult(ToolResult { call_id, name, output, is_error })
-        }
-        PartV1::Summary { text, first_kept } => Part::Summary { text, first_kept },
+        PartV1::File { media_type, name, data } => Part::File {
+            data: bytes(&data)?,
+            media_type: media_type.into_owned(),
+            name: name.map(Cow::into_owned),
+        },
+        PartV1::Reasoning { text, signature, redacted } => Part::Reasoning(Reasoning {
+            text: text.into_owned(),
+            signature: signature.map(Cow::into_owned),
+            redacted: redacted.map(Cow::into_owned),
+        }),
+        PartV1::ToolCall { call_id, name, input } => Part::ToolCall(ToolCall {
+            call_id: call_id.into_owned(),
+            name: name.into_owned(),
+            input: input.into_owned(),
+        }),
+        PartV1::ToolResult { call_id, name, output, is_error } => Part::ToolResult(ToolResult {
+            call_id: call_id.into_owned(),
+            name: name.into_owned(),
+            output: output.into_owned(),
+            is_error,
+        }),
+        PartV1::Summary { text, first_kept } => Part::Summary { text: text.into_owned(), first_kept },
     })
 }
 
@@ -240,7 +265,7 @@ fn check_version(v: u32, what: &'static str) -> Result<(), DecodeError> {
 pub fn encode_message(message: &Message) -> String {
     let v1 = MessageV1 {
         v: FORMAT_VERSION,
-        role: message.role.as_str().to_owned(),
+        role: Cow::Borrowed(message.role.as_str()),
         parts: message.parts.iter().map(part_to_v1).collect(),
     };
     serde_json::to_string(&v1).expect("message JSON always serializes")
@@ -252,7 +277,7 @@ pub fn decode_message(json: &str) -> Result<Message, DecodeError> {
     let v1: MessageV1 =
         serde_json::from_str(json).map_err(|e| DecodeError { what, reason: e.to_string() })?;
     check_version(v1.v, what)?;
-    let role = match v1.role.as_str() {
+    let role = match &*v1.role {
         "user" => Role::User,
         "assistant" => Role::Assistant,
         "tool" => Role::Tool,
@@ -273,7 +298,7 @@ pub fn encode_record(record: &JournalRecord) -> String {
             },
         },
         JournalRecord::ToolResult(Ok(output)) => {
-            RecordBodyV1::ToolResult { ok: true, output: Some(output.clone()), error: None }
+            RecordBodyV1::ToolResult { ok: true, output: Some(Cow::Borrowed(output)), error: None }
         }
         JournalRecord::ToolResult(Err(error)) => RecordBodyV1::ToolResult {
             ok: false,
@@ -294,7 +319,7 @@ pub fn encode_record(record: &JournalRecord) -> String {
             RecordBodyV1::Decision { decision, note, answer }
         }
         JournalRecord::Memory(outcome) => match outcome {
-            Ok(value) => RecordBodyV1::Memory { ok: true, value: Some(value.clone()), error: None },
+            Ok(value) => RecordBodyV1::Memory { ok: true, value: Some(Cow::Borrowed(value)), error: None },
             Err(error) => RecordBodyV1::Memory { ok: false, value: None, error: Some(error.clone()) },
         },
         JournalRecord::ModelFailed(error) => RecordBodyV1::ModelFailed {
@@ -323,7 +348,7 @@ pub fn decode_record(json: &str) -> Result<JournalRecord, DecodeError> {
             .into(),
         ),
         RecordBodyV1::ToolResult { ok: true, output, .. } => {
-            JournalRecord::ToolResult(Ok(output.unwrap_or(Value::Null)))
+            JournalRecord::ToolResult(Ok(output.map_or(Value::Null, Cow::into_owned)))
         }
         RecordBodyV1::ToolResult { ok: false, error, .. } => {
             let error = error
@@ -341,7 +366,7 @@ pub fn decode_record(json: &str) -> Result<JournalRecord, DecodeError> {
             DecisionV1::TimedOut => Decision::TimedOut,
         }),
         RecordBodyV1::Memory { ok: true, value, .. } => {
-            JournalRecord::Memory(Ok(value.unwrap_or(Value::Null)))
+            JournalRecord::Memory(Ok(value.map_or(Value::Null, Cow::into_owned)))
         }
         RecordBodyV1::Memory { ok: false, error, .. } => {
             JournalRecord::Memory(Err(error.unwrap_or_default()))
@@ -492,6 +517,19 @@ mod tests {
             JournalRecord::ToolResult(Err(ToolError::with_code(ErrorCode::ToolTimeout, "timed out", true)));
         expect_test::expect![[r#"{"v":1,"kind":"tool_result","ok":false,"error":{"code":"KEEL_TOOL_TIMEOUT","message":"timed out","transient":true}}"#]]
             .assert_eq(&encode_record(&failed));
+        let reply = JournalRecord::ModelReply(
+            ModelReply {
+                parts: vec![Part::Text("5".into())],
+                usage: Usage { input_tokens: 3, output_tokens: 1 },
+            }
+            .into(),
+        );
+        expect_test::expect![[r#"{"v":1,"kind":"model_reply","parts":[{"type":"text","text":"5"}],"usage":{"input_tokens":3,"output_tokens":1}}"#]]
+            .assert_eq(&encode_record(&reply));
+        expect_test::expect![[r#"{"v":1,"kind":"tool_result","ok":true,"output":{"sum":5}}"#]]
+            .assert_eq(&encode_record(&JournalRecord::ToolResult(Ok(json!({"sum": 5})))));
+        expect_test::expect![[r#"{"v":1,"kind":"memory","ok":true,"value":{"context":"- tea"}}"#]]
+            .assert_eq(&encode_record(&JournalRecord::Memory(Ok(json!({"context": "- tea"})))));
         let decision = JournalRecord::Decision(Decision::Reject { note: Some("too risky".into()) });
         expect_test::expect![[r#"{"v":1,"kind":"decision","decision":"reject","note":"too risky"}"#]]
             .assert_eq(&encode_record(&decision));
