@@ -1357,8 +1357,8 @@ fn compose_call_id(parent: &str, step: &str) -> String {
 
 /// Gives every tool call of a reply a usable id: the model's own when it is present and not
 /// used before in the run, else `call_<N>_<index>` where N is the session's model call number.
-/// Deterministic, so replays agree; `seen` collects the run's ids.
-/// The message is copied only when an id must change.
+/// Deterministic, so replays agree; `seen` collects the run's ids. The message is copied only
+/// when an id must change.
 fn normalize_call_ids(
     message: &mut Arc<Message>,
     call_number: u64,
@@ -1381,7 +1381,7 @@ fn normalize_call_ids(
     let calls = parts.iter_mut().filter(|p| matches!(p, Part::ToolCall(_))).enumerate();
     for (index, part) in calls.skip(first_unusable) {
         let Part::ToolCall(call) = part else { continue };
-        if call.call_id.is_empty() || seen.contains(&call.call_id) {
+        if !usable(call, seen) {
             let mut id = format!("call_{call_number}_{index}");
             // A model could have used that very id; keep looking until it is unique.
             while seen.contains(&id) {
