@@ -56,11 +56,17 @@ pub(crate) async fn observe(State(state): State<Arc<AppState>>, request: Request
     let status = response.status().as_u16();
     let took = started.elapsed();
     state.metrics.request(&route, status, took);
-    span.in_scope(|| tracing::info!(status, ms = took.as_secs_f64() * 1000.0, "answered"));
+    span.in_scope(|| tracing::info!(status, ms = millis(took), "answered"));
     if let Ok(value) = HeaderValue::from_str(&id) {
         response.headers_mut().insert("x-request-id", value);
     }
     response
+}
+
+/// A duration in milliseconds to the microsecond, for a log line: `ms=0.339`, not
+/// `ms=0.33873200000000003` (still a number, for logs written as JSON).
+fn millis(took: std::time::Duration) -> f64 {
+    took.as_micros() as f64 / 1000.0
 }
 
 /// Answers `504 KEEL_REQUEST_TIMEOUT` when a (non-streaming) route takes too long.
@@ -72,5 +78,17 @@ pub(crate) async fn timeout(State(state): State<Arc<AppState>>, request: Request
             format!("the request took longer than {:?}", state.request_timeout),
         )
         .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    #[test]
+    fn a_request_time_is_logged_to_the_microsecond() {
+        assert_eq!(super::millis(Duration::from_nanos(338_732_123)).to_string(), "338.732");
+        assert_eq!(super::millis(Duration::from_nanos(338_732)).to_string(), "0.338");
+        assert_eq!(super::millis(Duration::from_secs(2)).to_string(), "2000");
     }
 }
