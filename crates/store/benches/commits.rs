@@ -176,11 +176,15 @@ fn floor_runs(path: &std::path::Path, runs: usize) {
     );
     let mut message =
         prepare("INSERT INTO messages (session_id, position, run_id, body) VALUES (?1, ?2, ?3, ?4)");
-    // The message count and a model step's tokens, in one statement as the store writes them.
-    let mut session_row = prepare(
-        "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
-         VALUES (?1, ?2, ?3, ?3, ?4, ?5)
-         ON CONFLICT (id) DO UPDATE SET message_count = excluded.message_count, updated_at = excluded.updated_at,
+    // The session's row, as the store writes it: when a run starts, and with a model step's
+    // tokens.
+    let mut start_session = prepare(
+        "INSERT INTO sessions (id, created_at, updated_at) VALUES (?1, ?2, ?2)
+         ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at",
+    );
+    let mut tokens_row = prepare(
+        "INSERT INTO sessions (id, created_at, updated_at, input_tokens, output_tokens) VALUES (?1, ?2, ?2, ?3, ?4)
+         ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at,
            input_tokens = input_tokens + excluded.input_tokens, output_tokens = output_tokens + excluded.output_tokens",
     );
     let mut end_run = prepare(
@@ -194,26 +198,23 @@ fn floor_runs(path: &std::path::Path, runs: usize) {
         let usage = (USAGE.input_tokens as i64, USAGE.output_tokens as i64);
         let mut step = |entry: Option<&JournalEntry>, position: i64, said: &Message, last: bool| {
             begin.execute([]).expect("BEGIN");
-            let mut tokens = (0, 0);
             match entry {
                 None => {
                     let input = encode_message(said);
                     insert_run
                         .execute(params![run, session, input, now, OWNER, now + 60_000])
                         .expect("a run");
+                    start_session.execute(params![session, now]).expect("the session");
                 }
                 Some(entry) => {
                     let body = encode_record(&entry.record);
                     journal.execute(params![run, entry.step.to_string(), body]).expect("a journal entry");
                     if matches!(entry.record, JournalRecord::ModelReply(_)) {
-                        tokens = usage;
+                        tokens_row.execute(params![session, now, usage.0, usage.1]).expect("the tokens");
                     }
                 }
             }
             message.execute(params![session, position, run, encode_message(said)]).expect("a message");
-            session_row
-                .execute(params![session, position + 1, now, tokens.0, tokens.1])
-                .expect("the message count and tokens");
             if last {
                 end_run.execute(params![run, OWNER, now]).expect("the run ends");
             }

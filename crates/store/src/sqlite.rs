@@ -28,12 +28,12 @@
 //! the bound value, so that it prepares such a statement again whenever the value changes (at
 //! every execution: a third of a run's work, measured). Those statements compare with
 //! `CAST(?1 AS TEXT)`, which keeps the index and the order and drops the tie; per-step reads
-//! are primary-key lookups (a session's message count lives in `sessions`, and a model step's
-//! tokens are written with it, in one statement: see [`SqliteTx`]). Two more shapes make SQLite
-//! build a temporary B-tree at every execution, even for no rows: an index seek through
-//! `IN (...)`, and an `ORDER BY` the index does not give. Per-run queries use one lookup per
-//! value (`UNION ALL`) and are sorted in Rust instead (10% of a durable run's instructions,
-//! measured).
+//! are index seeks (a session's message count is its last message's position, and its row is
+//! written when a run of it starts and when a step adds tokens, not at every step). Two more
+//! shapes make SQLite build a temporary B-tree at every execution, even for no rows: an index
+//! seek through `IN (...)`, and an `ORDER BY` the index does not give. Per-run queries use one
+//! lookup per value (`UNION ALL`) and are sorted in Rust instead (10% of a durable run's
+//! instructions, measured).
 //!
 //! Records are stored in keel-core's versioned formats ([`keel_core::persist`]); the schema has
 //! its own version (`PRAGMA user_version`), moved forward by [`MIGRATIONS`] inside a write
@@ -187,6 +187,11 @@ const MIGRATIONS: &[&str] = &[
     "DROP INDEX runs_open;
     DROP INDEX runs_leased;
     CREATE INDEX runs_by_state ON runs (state, session_id);",
+    // Version 13: a session's message count is its messages' (the last position, one index
+    // seek), no longer a column of its row, which every step then wrote with its messages: a
+    // step that adds messages and no tokens (a tool's result) writes no session row now (one
+    // page fewer in its commit, measured).
+    "ALTER TABLE sessions DROP COLUMN message_count;",
 ];
 
 /// Every run state as an SQL list, for the statements that find a session's runs through
@@ -240,7 +245,7 @@ impl<T: Send + 'static> Job for TypedJob<T> {
     fn run(&mut self, connection: &WriterConnection) -> Result<(), StoreError> {
         let Some(mut work) = self.work.take() else { return Ok(()) };
         let mut tx = SqliteTx::writing(connection);
-        let result = work(&mut tx).and_then(|value| tx.flush_usage().map(|()| value));
+        let result = work(&mut tx);
         let outcome = result.as_ref().map(drop).map_err(Clone::clone);
         self.result = Some(result);
         outcome
@@ -1101,7 +1106,6 @@ fn read_on<T>(
     exec("BEGIN")?;
     let mut tx = SqliteTx::new(connection);
     let result = work(&mut tx);
-    debug_assert!(tx.usage.is_none(), "a read holds tokens to write");
     // A read transaction has nothing to commit; ending it cannot lose anything.
     if exec("COMMIT").is_err() {
         let _ = exec("ROLLBACK");
@@ -1114,28 +1118,16 @@ struct SqliteTx<'c> {
     c: &'c HeldConnection,
     /// What the writer knows ([`Known`]), in a write transaction; `None` in a read.
     known: Option<&'c RefCell<Known>>,
-    /// Tokens added to a session and not written yet: a model step's commit adds them and then
-    /// appends its messages, and both go to the session's row in one statement
-    /// ([`Tx::append_messages`]), one statement fewer per model step. Written before any other
-    /// write and before the session summaries are read, so that the order of the writes and
-    /// what reads see stay the rules'; and at the end of the work, before its commit.
-    usage: Option<(SessionId, Usage, u64)>,
 }
-
-/// The session row of a commit: its message count, with the tokens held for it.
-const SESSION_WRITE: &str = "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
-     VALUES (?1, ?2, ?3, ?3, ?4, ?5)
-     ON CONFLICT (id) DO UPDATE SET message_count = excluded.message_count, updated_at = excluded.updated_at,
-       input_tokens = input_tokens + excluded.input_tokens, output_tokens = output_tokens + excluded.output_tokens";
 
 impl<'c> SqliteTx<'c> {
     fn new(c: &'c HeldConnection) -> SqliteTx<'c> {
-        SqliteTx { c, known: None, usage: None }
+        SqliteTx { c, known: None }
     }
 
     /// In the writer's transaction, with what it knows.
     fn writing(c: &'c WriterConnection) -> SqliteTx<'c> {
-        SqliteTx { c, known: Some(&c.known), usage: None }
+        SqliteTx { c, known: Some(&c.known) }
     }
 
     /// Tells [`Known`], in a write transaction.
@@ -1145,13 +1137,7 @@ impl<'c> SqliteTx<'c> {
         }
     }
 
-    fn execute(&mut self, sql: &'static str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
-        self.flush_usage()?;
-        self.execute_now(sql, params)
-    }
-
-    /// [`SqliteTx::execute`] without writing the held tokens first.
-    fn execute_now(&self, sql: &'static str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
+    fn execute(&self, sql: &'static str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
         self.c.with_statement(sql, |s| s.execute(params)).map_err(map_error)
     }
 
@@ -1186,24 +1172,10 @@ impl<'c> SqliteTx<'c> {
                 s.query_row([session.as_str()], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
             })
             .map_err(map_error)?;
-        // `append_messages` writes the count with the messages it counts.
         let messages = if count.unwrap_or(0) > 0 { self.messages(session)? } else { Vec::new() };
         let state = decode_state(state)?;
         let open_run = if open { self.open_runs(Some(session))?.into_iter().next() } else { None };
         Ok(SessionRows { messages, state, open_run })
-    }
-
-    /// Writes the held tokens, if any, to their session's totals.
-    fn flush_usage(&mut self) -> Result<(), StoreError> {
-        let Some((session, usage, now_ms)) = self.usage.take() else { return Ok(()) };
-        self.execute_now(
-            "INSERT INTO sessions (id, message_count, created_at, updated_at, input_tokens, output_tokens)
-             VALUES (?1, 0, ?2, ?2, ?3, ?4)
-             ON CONFLICT (id) DO UPDATE SET input_tokens = input_tokens + excluded.input_tokens,
-               output_tokens = output_tokens + excluded.output_tokens",
-            params![session.as_str(), now_ms as i64, signed(usage.input_tokens), signed(usage.output_tokens)],
-        )
-        .map(drop)
     }
 }
 
@@ -1246,11 +1218,8 @@ impl Tx for SqliteTx<'_> {
         {
             return Ok(count);
         }
-        let count: Option<i64> =
-            self.query_row("SELECT message_count FROM sessions WHERE id = ?1", [session.as_str()], |row| {
-                row.get(0)
-            })?;
-        let count = count.unwrap_or(0).max(0) as u64;
+        let count = self.query_row(MESSAGE_COUNT, [session.as_str()], |row| row.get::<_, Option<i64>>(0))?;
+        let count = count.flatten().unwrap_or(0).max(0) as u64;
         self.learn(|known| known.learn_message_count(session, count));
         Ok(count)
     }
@@ -1270,19 +1239,12 @@ impl Tx for SqliteTx<'_> {
         run: &RunId,
         first_position: u64,
         messages: &[Arc<Message>],
-        now_ms: u64,
+        _now_ms: u64,
     ) -> Result<(), StoreError> {
-        // The tokens held for this session go into its row with the new count (those of another
-        // session are written first).
-        let usage = match self.usage.take_if(|(held, _, _)| held == session) {
-            Some((_, usage, _)) => usage,
-            None => {
-                self.flush_usage()?;
-                Usage::default()
-            }
-        };
+        // The session's row is not written: its message count is its messages' (version 13),
+        // and its time moves on when a run starts and when a step adds tokens.
         for (offset, message) in messages.iter().enumerate() {
-            self.execute_now(
+            self.execute(
                 "INSERT INTO messages (session_id, position, run_id, body) VALUES (?1, ?2, ?3, ?4)",
                 params![
                     session.as_str(),
@@ -1293,16 +1255,6 @@ impl Tx for SqliteTx<'_> {
             )?;
         }
         let count = first_position + messages.len() as u64;
-        self.execute_now(
-            SESSION_WRITE,
-            params![
-                session.as_str(),
-                count as i64,
-                now_ms as i64,
-                signed(usage.input_tokens),
-                signed(usage.output_tokens)
-            ],
-        )?;
         self.learn(|known| known.learn_message_count(session, count));
         Ok(())
     }
@@ -1322,14 +1274,13 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn add_usage(&mut self, session: &SessionId, usage: Usage, now_ms: u64) -> Result<(), StoreError> {
-        match &mut self.usage {
-            Some((held, total, _)) if held == session => total.add(usage),
-            _ => {
-                self.flush_usage()?;
-                self.usage = Some((session.clone(), usage, now_ms));
-            }
-        }
-        Ok(())
+        self.execute(
+            "INSERT INTO sessions (id, created_at, updated_at, input_tokens, output_tokens) VALUES (?1, ?2, ?2, ?3, ?4)
+             ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at,
+               input_tokens = input_tokens + excluded.input_tokens, output_tokens = output_tokens + excluded.output_tokens",
+            params![session.as_str(), now_ms as i64, signed(usage.input_tokens), signed(usage.output_tokens)],
+        )
+        .map(drop)
     }
 
     fn set_session_state(
@@ -1339,7 +1290,7 @@ impl Tx for SqliteTx<'_> {
         now_ms: u64,
     ) -> Result<(), StoreError> {
         self.execute(
-            "INSERT INTO sessions (id, message_count, created_at, updated_at, state) VALUES (?1, 0, ?2, ?2, ?3)
+            "INSERT INTO sessions (id, created_at, updated_at, state) VALUES (?1, ?2, ?2, ?3)
              ON CONFLICT (id) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at",
             params![session.as_str(), now_ms as i64, state.to_string()],
         )
@@ -1353,7 +1304,6 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn session_summary(&mut self, session: &SessionId) -> Result<Option<SessionSummary>, StoreError> {
-        self.flush_usage()?;
         self.c
             .prepare_cached(&format!("{SUMMARY_SELECT} WHERE s.id = ?1"))
             .and_then(|mut s| s.query_row([session.as_str()], summary_row).optional())
@@ -1364,7 +1314,6 @@ impl Tx for SqliteTx<'_> {
     fn sessions(&mut self, filter: &SessionFilter) -> Result<Vec<SessionSummary>, StoreError> {
         let (kind, prefix) = scope_parameters(&filter.scope);
         let limit = filter.limit.map_or(-1, |limit| i64::try_from(limit).unwrap_or(i64::MAX));
-        self.flush_usage()?;
         let mut statement = self
             .c
             .prepare_cached(&format!(
@@ -1415,6 +1364,12 @@ impl Tx for SqliteTx<'_> {
                 control.cancel_requested_by,
                 stored_limits(record),
             ],
+        )?;
+        // The session's row: made by its first run, its time moved on by each run that starts.
+        self.execute(
+            "INSERT INTO sessions (id, created_at, updated_at) VALUES (?1, ?2, ?2)
+             ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at",
+            params![record.session_id.as_str(), now_ms as i64],
         )?;
         self.learn(|known| known.learn_control(&record.run_id, control));
         Ok(())
@@ -1830,12 +1785,17 @@ const DELETE_SESSION_RUNS: &str =
 const COMPACT_JOURNALS: &str = "DELETE FROM journal WHERE run_id IN (SELECT id FROM runs WHERE state IN ('done', 'failed', 'cancelled'))";
 
 /// A session's row as [`SqliteTx::session_rows`] reads it: one row whether the session exists
-/// or not (its columns `NULL` if not), and whether it has an unfinished run (`runs_by_state`,
-/// one seek per unfinished state).
-const SESSION_HEAD: &str = "SELECT (SELECT message_count FROM sessions WHERE id = ?1),
+/// or not (its columns `NULL` if not): its message count ([`MESSAGE_COUNT`]), its state, and
+/// whether it has an unfinished run (`runs_by_state`, one seek per unfinished state).
+const SESSION_HEAD: &str =
+    "SELECT (SELECT MAX(position) + 1 FROM messages WHERE session_id = CAST(?1 AS TEXT)),
     (SELECT state FROM sessions WHERE id = ?1),
     EXISTS (SELECT 1 FROM runs WHERE state = 'running' AND session_id = CAST(?1 AS TEXT))
     OR EXISTS (SELECT 1 FROM runs WHERE state = 'awaiting_input' AND session_id = CAST(?1 AS TEXT))";
+
+/// A session's message count: one past its last message's position (`NULL`: none), one seek at
+/// the end of its messages' range of the primary key. (`CAST`: see the module docs.)
+const MESSAGE_COUNT: &str = "SELECT MAX(position) + 1 FROM messages WHERE session_id = CAST(?1 AS TEXT)";
 
 /// Every pending input, with its rowid (the order it was stored in); sorted by `pending_list`.
 const PENDING: &str =
@@ -1848,7 +1808,7 @@ const PENDING_OF_SESSION: &str = "SELECT id, run_id, session_id, call_id, body, 
 
 /// The columns of a [`SessionSummary`], for [`summary_row`].
 const SUMMARY_SELECT: &str = concat!(
-    "SELECT s.id, s.updated_at, s.message_count,
+    "SELECT s.id, s.updated_at, (SELECT COALESCE(MAX(m.position) + 1, 0) FROM messages m WHERE m.session_id = s.id),
     (SELECT COUNT(*) FROM runs r WHERE r.state IN ",
     every_state!(),
     " AND r.session_id = s.id), s.input_tokens, s.output_tokens
@@ -2159,7 +2119,7 @@ mod tests {
         let record = crate::conformance::run_record("busy", &session, 0);
         crate::conformance::create_run(&store, &record).await.unwrap();
         // A tool's long output per step: its body spans several pages, each a frame of the log.
-        let output = [Arc::new(Message::assistant("a long tool output ".repeat(800)))];
+        let output = [Arc::new(Message::assistant("a long tool output ".repeat(1000)))];
         let commits = 3_000;
         let (mut per_commit, mut longest) = (0, 0);
         for position in 0..commits {
@@ -2221,7 +2181,7 @@ mod tests {
         let session = SessionId::new("busy").unwrap();
         let record = crate::conformance::run_record("busy", &session, 0);
         crate::conformance::create_run(&store, &record).await.unwrap();
-        let output = [Arc::new(Message::assistant("a long tool output ".repeat(800)))];
+        let output = [Arc::new(Message::assistant("a long tool output ".repeat(1000)))];
         let page = reader.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0)).unwrap();
         let frame = 24 + page as u64;
         let log = dir.path().join("keel.db-wal");
@@ -2356,6 +2316,21 @@ mod tests {
                     [encode_message(&Message::user("hi"))],
                 )
                 .unwrap();
+            // And a session of two messages, its count in its row as version 1 kept it.
+            connection
+                .execute(
+                    "INSERT INTO sessions (id, message_count, created_at, updated_at) VALUES ('t', 2, 5, 5)",
+                    [],
+                )
+                .unwrap();
+            for (position, text) in [(0, "hello"), (1, "hi there")] {
+                connection
+                    .execute(
+                        "INSERT INTO messages (session_id, position, run_id, body) VALUES ('t', ?1, 'run_t', ?2)",
+                        params![position, encode_message(&Message::user(text))],
+                    )
+                    .unwrap();
+            }
         }
         let store = SqliteStore::open(&path).unwrap();
         let version: i64 = store.backend().lock().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
@@ -2370,6 +2345,22 @@ mod tests {
             .map(Result::unwrap)
             .collect();
         assert_eq!(indexes, ["runs_by_state"]);
+        // The count is the messages' now: the column is gone, the session reads as it was.
+        let columns: Vec<String> = store
+            .backend()
+            .lock()
+            .prepare("SELECT name FROM pragma_table_info('sessions')")
+            .unwrap()
+            .query_map([], |row| row.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert!(!columns.iter().any(|c| c == "message_count"), "{columns:?}");
+        let session = SessionId::new("t").unwrap();
+        let summary = store.session_summary(&session).await.unwrap().unwrap();
+        assert_eq!((summary.messages, summary.updated_at_ms), (2, 5));
+        let said = store.load_session(&session).await.unwrap().messages;
+        assert_eq!(said, [Arc::new(Message::user("hello")), Arc::new(Message::user("hi there"))]);
         let run = RunId::parse("run_old").unwrap();
         assert_eq!(store.load_run(&run).await.unwrap().unwrap().input, Arc::new(Message::user("hi")));
         // The old run has no lease: it is interrupted, and can be claimed.
