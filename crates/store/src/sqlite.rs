@@ -2335,26 +2335,17 @@ mod tests {
         let store = SqliteStore::open(&path).unwrap();
         let version: i64 = store.backend().lock().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
         assert_eq!(version, SCHEMA_VERSION);
-        let indexes: Vec<String> = store
-            .backend()
-            .lock()
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'runs' AND sql IS NOT NULL")
-            .unwrap()
-            .query_map([], |row| row.get(0))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect();
+        let names = |sql: &str| -> Vec<String> {
+            let connection = store.backend().lock();
+            let mut statement = connection.prepare(sql).unwrap();
+            statement.query_map([], |row| row.get(0)).unwrap().map(Result::unwrap).collect()
+        };
+        let indexes = names(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'runs' AND sql IS NOT NULL",
+        );
         assert_eq!(indexes, ["runs_by_state"]);
         // The count is the messages' now: the column is gone, the session reads as it was.
-        let columns: Vec<String> = store
-            .backend()
-            .lock()
-            .prepare("SELECT name FROM pragma_table_info('sessions')")
-            .unwrap()
-            .query_map([], |row| row.get(0))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect();
+        let columns = names("SELECT name FROM pragma_table_info('sessions')");
         assert!(!columns.iter().any(|c| c == "message_count"), "{columns:?}");
         let session = SessionId::new("t").unwrap();
         let summary = store.session_summary(&session).await.unwrap().unwrap();
