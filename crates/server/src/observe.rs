@@ -63,7 +63,7 @@ pub(crate) async fn observe(State(state): State<Arc<AppState>>, request: Request
     response
 }
 
-/// A duration in milliseconds to the microsecond, for a log line: `ms=0.339`, not
+/// A duration in milliseconds to the microsecond, for a log line: `ms=0.338`, not
 /// `ms=0.33873200000000003` (still a number, for logs written as JSON).
 fn millis(took: std::time::Duration) -> f64 {
     took.as_micros() as f64 / 1000.0
