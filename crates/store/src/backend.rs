@@ -45,8 +45,9 @@ pub trait Tx {
     fn message_count(&mut self, session: &SessionId) -> Result<u64, StoreError>;
     /// The run that wrote the message at `position`, if there is one.
     fn message_writer(&mut self, session: &SessionId, position: u64) -> Result<Option<RunId>, StoreError>;
-    /// Appends messages at the end of the session (`first_position` is its message count),
-    /// creating the session if needed.
+    /// Appends messages at the end of the session (`first_position` is its message count). A
+    /// backend makes a new session here or in [`Tx::insert_run`], which the commit that starts
+    /// the session's first run calls first (SQLite's makes it there).
     fn append_messages(
         &mut self,
         session: &SessionId,
@@ -76,7 +77,8 @@ pub trait Tx {
     /// inputs. Returns whether there was anything.
     fn delete_session(&mut self, session: &SessionId) -> Result<bool, StoreError>;
 
-    /// Stores a new run.
+    /// Stores a new run (and, in a backend that makes sessions there, its session if new: see
+    /// [`Tx::append_messages`]).
     fn insert_run(&mut self, record: &RunRecord, control: &RunControl, now_ms: u64)
     -> Result<(), StoreError>;
     /// A run's record (its state as in its control).
