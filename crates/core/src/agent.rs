@@ -397,9 +397,8 @@ pub struct OutputSchema {
 }
 
 impl OutputSchema {
-    /// Compiles a schema as tools' input schemas are ([`crate::tool::check_schema`]: as draft 7
-    /// where both drafts read it alike, which spares the process the 2020-12 meta-schema); the
-    /// error says what is wrong with it, and where.
+    /// Compiles a schema as tools' input schemas are ([`crate::tool::check_schema`]); the error
+    /// says what is wrong with it, and where.
     pub fn new(schema: Value) -> Result<OutputSchema, String> {
         let validator = crate::tool::check_schema(&schema).map_err(|problem| problem.to_string())?;
         Ok(OutputSchema { schema, validator })
@@ -647,8 +646,7 @@ mod tests {
     }
 
     /// An output schema is compiled as a tool's input schema is: its mistakes are worded and
-    /// placed the same way, and one written with keywords both drafts read alike takes the
-    /// draft 7 path.
+    /// placed the same way.
     #[test]
     fn output_schema_is_compiled_as_tool_schemas_are() {
         let misspelled = serde_json::json!({ "type": "object", "properties": { "n": { "type": "strng" } } });
@@ -661,7 +659,6 @@ mod tests {
             "properties": { "reply": { "type": "string" }, "follow_up": { "type": "boolean" } },
             "required": ["reply"]
         });
-        assert!(crate::tool::compiles_as_draft7(&plain));
         let schema = OutputSchema::new(plain).unwrap();
         assert!(schema.check(&serde_json::json!({ "reply": "hi", "follow_up": true })).is_ok());
         let err = schema.check(&serde_json::json!({ "follow_up": "yes" })).unwrap_err();

@@ -397,27 +397,15 @@ impl std::fmt::Display for SchemaProblem {
 /// Compiles `schema`, or says what in it is wrong: a misspelled `type` is named as such, with
 /// the types there are, rather than as the meta-schema's `anyOf` failure.
 ///
-/// A schema is JSON Schema 2020-12 unless its `$schema` says otherwise. Before compiling one,
-/// jsonschema checks it against its draft's meta-schema, and the first check in a process builds
-/// a validator for that meta-schema: for 2020-12 (seven documents joined by dynamic references)
-/// about 4.4M instructions, most of what `keel run` does before the model's first call; for
-/// draft 7 (one document) about 1.2M. A schema written only with keywords that both drafts
-/// define, with the same meaning, validates the same under either, so such a schema (every
-/// built-in tool's, and most others') is compiled as draft 7. Any other schema, and one that
-/// draft 7 refuses, is compiled as 2020-12, whose errors are the ones reported.
+/// A schema is JSON Schema 2020-12 unless its `$schema` says otherwise. jsonschema checks it
+/// against its draft's meta-schema first, with a validator generated when keel is compiled (the
+/// `macros` feature), so the first schema a process compiles costs what any other does.
 pub fn check_schema(schema: &Value) -> Result<jsonschema::Validator, SchemaProblem> {
     if !schema.is_object() {
         return Err(SchemaProblem {
             pointer: String::new(),
             message: "the schema must be a JSON object (usually `{\"type\": \"object\", ...}`)".into(),
         });
-    }
-    // `draft7::new`, not the generic `options()` builder: built from here, that builder would
-    // be a second copy of jsonschema's whole compiler in the binary (1.4 MB).
-    if compiles_as_draft7(schema)
-        && let Ok(validator) = jsonschema::draft7::new(schema)
-    {
-        return Ok(validator);
     }
     jsonschema::validator_for(schema).map_err(|error| {
         let pointer = error.instance_path().to_string();
@@ -433,147 +421,24 @@ pub fn check_schema(schema: &Value) -> Result<jsonschema::Validator, SchemaProbl
     })
 }
 
-/// Whether [`check_schema`] compiles `schema` as JSON Schema draft 7 (see there; one that draft
-/// 7 then refuses still goes to 2020-12), sparing the process the 2020-12 meta-schema's
-/// validator. Built-in tools keep their schemas so.
-pub fn compiles_as_draft7(schema: &Value) -> bool {
-    schema.is_object() && means_the_same_in_draft7(schema)
-}
-
-/// Whether every keyword in `schema` and its subschemas is one that JSON Schema draft 7 and 2020-12
-/// both define with the same meaning and the same meta-schema constraints. Anything else (`$ref`,
-/// whose siblings draft 7 ignores; `$schema`; `items` as a list; a `format` draft 7 would check
-/// and 2020-12 only notes; keywords only one draft has, which the other would skip) answers
-/// false.
-fn means_the_same_in_draft7(schema: &Value) -> bool {
-    let Value::Object(keywords) = schema else {
-        return schema.is_boolean();
-    };
-    keywords.iter().all(|(keyword, value)| match keyword.as_str() {
-        "properties" | "patternProperties" => {
-            value.as_object().is_some_and(|schemas| schemas.values().all(means_the_same_in_draft7))
-        }
-        "allOf" | "anyOf" | "oneOf" => {
-            value.as_array().is_some_and(|schemas| schemas.iter().all(means_the_same_in_draft7))
-        }
-        "additionalProperties" | "items" | "not" | "propertyNames" | "contains" | "if" | "then" | "else" => {
-            means_the_same_in_draft7(value)
-        }
-        "type" | "enum" | "const" | "required" | "pattern" | "minimum" | "maximum" | "exclusiveMinimum"
-        | "exclusiveMaximum" | "multipleOf" | "minLength" | "maxLength" | "minItems" | "maxItems"
-        | "uniqueItems" | "minProperties" | "maxProperties" | "title" | "description" | "default"
-        | "examples" | "readOnly" | "writeOnly" | "$comment" => true,
-        // The names schemars gives Rust's number types (`tool_fn` tools' schemas): neither draft
-        // defines them, so both pass them by.
-        "format" => value.as_str().is_some_and(|format| RUST_NUMBER_FORMATS.contains(&format)),
-        _ => false,
-    })
-}
-
-/// The `format`s schemars writes for Rust's integer and float types.
-const RUST_NUMBER_FORMATS: &[&str] = &[
-    "int", "uint", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "int128",
-    "uint128", "float", "double",
-];
-
 #[cfg(test)]
 mod tests {
     use serde_json::json;
 
     use super::*;
 
-    fn errors(validator: &jsonschema::Validator, instance: &Value) -> Vec<String> {
-        validator.iter_errors(instance).map(|error| format!("{}: {error}", error.instance_path())).collect()
-    }
-
+    /// A schema's own `$schema` picks its draft: draft 7 checks `format`, 2020-12 only notes it.
     #[test]
-    fn a_schema_compiled_as_draft7_judges_inputs_as_2020_12_does() {
-        let schemas = [
-            json!({"type": "object", "properties": {"timezone": {"type": "string", "description": "zone"}}, "additionalProperties": false}),
-            json!({"type": "object", "required": ["url"], "properties": {
-                "url": {"type": "string", "minLength": 8, "pattern": "^https?://"},
-                "method": {"enum": ["GET", "POST"], "default": "GET"},
-                "headers": {"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 2},
-                "retries": {"type": "integer", "format": "uint8", "minimum": 0, "exclusiveMaximum": 5, "multipleOf": 1}}}),
-            json!({"type": "object", "properties": {
-                "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "minItems": 1, "uniqueItems": true, "contains": {"const": "a"}},
-                "mail": {"type": "string", "maxLength": 6},
-                "n": {"type": ["number", "null"], "format": "double", "exclusiveMinimum": 0}},
-                "patternProperties": {"^x-": {"type": "boolean"}},
-                "propertyNames": {"maxLength": 8}}),
-            json!({"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
-                "oneOf": [{"properties": {"a": {"const": 1}}}, {"properties": {"a": {"const": 2}}}],
-                "allOf": [{"not": {"required": ["c"]}}],
-                "if": {"properties": {"kind": {"const": "card"}}}, "then": {"required": ["number"]}, "else": {"minProperties": 1}}),
-        ];
-        let instances = [
-            json!({}),
-            json!({"timezone": "Europe/Paris"}),
-            json!({"timezone": 3, "extra": true}),
-            json!({"url": "ftp://x", "method": "PUT", "headers": {"a": "1", "b": 2, "c": "3"}, "retries": 5}),
-            json!({"url": "https://example.com", "retries": 2.5}),
-            json!({"tags": ["abcd", "abcd"], "mail": "not an address", "n": 0, "x-flag": "yes", "a-very-long-name": 1}),
-            json!({"tags": ["a"], "mail": "a@b.c", "n": null}),
-            json!({"a": 1, "b": 2, "c": 3, "kind": "card"}),
-            json!({"a": 3}),
-            json!([1, 2]),
-            json!("text"),
-        ];
-        for schema in &schemas {
-            assert!(means_the_same_in_draft7(schema), "{schema}");
-            let compiled = check_schema(schema).unwrap();
-            let reference = jsonschema::validator_for(schema).unwrap();
-            for instance in &instances {
-                assert_eq!(
-                    errors(&compiled, instance),
-                    errors(&reference, instance),
-                    "{schema} on {instance}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn a_schema_draft7_reads_otherwise_is_compiled_as_2020_12() {
-        // Each input breaks a rule that draft 7 would not see (it skips `prefixItems`,
-        // `dependentRequired`, `unevaluatedProperties` and `minContains`, and a `$ref`'s
-        // siblings), or one only draft 7 would enforce (`format`).
-        let cases = [
-            (json!({"type": "array", "prefixItems": [{"type": "string"}]}), json!([1])),
-            (json!({"type": "object", "dependentRequired": {"card": ["cvc"]}}), json!({"card": "4242"})),
-            (
-                json!({"type": "object", "properties": {"a": {}}, "unevaluatedProperties": false}),
-                json!({"b": 1}),
-            ),
-            (json!({"type": "array", "contains": {"const": 1}, "minContains": 2}), json!([1])),
-            (
-                json!({"$defs": {"word": {"type": "string"}}, "properties": {"w": {"$ref": "#/$defs/word", "maxLength": 2}}}),
-                json!({"w": "long"}),
-            ),
-            (json!({"type": "array", "items": [{"type": "string"}]}), json!(["a"])),
-            (
-                json!({"type": "object", "properties": {"mail": {"type": "string", "format": "email"}}}),
-                json!({"mail": "nope"}),
-            ),
-        ];
-        for (schema, input) in &cases {
-            assert!(!means_the_same_in_draft7(schema), "{schema}");
-            match (check_schema(schema), jsonschema::validator_for(schema)) {
-                (Ok(compiled), Ok(reference)) => {
-                    assert_eq!(errors(&compiled, input), errors(&reference, input), "{schema} on {input}");
-                }
-                (Err(_), Err(_)) => {}
-                (compiled, reference) => {
-                    panic!("{schema}: compiled {:?}, 2020-12 {:?}", compiled.err(), reference.err())
-                }
-            }
-        }
-        for (schema, input) in &cases[..5] {
-            assert!(!check_schema(schema).unwrap().is_valid(input), "{schema} accepted {input}");
-        }
-        // 2020-12 notes formats without checking them; draft 7 would refuse this address.
-        let (schema, input) = &cases[6];
-        assert!(check_schema(schema).unwrap().is_valid(input));
+    fn a_schema_is_2020_12_unless_it_says_otherwise() {
+        let mail = json!({"mail": "nope"});
+        let plain = json!({"type": "object", "properties": {"mail": {"type": "string", "format": "email"}}});
+        assert!(check_schema(&plain).unwrap().is_valid(&mail));
+        let mut draft7 = plain.clone();
+        draft7["$schema"] = json!("http://json-schema.org/draft-07/schema#");
+        assert!(!check_schema(&draft7).unwrap().is_valid(&mail));
+        // Keywords of 2020-12 alone are checked.
+        let pair = json!({"type": "array", "prefixItems": [{"type": "string"}]});
+        assert!(!check_schema(&pair).unwrap().is_valid(&json!([1])));
     }
 
     #[test]

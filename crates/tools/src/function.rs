@@ -73,9 +73,8 @@ where
 
 fn spec_for<I: JsonSchema>(name: &str, description: &str) -> ToolSpec {
     // Nested types written where they are used, not as `$defs` behind `$ref`s (a recursive
-    // type keeps its `$ref`): not every provider follows references, and a schema without
-    // them is checked as draft 7 (`keel_core::tool::check_schema`), sparing the process the
-    // 2020-12 meta-schema. Providers want a bare object schema: no `$schema`.
+    // type keeps its `$ref`): not every provider follows references. Providers want a bare
+    // object schema: no `$schema`.
     let generator = SchemaSettings::draft2020_12()
         .with(|settings| {
             settings.meta_schema = None;

@@ -183,11 +183,10 @@ mod tests {
 
     use super::*;
 
-    /// A `$ref`, a `$schema` or a keyword of 2020-12 alone in one built-in's schema would make
-    /// every agent using it build the 2020-12 meta-schema's validator as it starts (about 3M
-    /// instructions, half of what `keel run` does before the model's first call).
+    /// Every built-in's schema compiles, and is a bare object schema: no `$schema`, and no
+    /// `$ref` or `$defs`, which not every provider follows.
     #[test]
-    fn every_builtin_schema_is_compiled_as_draft7() {
+    fn every_builtin_schema_is_valid_and_plain() {
         let dir = tempfile::tempdir().unwrap();
         let workspace = WorkspaceSettings {
             path: dir.path().to_owned(),
@@ -227,14 +226,17 @@ mod tests {
             keel_core::machine::compose::input_schema(&["a", "b"]),
         ));
         for (name, schema) in &schemas {
-            assert!(keel_core::tool::compiles_as_draft7(schema), "{name}: {schema}");
+            assert!(keel_core::tool::check_schema(schema).is_ok(), "{name}: {schema}");
+            assert_eq!(schema["type"], "object", "{name}: {schema}");
+            let text = schema.to_string();
+            assert!(!["$ref", "$defs", "$schema"].iter().any(|key| text.contains(key)), "{name}: {schema}");
         }
     }
 
-    /// A function tool's schema, as schemars derives it: `format`s for the number types, which
-    /// neither draft checks.
+    /// A function tool's schema, as schemars derives it: `format`s for the number types (notes
+    /// only, in 2020-12) and bounds for the unsigned ones, which are checked.
     #[test]
-    fn a_function_tools_schema_is_compiled_as_draft7() {
+    fn a_function_tools_schema_checks_its_inputs() {
         #[derive(serde::Deserialize, schemars::JsonSchema)]
         #[allow(dead_code)]
         struct Input {
@@ -250,12 +252,16 @@ mod tests {
         });
         let schema = &tool.spec().input_schema;
         assert_eq!(schema["properties"]["count"]["format"], "uint32", "{schema}");
-        assert!(keel_core::tool::compiles_as_draft7(schema), "{schema}");
+        let tools = keel_core::ToolSet::new(vec![tool as Arc<dyn Tool>]).unwrap();
+        let good = serde_json::json!({"count": 3, "ratio": 0.5, "label": "a", "flags": [true]});
+        tools.validate_input("measure", &good).unwrap();
+        let negative = serde_json::json!({"count": -1, "ratio": 0.5, "label": "a", "flags": []});
+        let problems = tools.validate_input("measure", &negative).unwrap_err();
+        assert!(problems.contains("/count"), "{problems}");
     }
 
     /// Nested types are written into the schema where they are used, not as `$defs` behind
-    /// `$ref`s: some providers do not follow references, and a `$ref` would send the schema to
-    /// the 2020-12 path. The nested fields are still checked.
+    /// `$ref`s: some providers do not follow references. The nested fields are still checked.
     #[test]
     fn a_function_tools_nested_types_are_written_inline() {
         #[derive(serde::Deserialize, schemars::JsonSchema)]
@@ -285,7 +291,6 @@ mod tests {
         let schema = &tool.spec().input_schema;
         let text = schema.to_string();
         assert!(!text.contains("$ref") && !text.contains("$defs") && !text.contains("$schema"), "{schema}");
-        assert!(keel_core::tool::compiles_as_draft7(schema), "{schema}");
 
         let tools = keel_core::ToolSet::new(vec![tool as Arc<dyn Tool>]).unwrap();
         let good = serde_json::json!({
@@ -303,7 +308,7 @@ mod tests {
     }
 
     /// A recursive type cannot be written inline: its schema keeps a `$ref` to itself, which
-    /// the 2020-12 path follows to any depth.
+    /// the validator follows to any depth.
     #[test]
     fn a_function_tools_recursive_type_is_checked_at_every_depth() {
         #[derive(serde::Deserialize, schemars::JsonSchema)]
@@ -317,7 +322,6 @@ mod tests {
         });
         let schema = &tool.spec().input_schema;
         assert!(schema.to_string().contains("$ref"), "{schema}");
-        assert!(!keel_core::tool::compiles_as_draft7(schema), "{schema}");
         let tools = keel_core::ToolSet::new(vec![tool as Arc<dyn Tool>]).unwrap();
         let deep = |leaf: serde_json::Value| serde_json::json!({"name": "a", "children": [{"name": "b", "children": [leaf]}]});
         tools.validate_input("tree", &deep(serde_json::json!({"name": "c", "children": []}))).unwrap();
