@@ -68,6 +68,15 @@ def pattern(symbol):
     # the symbol and so move when a hash before them is written one character shorter.
     symbol = re.sub(r"Cs[0-9A-Za-z]+_", "Cs*_", symbol)
     symbol = re.sub(r"B[0-9A-Za-z]{0,4}_", "B*_", symbol)
+    # v0 mangling ends a generic function's symbol with the crate that instantiated it (a crate
+    # root, or a back-reference to one). Several crates may instantiate the same function, and
+    # which copy an optimized build keeps depends on the order link-time optimization reads the
+    # crates in, which follows their hashes: the build profiled here keeps its symbols, and so
+    # has other hashes than the stripped one that ships. Any crate's copy, then.
+    crate = re.search(r"Cs\*_(\d+)([A-Za-z_][A-Za-z0-9_]*)$", symbol)
+    if crate and len(crate.group(2)) == int(crate.group(1)) and crate.start() > 2:
+        symbol = symbol[: crate.start()]
+    symbol = re.sub(r"(?<=.)B\*_$", "", symbol)
     return symbol
 
 
